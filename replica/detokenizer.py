@@ -1,0 +1,75 @@
+"""Incremental detokenization and stop strings, done in the replica so that a request's KV
+blocks are freed the step its stop string appears."""
+
+from __future__ import annotations
+
+# Prompt tokens kept as left context: some tokenizers (SentencePiece) drop a leading space when
+# a window is decoded on its own, so each window starts a few tokens earlier.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding the whole
+    sequence each step, and finds stop strings. Text that could still be the start of a stop
+    string is held back until it cannot."""
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._ids = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # all output text decoded so far (after stop truncation)
+        self._emitted = 0  # chars of self.text already returned to the caller
+        self.stop_string: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Decode new tokens; stops decoding after a stop string is found."""
+        for token_id in token_ids:
+            if self.stop_string is not None:
+                return
+            self._ids.append(token_id)
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            new_text = self._decode(self._ids[self._prefix_offset :])
+            if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+                continue  # an incomplete UTF-8 sequence: wait for the next token
+            delta = new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            self._append(delta)
+
+    def _append(self, delta: str) -> None:
+        start = max(0, len(self.text) - self._holdback)
+        self.text += delta
+        if not self.stop:
+            return
+        for stop in self.stop:
+            idx = self.text.find(stop, start)
+            if idx != -1:
+                end = idx + len(stop) if self.include_stop else idx
+                self.text = self.text[:end]
+                self.stop_string = stop
+                return
+
+    def take_delta(self, finished: bool) -> str:
+        """The text not yet returned; while unfinished, keep back what may begin a stop string."""
+        limit = len(self.text)
+        if not finished and self.stop_string is None and self._holdback:
+            limit = max(self._emitted, limit - self._holdback)
+        delta = self.text[self._emitted : limit]
+        self._emitted = limit
+        return delta

@@ -1,0 +1,416 @@
+"""The engine: Engine runs one scheduler step at a time (offline `LLM` uses it directly);
+AsyncEngine runs that loop on a background thread and gives each request an async stream."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from replica.config import EngineConfig
+from replica.detokenizer import IncrementalDetokenizer
+from replica.request import (
+    EngineDeadError,
+    EngineOverloaded,
+    Request,
+    RequestOutput,
+    RequestRejected,
+    RequestStatus,
+    SamplingParams,
+)
+from replica.scheduler import Scheduler, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AsyncEngine",
+    "CompletionOutput",
+    "Engine",
+    "EngineDeadError",
+    "EngineOverloaded",
+    "LLM",
+    "RequestRejected",
+]
+
+
+def load_eos_token_ids(model_dir: str | Path, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
+    ids: set[int] = set()
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def make_runner(config: EngineConfig, model_dir: str | Path):
+    """The model runner for this config: in-process for tp=1, an SPMD group otherwise."""
+    if config.tensor_parallel_size > 1:
+        from replica.parallel import TensorParallelRunner
+
+        return TensorParallelRunner(config, model_dir)
+    from replica.runner import ModelRunner
+
+    return ModelRunner(config, model_dir)
+
+
+class _RequestState:
+    __slots__ = ("request", "detok")
+
+    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
+        self.request = request
+        self.detok = detok
+
+
+class Engine:
+    """One replica's engine: scheduler + model runner + detokenizer, stepped synchronously."""
+
+    def __init__(self, config: EngineConfig, runner=None, tokenizer=None) -> None:
+        self.config = config
+        if config.model is None:
+            from replica.default_model import default_model_dir
+
+            model_dir = default_model_dir()
+        else:
+            model_dir = Path(config.model)
+        self.model_dir = Path(model_dir)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer = tokenizer
+        self.runner = runner if runner is not None else make_runner(config, self.model_dir)
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = load_eos_token_ids(self.model_dir, tokenizer)
+        self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.max_model_len)
+        self._states: dict[str, _RequestState] = {}
+        self.vocab_size = int(getattr(self.runner, "vocab_size", 0) or len(tokenizer))
+        self.step_listeners: list = []  # callables(engine, scheduler_output, outputs, step_time)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler.kv.num_blocks
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise RequestRejected (a user error) for a request that can never be served."""
+        if not prompt_token_ids:
+            raise RequestRejected("prompt must contain at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        self.scheduler.check_request(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Request:
+        self.check_request(prompt_token_ids, params)
+        request = Request(
+            request_id, list(prompt_token_ids), params, self.eos_token_ids, arrival_time
+        )
+        self.scheduler.add_request(request)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
+        )
+        self._states[request_id] = _RequestState(request, detok)
+        return request
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+        for rid in request_ids:
+            self._states.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it, and turn sampled tokens into per-request outputs."""
+        t0 = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.runner.execute(scheduler_output)
+        step_outputs = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled, runner_output.logprobs
+        )
+        outputs = []
+        for step in step_outputs:
+            state = self._states.get(step.request_id)
+            if state is None:
+                continue
+            request = state.request
+            detok = state.detok
+            detok.add_tokens(step.new_token_ids)
+            finish_reason, stop_reason = step.finish_reason, step.stop_reason
+            if finish_reason is None and detok.stop_string is not None:
+                self.scheduler.finish_requests([step.request_id], RequestStatus.FINISHED_STOPPED)
+                finish_reason, stop_reason = "stop", detok.stop_string
+            outputs.append(
+                RequestOutput(
+                    request_id=step.request_id,
+                    new_token_ids=step.new_token_ids,
+                    new_text=detok.take_delta(finished=finish_reason is not None),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                    new_logprobs=step.new_logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    num_preemptions=request.num_preemptions,
+                )
+            )
+            if finish_reason is not None:
+                del self._states[step.request_id]
+        if self.step_listeners:
+            elapsed = time.perf_counter() - t0
+            for listener in self.step_listeners:
+                listener(self, scheduler_output, outputs, elapsed)
+        return outputs
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+@dataclass
+class CompletionOutput:
+    """One finished request of `LLM.generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class LLM:
+    """Offline batch generation, as in vLLM: `LLM(model=DIR, **engine_fields).generate(...)`."""
+
+    def __init__(self, model: str | Path | None = None, **engine_fields) -> None:
+        config = EngineConfig(model=str(model) if model is not None else None, **engine_fields)
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
+            )
+        engine = self.engine
+        order: list[str] = []
+        results: dict[str, CompletionOutput] = {}
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = str(next(self._ids))
+            engine.add_request(rid, ids, params)
+            order.append(rid)
+            results[rid] = CompletionOutput(rid, ids, [], "", None)
+        while engine.has_unfinished():
+            for out in engine.step():
+                result = results[out.request_id]
+                result.output_token_ids.extend(out.new_token_ids)
+                result.text += out.new_text
+                if out.new_logprobs:
+                    result.logprobs = (result.logprobs or []) + out.new_logprobs
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+                    result.stop_reason = out.stop_reason
+                    result.num_cached_tokens = out.num_cached_tokens
+                    result.num_preemptions = out.num_preemptions
+        return [results[rid] for rid in order]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class AsyncEngine:
+    """Runs Engine.step in a background thread; each request gets an async stream of deltas.
+
+    Only the engine thread touches the scheduler: adds and aborts are queued and applied at the
+    top of the next step. Each step's outputs reach the event loop in one callback.
+    """
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self._loop = loop
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._draining = False
+        self.error: BaseException | None = None
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="stepserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side (event loop) -----------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_health(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop died: {self.error!r}") from self.error
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+
+    def stats(self) -> SchedulerStats:
+        """Counters as of the end of the last step (never blocks on the engine thread)."""
+        return self._stats
+
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream of RequestOutput deltas; the last has finish_reason set. Leaving the stream
+        early (client gone, task cancelled) aborts the request and frees its KV blocks."""
+        self.check_health()
+        if self._draining:
+            raise EngineOverloaded("replica is draining and takes no new requests")
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        self.engine.check_request(prompt_token_ids, params)
+        waiting = self._stats.num_waiting + len(self._inbox)
+        if waiting >= self.config.max_queue_len:
+            raise EngineOverloaded(
+                f"replica queue is full ({waiting} waiting >= max_queue_len="
+                f"{self.config.max_queue_len})"
+            )
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._streams:
+            raise ValueError(f"duplicate request id {rid!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        self._inbox.append(("add", rid, list(prompt_token_ids), params, arrival_time))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def start_draining(self) -> None:
+        """Refuse new requests; in-flight ones run to completion."""
+        self._draining = True
+
+    async def wait_drained(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._streams
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _apply_inbox(self) -> None:
+        engine = self.engine
+        while self._inbox:
+            command = self._inbox.popleft()
+            if command[0] == "add":
+                _, rid, ids, params, arrival = command
+                if rid not in self._streams:
+                    continue  # caller left before the request reached the engine
+                try:
+                    engine.add_request(rid, ids, params, arrival)
+                except Exception as exc:  # surfaced to the caller, not fatal to the engine
+                    self._deliver_error(rid, exc)
+            else:
+                engine.abort([command[1]])
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped:
+                self._apply_inbox()
+                if not engine.has_unfinished():
+                    self._stats = engine.stats()
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                self._stats = engine.stats()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as exc:  # the loop is dead: every waiting caller must hear of it
+            logger.exception("engine loop died")
+            self.error = exc
+            dead = EngineDeadError(f"engine loop died: {exc!r}")
+            for rid in list(self._streams):
+                self._deliver_error(rid, dead)
+
+    def _deliver_error(self, rid: str, exc: BaseException) -> None:
+        queue = self._streams.get(rid)
+        if queue is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
+        for out in outputs:
+            queue = streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)

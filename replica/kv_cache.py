@@ -1,0 +1,248 @@
+"""Paged KV-cache bookkeeping: BlockPool (ref counts, LRU free list, prefix hash table) and
+KVCacheManager (which blocks each request holds). No tensors here: the runner owns those."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from replica.request import Request
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of free blocks in eviction order (head = evicted first).
+
+    Blocks carry their own links, so removing a block from the middle (a prefix-cache hit on a
+    free block) is O(1).
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """All KV blocks of one replica: allocation, ref counting, prefix-cache lookup, eviction."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def usage(self) -> float:
+        return 1.0 - self.free_queue.num_free / self.num_blocks
+
+    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        if n > self.free_queue.num_free:
+            raise ValueError(f"asked for {n} blocks, only {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:  # evict: its old contents are about to be overwritten
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-cache hits; a hit on a free block takes it off the free list."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the free list's tail in this order."""
+        for block in ordered:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"double free of {block}"
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # first writer wins: an identical block already cached stays the canonical one
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        return True
+
+
+class KVCacheManager:
+    """Which blocks each request holds. `allocate_slots` returns new blocks or None; the
+    scheduler decides what None means (preempt, or do not admit)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of full blocks. At least one token is always left to compute,
+        since the last position's logits are needed to sample."""
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+    ) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones (and after the
+        prefix-cache hits in `new_computed_blocks`). Returns the newly allocated blocks, or None
+        when the pool cannot supply them (nothing is changed then)."""
+        rid = request.request_id
+        computed = new_computed_blocks or []
+        held = self.req_to_blocks.get(rid)
+        num_held = len(held) if held else 0
+        total_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_new = self.blocks_needed(total_tokens) - num_held - len(computed)
+        # hits on free blocks come off the free list, so they count against what is free
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        if held is None:
+            held = self.req_to_blocks[rid] = []
+            self.req_to_block_ids[rid] = []
+            self._num_cached_blocks[rid] = 0
+        ids = self.req_to_block_ids[rid]
+        if computed:
+            self.pool.touch(computed)
+            held.extend(computed)
+            ids.extend(b.block_id for b in computed)
+            self._num_cached_blocks[rid] = len(held)
+        new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
+        held.extend(new_blocks)
+        ids.extend(b.block_id for b in new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, held, total_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, held: list[KVBlock], total_tokens: int) -> None:
+        rid = request.request_id
+        start = self._num_cached_blocks[rid]
+        end = min(total_tokens // self.block_size, len(request.block_hashes))
+        if end <= start:
+            return
+        hashes = request.block_hashes
+        for i in range(start, end):
+            self.pool.cache_block(held[i], hashes[i])
+        self._num_cached_blocks[rid] = end
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request, tail first: the end of a sequence is the least
+        likely to be shared, so it is evicted first."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        self.req_to_block_ids.pop(rid, None)
+        self._num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.req_to_block_ids.get(request_id, [])
+
+    def check_invariants(self) -> None:
+        """Assert the pool's bookkeeping is consistent (used by tests after every step)."""
+        pool = self.pool
+        holders: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        free_ids = [b.block_id for b in pool.free_queue]
+        assert len(free_ids) == pool.num_free_blocks, "free count drifted from the free list"
+        assert len(set(free_ids)) == len(free_ids), "a block is on the free list twice"
+        in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+        assert pool.num_free_blocks + in_use == pool.num_blocks, "free + in use != total"
+        for b in pool.blocks:
+            assert b.ref_cnt == holders.get(b.block_id, 0), f"{b} ref_cnt != holders"
+            assert (b.ref_cnt == 0) == (b.prev_free is not None), f"{b} free-list membership"
+        for h, b in pool.cached.items():
+            assert b.block_hash == h, f"cache entry {h} points at {b}"

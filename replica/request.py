@@ -1,0 +1,210 @@
+"""Per-request state the scheduler and runner share: SamplingParams, Request, StepOutput."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestRejected(ValueError):
+    """The request can never be served with this configuration (a user error: HTTP 400)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The replica's queue is full or it is draining; retry later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; the replica must be replaced (HTTP 503)."""
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults match vLLM's."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return besides the sampled one
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (
+                0.0 <= self.temperature <= 2.0,
+                f"temperature must be in [0, 2], got {self.temperature}",
+            ),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                f"logprobs must be in [0, 20], got {self.logprobs}",
+            ),
+            (all(s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Request:
+    """One sequence through the engine. Tokens = prompt + output so far.
+
+    `num_computed_tokens` counts tokens whose K/V sit in the cache (or are being written
+    this step: the scheduler advances it when it schedules them). `block_hashes` holds the
+    chained hash of every *full* block of tokens, extended as blocks fill.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_ids",
+        "arrival_time",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "status",
+        "num_preemptions",
+        "num_cached_tokens",
+        "block_hashes",
+        "stop_reason",
+        "first_scheduled_time",
+        "max_total_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] | set[int] = frozenset(),
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet
+        self.block_hashes: list[int] = []
+        self.stop_reason: int | str | None = None
+        self.first_scheduled_time: float | None = None
+        # set by the scheduler: min(prompt + max_tokens, max_model_len)
+        self.max_total_tokens = self.num_prompt_tokens + sampling_params.max_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int, block_size: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.update_block_hashes(block_size)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Hash every newly completed full block, chained on its parent's hash."""
+        hashes = self.block_hashes
+        tokens = self.all_token_ids
+        start = len(hashes) * block_size
+        while start + block_size <= len(tokens):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(tokens[start : start + block_size]))))
+            start += block_size
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    # per new token: (sampled logprob, {token_id: logprob} of the top-k), when requested
+    new_logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees of one request after one engine step: the new tokens and text."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

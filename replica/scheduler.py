@@ -1,0 +1,277 @@
+"""Iteration-level scheduler (vLLM V1 semantics): each step hands out a token budget across
+running requests first, then admits waiting ones; chunked prefill, prefix caching and
+preemption by recompute all fall out of one rule: run min(tokens not yet computed, budget)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from replica.config import EngineConfig
+from replica.kv_cache import KVCacheManager
+from replica.request import Request, RequestRejected, RequestStatus, StepOutput
+
+__all__ = ["RequestRejected", "ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: run tokens all_token_ids[start:start + num_tokens]."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: list[int]  # the request's whole block table (live list; read it during the step)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sample(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a new token is due."""
+        return self.start + self.num_tokens >= self.request.num_tokens
+
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # requests that ended since the previous step (runner drops their per-request state)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
+        # EngineConfig checks this only when it knows max_model_len; here it is always known
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({max_model_len}) when chunked prefill is disabled, "
+                "or a long prompt could never be scheduled"
+            )
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_step: list[str] = []
+        self.num_preemptions_total = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- requests in and out --------------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestRejected when a request of this shape could never complete."""
+        if num_prompt_tokens + 1 > self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {num_prompt_tokens} tokens; with at least 1 token to generate it "
+                f"exceeds max_model_len={self.max_model_len}"
+            )
+        max_total = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        blocks = self.kv.blocks_needed(max_total)
+        if blocks > self.kv.num_blocks:
+            raise RequestRejected(
+                f"request needs up to {max_total} tokens = {blocks} KV blocks of "
+                f"{self.block_size}, but the whole KV cache has {self.kv.num_blocks} blocks"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        request.max_total_tokens = min(
+            request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len
+        )
+        if self.kv.enable_caching:
+            request.update_block_hashes(self.block_size)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """End requests for a reason decided outside (e.g. a stop string found by the detokenizer)."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_step.append(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        out = SchedulerOutput()
+        scheduled = out.scheduled
+        kv = self.kv
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                i += 1
+                continue
+            while kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # the request itself was the newest: it waits at the queue's front now
+            scheduled.append(
+                ScheduledRequest(
+                    request, request.num_computed_tokens, num_new, kv.block_ids(request.request_id)
+                )
+            )
+            request.num_computed_tokens += num_new
+            budget -= num_new
+            i += 1
+
+        if not out.preempted_request_ids:
+            self._admit_waiting(out, budget, threshold)
+
+        out.total_num_scheduled_tokens = sum(s.num_tokens for s in scheduled)
+        out.finished_request_ids = self._finished_since_step
+        self._finished_since_step = []
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, threshold: int) -> None:
+        kv = self.kv
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                if not chunked:
+                    break
+                num_new = budget
+            if kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if kv.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_hit_tokens
+            out.scheduled.append(
+                ScheduledRequest(request, num_hit_tokens, num_new, kv.block_ids(request.request_id))
+            )
+            request.num_computed_tokens += num_new
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, tuple[float, dict[int, float]]] | None = None,
+    ) -> list[StepOutput]:
+        """Append each sampled token, apply stop conditions, free finished requests."""
+        outputs = []
+        block_size = self.block_size
+        any_finished = False
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            token = sampled.get(sched.request_id)
+            if token is None or request.is_finished:
+                continue  # a prefill chunk that did not reach the end, or aborted meanwhile
+            request.append_output_token(token, block_size)
+            params = request.sampling_params
+            status = None
+            if not params.ignore_eos and token in request.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+            elif request.num_tokens >= request.max_total_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            step = StepOutput(request.request_id, [token])
+            if logprobs is not None and sched.request_id in logprobs:
+                step.new_logprobs = [logprobs[sched.request_id]]
+            if status is not None:
+                self._finish(request, status)
+                step.finish_reason = status.finish_reason
+                step.stop_reason = request.stop_reason
+                any_finished = True
+            outputs.append(step)
+        if any_finished:  # one pass instead of a list.remove per finished request
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage(),
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
