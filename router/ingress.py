@@ -2,7 +2,6 @@
 lengths against max_model_len, fans each choice out to a replica through the deployment handle
 (routed by LoadAwareRouter) and streams SSE or aggregates the answer."""
 
-from __future__ import annotations
 
 import asyncio
 import json
@@ -16,6 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from ray import serve
 
 from replica.config import EngineConfig
 from replica.request import (
@@ -190,12 +190,16 @@ class IngressCore:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise HTTPError(
-                413, f"request body is {declared} bytes; the limit is {limit}", "invalid_request_error"
+                413,
+                f"request body is {declared} bytes; the limit is {limit}",
+                "invalid_request_error",
             )
         body = await request.body()
         if len(body) > limit:
             raise HTTPError(
-                413, f"request body is {len(body)} bytes; the limit is {limit}", "invalid_request_error"
+                413,
+                f"request body is {len(body)} bytes; the limit is {limit}",
+                "invalid_request_error",
             )
         try:
             data = json.loads(body)
@@ -305,7 +309,9 @@ class IngressCore:
             for task in tasks:
                 task.cancel()
 
-    async def prepare(self, req, prompts: list[list[int]]) -> list[tuple[int, list[int], SamplingParams]]:
+    async def prepare(
+        self, req, prompts: list[list[int]]
+    ) -> list[tuple[int, list[int], SamplingParams]]:
         jobs = []
         n = req.n
         for p_index, ids in enumerate(prompts):
@@ -318,9 +324,7 @@ class IngressCore:
         return jobs
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        return [
-            self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts
-        ]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -357,7 +361,9 @@ class IngressCore:
                     bytes=list(s.encode()),
                     top_logprobs=[
                         ChatTopLogprob(
-                            token=_token_str(tok, t), logprob=v, bytes=list(_token_str(tok, t).encode())
+                            token=_token_str(tok, t),
+                            logprob=v,
+                            bytes=list(_token_str(tok, t).encode()),
                         )
                         for t, v in top.items()
                     ],
@@ -494,7 +500,7 @@ class IngressCore:
             self.inflight -= 1
         yield SSE_DONE
 
-    async def handle(self, request: Request, chat: bool) -> Response:
+    async def serve_request(self, request: Request, chat: bool) -> Response:
         self.check_auth(request)
         data = await self.read_json(request)
         cls = ChatCompletionRequest if chat else CompletionRequest
@@ -530,69 +536,62 @@ def _finish(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def build_fastapi(get_core) -> FastAPI:
-    """Routes over an IngressCore returned by `get_core()` (the Serve replica's instance)."""
-    app = FastAPI(title="stepserve", version="0.1.0")
-
-    async def guarded(coro_fn, *args):
-        try:
-            return await coro_fn(*args)
-        except HTTPError as err:
-            return err.response()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            err = classify_error(exc)
-            if err.status >= 500:
-                logger.exception("request failed")
-            return err.response()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await guarded(get_core().handle, request, False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await guarded(get_core().handle, request, True)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        async def listing():
-            core = get_core()
-            core.check_auth(request)
-            info = await core.model_info()
-            card = ModelCard(id=core.settings.model_name, max_model_len=info["max_model_len"])
-            return JSONResponse(ModelList(data=[card]).model_dump())
-
-        return await guarded(listing)
-
-    @app.get("/health")
-    async def health():
-        async def check():
-            info = await asyncio.wait_for(get_core().model_info(), timeout=10)
-            return JSONResponse({"status": "ok", "max_model_len": info["max_model_len"]})
-
-        return await guarded(check)
-
-    return app
-
-
 def model_dir_of(engine: EngineConfig) -> str | None:
     return str(Path(engine.model)) if engine.model else None
 
 
+async def _guarded(coro_fn, *args) -> Response:
+    """Run a handler; every failure becomes an OpenAI-style JSON error."""
+    try:
+        return await coro_fn(*args)
+    except HTTPError as err:
+        return err.response()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        err = classify_error(exc)
+        if err.status >= 500:
+            logger.exception("request failed")
+        return err.response()
+
+
 # -- the Serve deployment ---------------------------------------------------------------------
-# One IngressCore per ingress replica process; the FastAPI routes reach it through this slot.
-_core_slot: dict[str, IngressCore] = {}
-fastapi_app = build_fastapi(lambda: _core_slot["core"])
+fastapi_app = FastAPI(title="stepserve", version="0.1.0")
+
+
+@serve.ingress(fastapi_app)
+class Ingress:
+    """The ingress replica: FastAPI routes over one IngressCore."""
+
+    def __init__(self, llm_handle, settings: IngressSettings) -> None:
+        self.core = IngressCore(llm_handle, settings)
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await _guarded(self.core.serve_request, request, False)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await _guarded(self.core.serve_request, request, True)
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        async def listing() -> Response:
+            self.core.check_auth(request)
+            info = await self.core.model_info()
+            card = ModelCard(id=self.core.settings.model_name, max_model_len=info["max_model_len"])
+            return JSONResponse(ModelList(data=[card]).model_dump())
+
+        return await _guarded(listing)
+
+    @fastapi_app.get("/health")
+    async def health(self) -> Response:
+        async def check() -> Response:
+            info = await asyncio.wait_for(self.core.model_info(), timeout=10)
+            return JSONResponse({"status": "ok", "max_model_len": info["max_model_len"]})
+
+        return await _guarded(check)
 
 
 def make_ingress_deployment():
-    from ray import serve
-
-    @serve.ingress(fastapi_app)
-    class Ingress:
-        def __init__(self, llm_handle, settings: IngressSettings) -> None:
-            _core_slot["core"] = IngressCore(llm_handle, settings)
-
     return serve.deployment(Ingress, name="Ingress")
