@@ -5,20 +5,26 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import ray
+from prometheus_client import start_http_server
 from ray import serve
 
 from replica.config import EngineConfig
 from replica.engine import AsyncEngine, Engine
+from replica.metrics import HUB_NAME, HUB_NAMESPACE, EngineMetrics
 from replica.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
 # Window over which the recent preemption rate is computed for routing and autoscaling.
 _PREEMPTION_WINDOW_S = 10.0
+METRICS_PUSH_PERIOD_S = 1.0
 
 
 class LLMServer:
@@ -37,13 +43,16 @@ class LLMServer:
         self.engine = AsyncEngine(Engine(config))
         self.config = config
         self._preemption_samples: deque[tuple[float, int]] = deque()
-        self.metrics = None
-        try:
-            from replica.metrics import EngineMetrics
-
-            self.metrics = EngineMetrics(self.engine.engine, self.replica_id)
-        except ImportError:
-            pass
+        model_name = config.served_model_name or Path(self.engine.engine.model_dir).name
+        self.metrics = EngineMetrics(self.engine.engine, model_name, self.replica_id)
+        self._metrics_stop = threading.Event()
+        threading.Thread(target=self._push_metrics, name="metrics-push", daemon=True).start()
+        port = os.environ.get("STEPSERVE_METRICS_PORT")
+        if port:  # one scrape target per pod in Kubernetes (the chart sets this)
+            try:
+                start_http_server(int(port), registry=self.metrics.registry)
+            except OSError as exc:
+                logger.warning("metrics port %s unavailable (%s); hub only", port, exc)
         logger.info(
             "replica %s ready: max_model_len=%d, %d KV blocks of %d tokens",
             self.replica_id,
@@ -118,8 +127,51 @@ class LLMServer:
         self.engine.start_draining()
         return await self.engine.wait_drained(timeout_s)
 
+    def metrics_text(self) -> bytes:
+        return self.metrics.exposition()
+
+    def _push_metrics(self) -> None:
+        hub = None
+        while not self._metrics_stop.wait(METRICS_PUSH_PERIOD_S):
+            try:
+                hub = hub or get_metrics_hub()
+                hub.push.remote(self.replica_id, self.metrics.exposition())
+            except Exception as exc:  # the hub restarts on next use; metrics must not kill us
+                logger.debug("metrics push failed: %s", exc)
+                hub = None
+
     def __del__(self) -> None:
         try:
+            self._metrics_stop.set()
             self.engine.shutdown()
         except Exception:
             pass
+
+
+class MetricsHub:
+    """Holds the latest exposition of every replica; entries of dead replicas age out."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[float, bytes]] = {}
+
+    def push(self, replica_id: str, text: bytes) -> None:
+        self._latest[replica_id] = (time.time(), text)
+
+    def snapshot(self, max_age_s: float = 30.0) -> list[bytes]:
+        now = time.time()
+        self._latest = {k: v for k, v in self._latest.items() if now - v[0] <= max_age_s}
+        return [text for _, text in self._latest.values()]
+
+
+def get_metrics_hub():
+    return (
+        ray.remote(MetricsHub)
+        .options(
+            name=HUB_NAME,
+            namespace=HUB_NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=0,
+        )
+        .remote()
+    )

@@ -179,10 +179,20 @@ class KVCacheManager:
         prefix-cache hits in `new_computed_blocks`). Returns the newly allocated blocks, or None
         when the pool cannot supply them (nothing is changed then)."""
         rid = request.request_id
-        computed = new_computed_blocks or []
         held = self.req_to_blocks.get(rid)
+        if held and not new_computed_blocks:
+            # fast path, most decode steps: the held blocks have room and no block fills up
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if total_tokens <= len(held) * self.block_size and (
+                not self.enable_caching
+                or total_tokens // self.block_size <= self._num_cached_blocks[rid]
+            ):
+                return []
+        computed = new_computed_blocks or []
         num_held = len(held) if held else 0
-        total_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        total_tokens = (
+            request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        )
         num_new = self.blocks_needed(total_tokens) - num_held - len(computed)
         # hits on free blocks come off the free list, so they count against what is free
         num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)

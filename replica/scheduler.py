@@ -237,13 +237,16 @@ class Scheduler:
         """Append each sampled token, apply stop conditions, free finished requests."""
         outputs = []
         block_size = self.block_size
+        caching = self.kv.enable_caching
         any_finished = False
         for sched in scheduler_output.scheduled:
             request = sched.request
             token = sampled.get(sched.request_id)
             if token is None or request.is_finished:
                 continue  # a prefill chunk that did not reach the end, or aborted meanwhile
-            request.append_output_token(token, block_size)
+            request.all_token_ids.append(token)
+            if caching:  # hashes matter only for prefix caching
+                request.update_block_hashes(block_size)
             params = request.sampling_params
             status = None
             if not params.ignore_eos and token in request.eos_token_ids:

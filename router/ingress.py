@@ -12,12 +12,15 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from replica.config import EngineConfig
+from replica.metrics import HUB_NAME, HUB_NAMESPACE, merge_expositions
 from replica.request import (
     EngineDeadError,
     EngineOverloaded,
@@ -583,6 +586,16 @@ class Ingress:
             return JSONResponse(ModelList(data=[card]).model_dump())
 
         return await _guarded(listing)
+
+    @fastapi_app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Every replica's metrics, merged (replicas push them to the hub about once a second)."""
+        try:
+            hub = ray.get_actor(HUB_NAME, namespace=HUB_NAMESPACE)
+            texts = await hub.snapshot.remote()
+        except ValueError:  # no replica has pushed yet
+            texts = []
+        return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:

@@ -271,3 +271,52 @@ def test_health_and_models(cluster):
     assert httpx.get(f"{cluster['url']}/health", timeout=30).status_code == 200
     models = httpx.get(f"{cluster['url']}/v1/models", timeout=30).json()
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sum every sample of /metrics over its labels except finished_reason/le -> {name: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "le" in sample.labels:
+                continue
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def test_metrics_counts_are_true(cluster):
+    from replica.deployment import METRICS_PUSH_PERIOD_S
+
+    before = scrape(cluster["url"])
+    n_requests, completion_tokens = 6, 0
+    for i in range(n_requests):
+        r = httpx.post(
+            f"{cluster['url']}/v1/completions",
+            json={"prompt": [4 + i] * (3 + i), "max_tokens": 3 + i, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200
+        completion_tokens += r.json()["usage"]["completion_tokens"]
+    time.sleep(METRICS_PUSH_PERIOD_S * 3)
+    after = scrape(cluster["url"])
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("stepserve:generation_tokens_total") == completion_tokens
+    assert delta("stepserve:request_success_total") == n_requests
+    assert delta("stepserve:time_to_first_token_seconds_count") == n_requests
+    assert delta("stepserve:e2e_request_latency_seconds_count") == n_requests
+    scheduler_preemptions = sum(s["num_preemptions_total"] for s in replica_stats().values())
+    assert after.get("stepserve:num_preemptions_total", 0.0) == scheduler_preemptions
+    # both replicas report, each under its own label
+    text = httpx.get(f"{cluster['url']}/metrics", timeout=30).text
+    replicas = {
+        line.split('replica="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("stepserve:num_requests_running{")
+    }
+    assert len(replicas) == 2

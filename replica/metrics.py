@@ -1,0 +1,161 @@
+"""Engine and request metrics under vLLM's names with the prefix `stepserve:`, defined with
+prometheus-client in a per-replica registry and updated from the engine thread after each step."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "stepserve:"
+LABELS = ("model_name", "replica")
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_COUNT_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
+
+
+class EngineMetrics:
+    """Subscribes to an Engine's steps and keeps every counter in `self.registry`."""
+
+    def __init__(self, engine, model_name: str, replica: str, registry=None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg = self.registry
+        lv = {"model_name": model_name, "replica": replica}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, LABELS, registry=reg).labels(**lv)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, LABELS, registry=reg).labels(**lv)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=reg).labels(**lv)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).")
+        self.num_preemptions = counter("num_preemptions", "Preemptions by recompute.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found cached.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            (*LABELS, "finished_reason"),
+            registry=reg,
+        )
+        self._lv = lv
+        self.request_num_preemptions = histogram(
+            "request_num_preemptions", "Preemptions each finished request went through.",
+            _COUNT_BUCKETS,
+        )  # fmt: skip
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens", "Tokens scheduled per engine step.", _TOKEN_BUCKETS
+        )
+        self._arrival: dict[str, float] = {}
+        self._last_token: dict[str, float] = {}
+        self._preemptions_seen = 0
+        self._queries_seen = 0
+        self._hits_seen = 0
+        engine.step_listeners.append(self.on_step)
+
+    def request_success(self, finished_reason: str):
+        return self._request_success.labels(**self._lv, finished_reason=finished_reason)
+
+    def on_step(self, engine, scheduler_output, outputs, step_time: float) -> None:
+        now = time.monotonic()
+        for rid in scheduler_output.finished_request_ids:  # aborted or ended last step
+            self._arrival.pop(rid, None)
+            self._last_token.pop(rid, None)
+        self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                self._arrival[request.request_id] = request.arrival_time
+                self.queue_time.observe(now - request.arrival_time)
+        for out in outputs:
+            rid = out.request_id
+            n = len(out.new_token_ids)
+            last = self._last_token.get(rid)
+            arrival = self._arrival.get(rid, now)
+            if last is None:
+                self.ttft.observe(now - arrival)
+                self.prompt_tokens.inc(out.num_prompt_tokens)
+            elif n:
+                gap = (now - last) / n
+                for _ in range(n):
+                    self.itl.observe(gap)
+            self.generation_tokens.inc(n)
+            self._last_token[rid] = now
+            if out.finished:
+                self.e2e.observe(now - arrival)
+                self.request_success(out.finish_reason).inc()
+                self.request_num_preemptions.observe(out.num_preemptions)
+                self._arrival.pop(rid, None)
+                self._last_token.pop(rid, None)
+        self.update_gauges(engine.stats())
+
+    def update_gauges(self, stats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_usage)
+        self.num_preemptions.inc(stats.num_preemptions_total - self._preemptions_seen)
+        self._preemptions_seen = stats.num_preemptions_total
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._queries_seen)
+        self._queries_seen = stats.prefix_cache_queries
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._hits_seen)
+        self._hits_seen = stats.prefix_cache_hits
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# Replicas push their exposition to one named actor; any ingress replica serves the merge, so
+# one local URL shows every replica. (The actor lives in replica/deployment.py, the Ray side.)
+HUB_NAME = "stepserve-metrics-hub"
+HUB_NAMESPACE = "stepserve"
+
+
+def merge_expositions(texts: list[bytes | str]) -> bytes:
+    """Merge several Prometheus text expositions into one, one HELP/TYPE block per family
+    (concatenating them would repeat families, which scrapers reject)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, object] = {}
+    for text in texts:
+        if isinstance(text, bytes):
+            text = text.decode()
+        for family in text_string_to_metric_families(text):
+            seen = families.get(family.name)
+            if seen is None:
+                families[family.name] = family
+            else:
+                seen.samples.extend(family.samples)
+
+    class _Merged:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry)
