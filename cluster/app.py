@@ -65,8 +65,9 @@ def replica_options(config: ClusterConfig) -> dict:
             "metrics_interval_s": scaling.metrics_interval_s,
             "upscale_delay_s": scaling.upscale_delay_s,
             "downscale_delay_s": scaling.downscale_delay_s,
+            "look_back_period_s": scaling.look_back_period_s,
             "policy": {
-                "policy_function": "cluster.autoscaling:queue_depth_policy",
+                "policy_function": "cluster.autoscaling:QueueDepthPolicy",
                 "policy_kwargs": {"config": scaling.model_dump()},
             },
         }

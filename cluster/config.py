@@ -31,6 +31,9 @@ class AutoscalingConfig(_Strict):
     upscale_delay_s: float = Field(default=5.0, ge=0)
     downscale_delay_s: float = Field(default=60.0, ge=0)
     metrics_interval_s: float = Field(default=1.0, gt=0)
+    look_back_period_s: float = Field(
+        default=10.0, gt=0, description="window over which replica stats are averaged"
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:

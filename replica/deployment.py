@@ -108,10 +108,10 @@ class LLMServer:
             "ts": now,
         }
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         return self.stats()
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
         s = self.stats()
         return {
             "queue_depth": float(s["waiting"] + s["running"]),

@@ -1,0 +1,165 @@
+"""Queue-depth autoscaling: the policy on synthetic contexts, and a burst on loopback that
+scales 1 -> 3 replicas and back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from cluster.autoscaling import QueueDepthPolicy, desired_replicas
+from cluster.config import AutoscalingConfig
+
+CFG = AutoscalingConfig(enabled=True, min_replicas=1, max_replicas=4, target_queue_depth=8)
+
+
+def test_desired_replicas_follows_queue_depth():
+    assert desired_replicas(1, 0, [], [], CFG) == 1  # min bound
+    assert desired_replicas(1, 8, [0.1], [0], CFG) == 1
+    assert desired_replicas(1, 9, [0.1], [0], CFG) == 2
+    assert desired_replicas(2, 24, [0.1, 0.1], [0, 0], CFG) == 3
+    assert desired_replicas(3, 100, [0.1] * 3, [0] * 3, CFG) == 4  # max bound
+
+
+def test_kv_pressure_or_preemptions_scale_up_sooner():
+    # queue alone would ask for 1 replica; a saturated KV cache asks for one more
+    assert desired_replicas(1, 4, [0.95], [0.0], CFG) == 2
+    assert desired_replicas(2, 4, [0.2, 0.2], [0.0, 0.5], CFG) == 3
+    # an idle deployment does not grow because of stale pressure
+    assert desired_replicas(1, 0, [0.95], [1.0], CFG) == 1
+
+
+def test_hysteresis_keeps_replicas_until_load_clearly_drops():
+    # 3 replicas, queue 14: 2 replicas would run at 7/8 of target -> too close, stay at 3
+    assert desired_replicas(3, 14, [0.1] * 3, [0] * 3, CFG) == 3
+    # queue 10: two replicas at 5/8 of target are comfortably under -> shrink to 2
+    assert desired_replicas(3, 10, [0.1] * 3, [0] * 3, CFG) == 2
+    assert desired_replicas(3, 0, [0.0] * 3, [0] * 3, CFG) == 1
+
+
+def _ctx(current, metrics, total=0.0):
+    return SimpleNamespace(
+        current_num_replicas=current,
+        aggregated_metrics=metrics,
+        total_num_requests=total,
+        policy_state={},
+    )
+
+
+def test_policy_reads_replica_stats_and_falls_back_to_ray_counts():
+    policy = QueueDepthPolicy(CFG.model_dump())
+    metrics = {
+        "queue_depth": {"a": 10.0, "b": 12.0},
+        "kv_usage": {"a": 0.1, "b": 0.2},
+        "preemptions_per_s": {"a": 0.0, "b": 0.0},
+    }
+    desired, state = policy(_ctx(2, metrics))
+    assert desired == 3 and state["last_queue_depth"] == 22.0
+    desired, _ = policy(_ctx(1, {}, total=17.0))  # no custom stats yet
+    assert desired == 3
+
+
+# -- on loopback ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _num_running_replicas(app: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications[app].deployments["LLMServer"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+@pytest.mark.ray
+def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import ClusterConfig
+
+    app, port = "autoscale-test", _free_port()
+    config = ClusterConfig.model_validate(
+        {
+            "name": app,
+            "engine": {
+                "model": str(tiny_llama_dir),
+                "max_model_len": 512,
+                "max_num_seqs": 4,
+                "num_kv_blocks": 128,
+            },
+            "num_cpus_per_replica": 0.5,
+            "http": {"port": port},
+            "autoscaling": {
+                "enabled": True,
+                "min_replicas": 1,
+                "max_replicas": 3,
+                "target_queue_depth": 2,
+                "upscale_delay_s": 0.5,
+                "downscale_delay_s": 2.0,
+                "metrics_interval_s": 0.5,
+                "look_back_period_s": 1.0,
+            },
+            "routing": {"stats_period_s": 0.5},
+        }
+    )
+    ray.init(num_cpus=2, object_store_memory=128 * 1024 * 1024, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name=app, route_prefix="/")
+        assert _num_running_replicas(app) == 1
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        peak = {"replicas": 1}
+
+        async def one(client, i):
+            r = await client.post(
+                url,
+                json={
+                    "prompt": [5 + i % 50] * 8,
+                    "max_tokens": 400,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["completion_tokens"]
+
+        async def watch(stop):
+            while not stop.is_set():
+                peak["replicas"] = max(peak["replicas"], _num_running_replicas(app))
+                await asyncio.sleep(0.25)
+
+        async def burst():
+            stop = asyncio.Event()
+            watcher = asyncio.ensure_future(watch(stop))
+            started = time.time()
+            async with httpx.AsyncClient(timeout=300) as client:
+                done = await asyncio.gather(*(one(client, i) for i in range(40)))
+            stop.set()
+            await watcher
+            return done, time.time() - started
+
+        done, elapsed = asyncio.run(burst())
+        assert done == [400] * 40, "every request of the burst completes"
+        assert peak["replicas"] == 3, f"peaked at {peak['replicas']} replicas in {elapsed:.0f}s"
+        deadline = time.time() + 90
+        while _num_running_replicas(app) > 1:
+            assert time.time() < deadline, "did not scale back to min_replicas after the load"
+            time.sleep(1)
+        # the metrics endpoint reports no stale queue after scale-down
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        assert "stepserve:num_requests_waiting" in text
+        json.dumps(peak)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
