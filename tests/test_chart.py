@@ -1,0 +1,781 @@
+"""The Helm chart (helm/stepserve), offline: `helm lint --strict` and rendering through the
+helm-python-sdk, every core object validated by kubernetes-validate (strict), the RayService
+validated against KubeRay's CRD schema, and serveConfigV2 parsed back into ClusterConfig."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import latest_version
+
+from cluster.config import AuthConfig, AutoscalingConfig, ClusterConfig, HttpConfig
+from replica.config import EngineConfig
+from router.policy import RoutingConfig
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "stepserve"
+CRD_DIR = REPO.parent / "shared" / "crds"
+RELEASE, NAMESPACE = "demo", "llm"
+KUBE_VERSION = latest_version()
+CUSTOM_KINDS = {("ray.io/v1", "RayService"), ("monitoring.coreos.com/v1", "PodMonitor")}
+CUSTOM_KINDS |= {("monitoring.coreos.com/v1", "ServiceMonitor")}
+YamlLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+MONITORING_ON = {
+    "monitoring": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}
+}
+COMBINATIONS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "tp2": {"engine": {"tensor_parallel_size": 2}},
+    "autoscaling-on": {"autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 6}},
+    "autoscaling-off": {"autoscaling": {"enabled": False}, "replicas": 3},
+    "monitoring-on": MONITORING_ON,
+    "everything": {
+        **MONITORING_ON,
+        "engine": {"tensor_parallel_size": 2, "max_model_len": 8192},
+        "autoscaling": {"enabled": True, "min_replicas": 0, "max_replicas": 8},
+        "auth": {"apiKeys": ["key-one", "key-two"]},
+        "model": {"source": "pvc", "subPath": "Qwen2.5-7B-Instruct", "pvc": {"create": True}},
+        "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},
+        "workerGroups": [{"name": "h100", "replicasPerPod": 2}, {"name": "a100"}],
+        "probes": {"worker": {"readinessProbe": {"httpGet": {"path": "/health", "port": "serve"}}}},
+    },
+    "init-model": {
+        "model": {
+            "source": "init",
+            "init": {"command": ["sh", "-c", 'cp -r /seed/. "$STEPSERVE_MODEL_DIR"']},
+        },
+        "auth": {"existingSecret": "team-keys", "existingSecretKey": "keys"},
+        "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+        "imagePullSecrets": [{"name": "registry"}],
+        "serviceAccountName": "stepserve",
+        "podAnnotations": {"example.com/team": "ml"},
+        "head": {"nodeSelector": {"pool": "cpu"}},
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    docs = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith(".txt"):
+            continue
+        docs.extend(doc for doc in yaml.load_all(text, Loader=YamlLoader) if doc)
+    return docs
+
+
+def notes(chart: helm.Chart, values: dict[str, Any] | None = None) -> str:
+    manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+
+
+def only(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+    return found[0]
+
+
+def kinds(docs: list[dict]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def serve_config(rayservice: dict) -> dict:
+    return yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+
+
+def cluster_config(docs: list[dict]) -> ClusterConfig:
+    (app,) = serve_config(only(docs, "RayService"))["applications"]
+    return ClusterConfig.model_validate(app["args"])
+
+
+def head_spec(rayservice: dict) -> dict:
+    return rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
+
+
+def worker_specs(rayservice: dict) -> list[dict]:
+    return rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+
+
+def serve_service(rayservice: dict) -> dict:
+    """The Service KubeRay creates from spec.serveService, as a core object."""
+    return {"apiVersion": "v1", "kind": "Service", **rayservice["spec"]["serveService"]}
+
+
+def pod_templates(rayservice: dict) -> list[dict]:
+    return [head_spec(rayservice)["template"]] + [g["template"] for g in worker_specs(rayservice)]
+
+
+def ray_container(template: dict) -> dict:
+    # KubeRay runs Ray in the first container of each pod.
+    return template["spec"]["containers"][0]
+
+
+def ports_by_name(container: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
+def env_by_name(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@functools.cache
+def rayservice_crd_schema() -> dict:
+    crd = yaml.load((CRD_DIR / "ray.io_rayservices.yaml").read_text(), Loader=YamlLoader)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1" and v["served"]]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def unknown_fields(obj: Any, schema: dict, path: str = "") -> list[str]:
+    """Paths of keys the schema does not declare. CRD schemas accept unknown fields (the API
+    server prunes them silently), so a misspelled field would otherwise go unnoticed."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    found = []
+    if isinstance(obj, dict) and "properties" in schema:
+        for key, value in obj.items():
+            if key in schema["properties"]:
+                found += unknown_fields(value, schema["properties"][key], f"{path}.{key}")
+            elif not schema.get("additionalProperties"):
+                found.append(f"{path}.{key}")
+    elif isinstance(obj, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for key, value in obj.items():
+            found += unknown_fields(value, schema["additionalProperties"], f"{path}.{key}")
+    elif isinstance(obj, list) and "items" in schema:
+        for i, item in enumerate(obj):
+            found += unknown_fields(item, schema["items"], f"{path}[{i}]")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# lint and schema validation of every rendered object
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_helm_lint_strict_passes(values):
+    report = helm.lint(
+        CHART, values, strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}"
+    )
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert not problems and not report["errors"], report
+
+
+def test_helm_lint_reports_bad_values():
+    report = helm.lint(CHART, {"engine": {"tensor_parallel_size": 0}}, strict=True)
+    assert any("/engine/tensor_parallel_size" in e for e in report["errors"]), report
+
+
+@pytest.mark.parametrize("values", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_core_objects_validate_strictly_against_kubernetes(chart, values):
+    docs = render(chart, values)
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    # The objects KubeRay creates from the RayService are core objects too: the API Service
+    # and the pods.
+    rayservice = only(docs, "RayService")
+    kubernetes_validate.validate(serve_service(rayservice), KUBE_VERSION, strict=True)
+    for template in pod_templates(rayservice):
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "ray-pod", **template.get("metadata", {})},
+            "spec": template["spec"],
+        }
+        kubernetes_validate.validate(pod, KUBE_VERSION, strict=True)
+
+
+def test_strict_kubernetes_validation_catches_a_misspelled_field(chart):
+    # Guards the test above: strict mode must reject what the API server would prune.
+    service = serve_service(only(render(chart), "RayService"))
+    service["spec"]["ports"][0]["targetport"] = 8000
+    with pytest.raises(jsonschema.ValidationError):
+        kubernetes_validate.validate(service, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.skipif(
+    not CRD_DIR.is_dir(), reason=f"KubeRay CRDs not found at {CRD_DIR} (../shared/crds)"
+)
+@pytest.mark.parametrize("values", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_rayservice_validates_against_kuberay_crd(chart, values):
+    rayservice = only(render(chart, values), "RayService")
+    schema = rayservice_crd_schema()
+    jsonschema.Draft7Validator(schema).validate(rayservice)
+    assert unknown_fields(rayservice, schema) == []
+    assert rayservice["apiVersion"] == "ray.io/v1"
+
+
+@pytest.mark.skipif(not CRD_DIR.is_dir(), reason=f"KubeRay CRDs not found at {CRD_DIR}")
+def test_crd_checks_catch_wrong_types_and_misspelled_fields(chart):
+    rayservice = only(render(chart), "RayService")
+    schema = rayservice_crd_schema()
+    wrong_type = copy.deepcopy(rayservice)
+    worker_specs(wrong_type)[0]["minReplicas"] = "one"
+    with pytest.raises(jsonschema.ValidationError, match="is not of type 'integer'"):
+        jsonschema.Draft7Validator(schema).validate(wrong_type)
+    misspelled = copy.deepcopy(rayservice)
+    worker_specs(misspelled)[0]["maxReplica"] = 3
+    assert unknown_fields(misspelled, schema) == [
+        ".spec.rayClusterConfig.workerGroupSpecs[0].maxReplica"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# serveConfigV2 <-> ClusterConfig
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_serve_config_is_one_application_built_from_cluster_config(chart, values):
+    docs = render(chart, values)
+    config = serve_config(only(docs, "RayService"))
+    (app,) = config["applications"]
+    assert app["import_path"] == "cluster.app:build_app"
+    assert app["route_prefix"] == "/"
+    parsed = ClusterConfig.model_validate(app["args"])  # extra fields are forbidden
+    assert app["name"] == parsed.name
+    assert (parsed.http.host, parsed.http.port) == ("0.0.0.0", 8000)
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+
+
+def test_default_values_are_cluster_config_defaults(chart):
+    # values.yaml spells out ClusterConfig's defaults; only the in-cluster address and the GPU
+    # device differ on purpose.
+    expected = ClusterConfig(http={"host": "0.0.0.0"}, engine={"device": "cuda"})
+    assert cluster_config(render(chart)).model_dump() == expected.model_dump()
+
+
+def test_given_values_reach_cluster_config_unchanged(chart):
+    given = {
+        "name": "qwen-chat",
+        "engine": {
+            "served_model_name": "qwen",
+            "max_num_seqs": 128,
+            "max_num_batched_tokens": 8192,
+            "block_size": 32,
+            "kv_cache_bytes": 17179869184,
+            "kv_cache_memory_fraction": 0.85,
+            "max_model_len": 16384,
+            "enable_prefix_caching": False,
+            "long_prefill_token_threshold": 512,
+            "tensor_parallel_size": 4,
+            "dtype": "bfloat16",
+            "seed": 7,
+            "max_queue_len": 4096,
+        },
+        "replicas": 3,
+        "autoscaling": {
+            "enabled": True,
+            "min_replicas": 2,
+            "max_replicas": 10,
+            "target_queue_depth": 12.5,
+            "downscale_delay_s": 300.0,
+        },
+        "routing": {"policy": "pow2", "prefix_affinity": True, "weight_kv_usage": 2.5},
+        "http": {"max_body_bytes": 1048576, "max_tokens_cap": 2048, "request_timeout_s": 30.5},
+        "auth": {"api_keys_env": "LLM_KEYS"},
+        "num_cpus_per_replica": 1.5,
+        "max_ongoing_requests": 64,
+        "log_prompts": True,
+    }
+    config = cluster_config(render(chart, given))
+    for key, value in given.items():
+        if isinstance(value, dict):
+            for field, expected in value.items():
+                assert getattr(getattr(config, key), field) == expected, f"{key}.{field}"
+        else:
+            assert getattr(config, key) == value, key
+
+
+def test_chart_schema_mirrors_cluster_config_fields_and_limits(chart):
+    """values.schema.json repeats ClusterConfig's fields and limits so that `helm install`
+    rejects what Ray would reject only after the cluster is up. A field added to a config class
+    needs its key in values.yaml, values.schema.json and deploy/serve_config.yaml (and, at the
+    top level, in the `pick` of templates/_helpers.tpl)."""
+    chart_props = chart.schema["properties"]
+    blocks = {
+        "engine": (EngineConfig, {"model"}),
+        "autoscaling": (AutoscalingConfig, set()),
+        "routing": (RoutingConfig, set()),
+        "http": (HttpConfig, {"host", "port"}),
+    }
+    scalars = {"name", "replicas", "num_cpus_per_replica", "max_ongoing_requests", "log_prompts"}
+    assert set(ClusterConfig.model_fields) == set(blocks) | scalars | {"auth"}, (
+        "a top-level ClusterConfig field is not mapped by the chart"
+    )
+    assert set(AuthConfig.model_fields) - {"api_keys"} <= set(chart_props["auth"]["properties"])
+
+    for block, (model, set_by_chart) in blocks.items():
+        pydantic_props = model.model_json_schema()["properties"]
+        ours = chart_props[block]["properties"]
+        assert set(ours) == set(pydantic_props) - set_by_chart, (
+            f"values.schema.json {block}.* differs from {model.__name__}: "
+            f"missing {sorted(set(pydantic_props) - set_by_chart - set(ours))}, "
+            f"stale {sorted(set(ours) - set(pydantic_props))}"
+        )
+        for name, prop in ours.items():
+            assert _constraints(prop) == _constraints(pydantic_props[name]), f"{block}.{name}"
+        assert set(chart.values[block]) <= set(ours)
+    top = ClusterConfig.model_json_schema()["properties"]
+    for name in scalars:
+        assert _constraints(chart_props[name]) == _constraints(top[name]), name
+        assert name in chart.values
+
+
+def _constraints(prop: dict) -> dict:
+    """A JSON-schema property's types and limits, with pydantic's anyOf-with-null folded in."""
+    limits = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "enum", "pattern")
+    out: dict = {}
+    types: set[str] = set()
+    for alt in prop.get("anyOf", [prop]):
+        declared = alt.get("type", [])
+        types |= set(declared) if isinstance(declared, list) else {declared}
+        out.update({key: alt[key] for key in limits if key in alt})
+    return {**out, "type": sorted(types)}
+
+
+def test_values_schema_is_draft_07_and_accepts_values_yaml(chart):
+    # Draft-07 keeps the schema usable by Helm 3 (gojsonschema) as well as Helm 4.
+    schema = chart.schema
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.Draft7Validator(schema).validate(chart.values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray cluster: head, GPU workers, autoscaling
+# ---------------------------------------------------------------------------------------------
+
+
+def test_head_has_no_gpus_and_no_replicas_and_exposes_ray_ports(chart):
+    head = head_spec(only(render(chart, {"engine": {"tensor_parallel_size": 4}}), "RayService"))
+    container = ray_container(head["template"])
+    for section in ("requests", "limits"):
+        assert "nvidia.com/gpu" not in container["resources"].get(section, {})
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert head["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    assert head["rayStartParams"]["metrics-export-port"] == "8080"
+    assert ports_by_name(container) == {
+        "gcs-server": 6379,
+        "dashboard": 8265,
+        "client": 10001,
+        "serve": 8000,
+        "metrics": 8080,
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_worker_gpu_requests_equal_tensor_parallel_size(chart, tp):
+    docs = render(chart, {"engine": {"tensor_parallel_size": tp}})
+    assert cluster_config(docs).engine.tensor_parallel_size == tp
+    for group in worker_specs(only(docs, "RayService")):
+        resources = ray_container(group["template"])["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == tp
+        assert resources["limits"]["nvidia.com/gpu"] == tp
+
+
+def test_workers_get_memory_backed_shared_memory_for_nccl(chart):
+    for group in worker_specs(only(render(chart), "RayService")):
+        spec = group["template"]["spec"]
+        (shm,) = [v for v in spec["volumes"] if v["name"] == "shm"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+        mounts = {
+            m["name"]: m["mountPath"] for m in ray_container(group["template"])["volumeMounts"]
+        }
+        assert mounts["shm"] == "/dev/shm"
+
+
+def test_replicas_per_pod_multiplies_gpus_and_divides_pods(chart):
+    values = {
+        "engine": {"tensor_parallel_size": 2},
+        "autoscaling": {"enabled": True, "min_replicas": 3, "max_replicas": 7},
+        "workerGroups": [{"name": "big", "replicasPerPod": 4}],
+    }
+    (group,) = worker_specs(only(render(chart, values), "RayService"))
+    assert ray_container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert (group["minReplicas"], group["maxReplicas"]) == (1, 2)  # ceil(3/4), ceil(7/4)
+
+
+def test_autoscaling_on_enables_in_tree_autoscaler_with_replica_bounds(chart):
+    values = {
+        "autoscaling": {"enabled": True, "min_replicas": 2, "max_replicas": 6},
+        "workerGroups": [{"name": "h100"}, {"name": "a100", "maxReplicas": 3}],
+        "rayAutoscaler": {"idleTimeoutSeconds": 120},
+    }
+    docs = render(chart, values)
+    cluster = only(docs, "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"]["idleTimeoutSeconds"] == 120
+    first, overflow = cluster["workerGroupSpecs"]
+    assert first["groupName"] == "h100"
+    assert (first["minReplicas"], first["replicas"], first["maxReplicas"]) == (2, 2, 6)
+    assert (overflow["minReplicas"], overflow["replicas"], overflow["maxReplicas"]) == (0, 0, 3)
+    scaling = cluster_config(docs).autoscaling
+    assert (scaling.enabled, scaling.min_replicas, scaling.max_replicas) == (True, 2, 6)
+
+
+def test_autoscaling_off_fixes_worker_pods_at_replicas(chart):
+    docs = render(chart, {"autoscaling": {"enabled": False}, "replicas": 3})
+    cluster = only(docs, "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is False
+    assert "autoscalerOptions" not in cluster
+    (group,) = cluster["workerGroupSpecs"]
+    assert group["minReplicas"] == group["replicas"] == group["maxReplicas"] == 3
+    config = cluster_config(docs)
+    assert (config.autoscaling.enabled, config.replicas) == (False, 3)
+
+
+def test_worker_group_takes_defaults_it_does_not_override(chart):
+    values = {
+        "workerGroupDefaults": {"nodeSelector": {"gpu": "h100"}},
+        "workerGroups": [{"name": "a", "tolerations": []}, {"name": "b"}],
+    }
+    a, b = worker_specs(only(render(chart, values), "RayService"))
+    assert a["template"]["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert "tolerations" not in a["template"]["spec"]  # a group's own value replaces the default
+    assert b["template"]["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Services, monitoring, probes
+# ---------------------------------------------------------------------------------------------
+
+
+def test_api_service_is_kuberays_serve_service_on_the_serve_port(chart):
+    values = {"service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}}}
+    rayservice = only(render(chart, values), "RayService")
+    service = serve_service(rayservice)
+    assert service["metadata"]["name"] == f"{RELEASE}-stepserve"
+    assert service["metadata"]["annotations"] == {"example.com/lb": "internal"}
+    assert service["spec"]["type"] == "LoadBalancer"
+    # KubeRay sets the selector (the serving cluster's pods) and takes the port from the head
+    # container's port named "serve".
+    assert "selector" not in service["spec"]
+    (port,) = service["spec"]["ports"]
+    assert (port["name"], port["port"], port["targetPort"]) == ("serve", 8000, "serve")
+    for template in pod_templates(rayservice):
+        assert ports_by_name(ray_container(template))["serve"] == 8000
+
+
+def test_monitors_are_off_by_default(chart):
+    docs = render(chart)
+    assert not {"PodMonitor", "ServiceMonitor", "Service"} & set(kinds(docs))
+
+
+def test_pod_monitor_scrapes_the_metrics_port_of_every_ray_pod(chart):
+    values = {"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}}}
+    docs = render(chart, values)
+    assert "ServiceMonitor" not in kinds(docs)
+    monitor = only(docs, "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    rayservice = only(docs, "RayService")
+    for template in pod_templates(rayservice):
+        assert selector.items() <= template["metadata"]["labels"].items()
+        assert ports_by_name(ray_container(template))["metrics"] == 8080
+    for group in [head_spec(rayservice), *worker_specs(rayservice)]:
+        assert group["rayStartParams"]["metrics-export-port"] == "8080"
+
+
+def test_service_monitor_scrapes_ray_pods_through_a_headless_metrics_service(chart):
+    docs = render(chart, {"monitoring": {"serviceMonitor": {"enabled": True}}})
+    assert "PodMonitor" not in kinds(docs)
+    monitor = only(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    metrics = only(docs, "Service", f"{RELEASE}-stepserve-metrics")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
+    )
+    api = serve_service(only(docs, "RayService"))
+    assert (
+        not monitor["spec"]["selector"]["matchLabels"].items() <= api["metadata"]["labels"].items()
+    )
+    assert metrics["spec"]["clusterIP"] == "None"
+    assert metrics["spec"]["ports"] == [
+        {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    for template in pod_templates(only(docs, "RayService")):
+        assert metrics["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+
+
+def test_probes_are_left_to_kuberay_unless_configured(chart):
+    for template in pod_templates(only(render(chart), "RayService")):
+        container = ray_container(template)
+        assert "readinessProbe" not in container and "livenessProbe" not in container
+    probe = {"httpGet": {"path": "/health", "port": "serve"}, "periodSeconds": 10}
+    rayservice = only(
+        render(chart, {"probes": {"worker": {"readinessProbe": probe}}}), "RayService"
+    )
+    assert "readinessProbe" not in ray_container(head_spec(rayservice)["template"])
+    for group in worker_specs(rayservice):
+        assert ray_container(group["template"])["readinessProbe"] == probe
+
+
+# ---------------------------------------------------------------------------------------------
+# API keys and the model source
+# ---------------------------------------------------------------------------------------------
+
+
+def test_api_keys_live_in_a_secret_exposed_as_env_never_in_serve_config(chart):
+    keys = ["sk-first", "sk-second"]
+    docs = render(chart, {"auth": {"apiKeys": keys}})
+    secret = only(docs, "Secret")
+    assert base64.b64decode(secret["data"]["api-keys"]).decode() == "sk-first,sk-second"
+    rayservice = only(docs, "RayService")
+    for template in pod_templates(rayservice):
+        env = env_by_name(ray_container(template))["STEPSERVE_API_KEYS"]
+        ref = env["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == (secret["metadata"]["name"], "api-keys")
+    assert not any(key in rayservice["spec"]["serveConfigV2"] for key in keys)
+    auth = cluster_config(docs).auth
+    assert (auth.api_keys, auth.api_keys_env) == ([], "STEPSERVE_API_KEYS")
+
+
+def test_existing_secret_and_custom_env_name(chart):
+    values = {"auth": {"existingSecret": "team-keys", "existingSecretKey": "keys"}}
+    values["auth"]["api_keys_env"] = "LLM_API_KEYS"
+    docs = render(chart, values)
+    assert "Secret" not in kinds(docs)
+    for template in pod_templates(only(docs, "RayService")):
+        ref = env_by_name(ray_container(template))["LLM_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("team-keys", "keys")
+    assert cluster_config(docs).auth.api_keys_env == "LLM_API_KEYS"
+
+
+def test_without_keys_the_api_is_open_and_no_secret_is_made(chart):
+    docs = render(chart)
+    assert "Secret" not in kinds(docs)
+    for template in pod_templates(only(docs, "RayService")):
+        assert "STEPSERVE_API_KEYS" not in env_by_name(ray_container(template))
+    assert "The API is open" in notes(chart)
+
+
+def test_default_model_needs_no_volume(chart):
+    docs = render(chart)
+    assert cluster_config(docs).engine.model is None
+    for template in pod_templates(only(docs, "RayService")):
+        volumes = {v["name"] for v in template["spec"].get("volumes", [])}
+        assert "model" not in volumes
+        assert "initContainers" not in template["spec"]
+
+
+def test_model_from_existing_pvc_is_mounted_read_only_where_engine_model_points(chart):
+    values = {"model": {"source": "pvc", "subPath": "llama-3-8b", "pvc": {"existingClaim": "m"}}}
+    values["model"]["mountPath"] = "/mnt/models"
+    docs = render(chart, values)
+    assert cluster_config(docs).engine.model == "/mnt/models/llama-3-8b"
+    assert "PersistentVolumeClaim" not in kinds(docs)
+    for template in pod_templates(only(docs, "RayService")):
+        (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "model"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "m", "readOnly": True}
+        (mount,) = [m for m in ray_container(template)["volumeMounts"] if m["name"] == "model"]
+        assert (mount["mountPath"], mount["readOnly"]) == ("/mnt/models", True)
+
+
+def test_chart_can_create_the_model_pvc(chart):
+    values = {"model": {"source": "pvc", "pvc": {"create": True, "size": "200Gi"}}}
+    docs = render(chart, values)
+    claim = only(docs, "PersistentVolumeClaim")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    for template in pod_templates(only(docs, "RayService")):
+        names = [
+            v["persistentVolumeClaim"]["claimName"]
+            for v in template["spec"]["volumes"]
+            if v["name"] == "model"
+        ]
+        assert names == [claim["metadata"]["name"]]
+
+
+def test_model_from_init_container_fills_an_empty_dir(chart):
+    command = ["sh", "-c", 'aws s3 sync s3://bucket/qwen "$STEPSERVE_MODEL_DIR"']
+    values = {
+        "model": {
+            "source": "init",
+            "subPath": "qwen",
+            "mountOnHead": False,
+            "init": {"image": "amazon/aws-cli:2.17.0", "command": command, "sizeLimit": "40Gi"},
+        }
+    }
+    docs = render(chart, values)
+    assert cluster_config(docs).engine.model == "/models/qwen"
+    rayservice = only(docs, "RayService")
+    head = head_spec(rayservice)["template"]["spec"]
+    assert "initContainers" not in head and "volumes" not in head  # mountOnHead: false
+    for group in worker_specs(rayservice):
+        spec = group["template"]["spec"]
+        (init,) = spec["initContainers"]
+        assert (init["image"], init["command"]) == ("amazon/aws-cli:2.17.0", command)
+        assert env_by_name(init)["STEPSERVE_MODEL_DIR"]["value"] == "/models/qwen"
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "model"]
+        assert volume["emptyDir"] == {"sizeLimit": "40Gi"}
+
+
+# ---------------------------------------------------------------------------------------------
+# bad values
+# ---------------------------------------------------------------------------------------------
+
+REJECTED_BY_SCHEMA = {
+    "tp-zero": (
+        {"engine": {"tensor_parallel_size": 0}},
+        "at '/engine/tensor_parallel_size': minimum: got 0, want 1",
+    ),
+    "negative-replicas": ({"replicas": -1}, "at '/replicas': minimum: got -1, want 1"),
+    "fractional-seqs": (
+        {"engine": {"max_num_seqs": 1.5}},
+        "at '/engine/max_num_seqs': got number, want integer",
+    ),
+    "kv-fraction": (
+        {"engine": {"kv_cache_memory_fraction": 1.5}},
+        "at '/engine/kv_cache_memory_fraction': maximum",
+    ),
+    "engine-model": (
+        {"engine": {"model": "/x"}},
+        "at '/engine': additional properties 'model' not allowed",
+    ),
+    "http-port": ({"http": {"port": 9000}}, "at '/http': additional properties 'port' not allowed"),
+    "key-values": (
+        {"auth": {"api_keys": ["k"]}},
+        "at '/auth': additional properties 'api_keys' not allowed",
+    ),
+    "routing-policy": (
+        {"routing": {"policy": "random"}},
+        "at '/routing/policy': value must be one of",
+    ),
+    "app-name": ({"name": "My_App"}, "at '/name': 'My_App' does not match pattern"),
+    "typo": (
+        {"autoscalling": {"enabled": True}},
+        "additional properties 'autoscalling' not allowed",
+    ),
+    "no-workers": ({"workerGroups": []}, "at '/workerGroups': minItems: got 0, want 1"),
+    "per-pod-zero": (
+        {"workerGroups": [{"name": "g", "replicasPerPod": 0}]},
+        "at '/workerGroups/0/replicasPerPod': minimum",
+    ),
+    "init-no-command": (
+        {"model": {"source": "init"}},
+        "at '/model/init/command': minItems: got 0, want 1",
+    ),
+    "model-source": ({"model": {"source": "s3"}}, "at '/model/source': value must be one of"),
+}
+
+
+@pytest.mark.parametrize(
+    "values,message", REJECTED_BY_SCHEMA.values(), ids=REJECTED_BY_SCHEMA.keys()
+)
+def test_values_schema_rejects_bad_values_with_a_clear_message(chart, values, message):
+    with pytest.raises(helm.HelmValuesError, match=re.escape(message)):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+REJECTED_BY_TEMPLATES = {
+    "min-above-max": (
+        {"autoscaling": {"min_replicas": 5, "max_replicas": 2}},
+        "autoscaling.min_replicas (5) must be <= autoscaling.max_replicas (2)",
+    ),
+    "batch-below-context": (
+        {"engine": {"enable_chunked_prefill": False, "max_model_len": 8192}},
+        "engine.max_num_batched_tokens (2048) must be >= engine.max_model_len (8192)",
+    ),
+    "pvc-without-claim": (
+        {"model": {"source": "pvc"}},
+        'model.source is "pvc": set model.pvc.existingClaim',
+    ),
+    "duplicate-group": (
+        {"workerGroups": [{"name": "g"}, {"name": "g"}]},
+        'the name "g" is used twice',
+    ),
+    "group-min-above-max": (
+        {"workerGroups": [{"name": "g", "minReplicas": 3, "maxReplicas": 1}]},
+        "workerGroups[0] (g): minReplicas (3) must be <= maxReplicas (1)",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "values,message", REJECTED_BY_TEMPLATES.values(), ids=REJECTED_BY_TEMPLATES.keys()
+)
+def test_cross_field_rules_fail_the_render_with_a_clear_message(chart, values, message):
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+@pytest.mark.parametrize("case", ["min-above-max", "batch-below-context"])
+def test_cross_field_rules_are_cluster_config_rules(case):
+    values, _ = REJECTED_BY_TEMPLATES[case]
+    with pytest.raises(ValueError):
+        ClusterConfig.model_validate(values)
+
+
+# ---------------------------------------------------------------------------------------------
+# NOTES.txt, serve_config.yaml, Dockerfile
+# ---------------------------------------------------------------------------------------------
+
+
+def test_notes_tell_how_to_reach_the_endpoint(chart):
+    text = notes(chart, {"auth": {"apiKeys": ["k"]}})
+    assert f"port-forward svc/{RELEASE}-stepserve 8000:8000" in text
+    assert f"get secret {RELEASE}-stepserve-api-keys" in text
+    assert "Authorization: Bearer $STEPSERVE_API_KEY" in text
+    assert "/v1/chat/completions" in text
+    assert "jsonpath='{.status.loadBalancer.ingress[0].ip}'" in notes(
+        chart, {"service": {"type": "LoadBalancer"}}
+    )
+
+
+def test_serve_config_yaml_spells_out_cluster_config_defaults():
+    config = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
+    (app,) = config["applications"]
+    assert (app["name"], app["import_path"], app["route_prefix"]) == (
+        "stepserve",
+        "cluster.app:build_app",
+        "/",
+    )
+    parsed = ClusterConfig.model_validate(app["args"])
+    expected = ClusterConfig(http={"host": "0.0.0.0"})
+    assert parsed.model_dump() == expected.model_dump()
+    assert parsed.engine.model is None  # the bundled default model
+
+    def keys(tree: Any) -> Any:
+        return {k: keys(v) for k, v in tree.items()} if isinstance(tree, dict) else None
+
+    assert keys(app["args"]) == keys(expected.model_dump()), "every field spelled out"
+    assert config["http_options"] == {"host": parsed.http.host, "port": parsed.http.port}
+
+
+def test_image_ray_and_app_versions_match_the_chart(chart):
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    (ray_version,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.MULTILINE)
+    assert ray_version == chart.values["rayVersion"]
+    assert 'pip install "ray[serve]==${RAY_VERSION}" .' in dockerfile
+    pyproject = (REPO / "pyproject.toml").read_text()
+    (version,) = re.findall(r'^version = "([^"]+)"$', pyproject, re.MULTILINE)
+    assert chart.metadata["appVersion"] == version

@@ -1,0 +1,143 @@
+"""Load-aware routing on loopback: with one replica deep in work (long queue, KV pressure,
+preemptions), new requests go to the idle one."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from cluster.app import build_app  # noqa: E402
+from cluster.config import ClusterConfig  # noqa: E402
+
+APP = "routing-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(model_dir, port: int) -> ClusterConfig:
+    return ClusterConfig.model_validate(
+        {
+            "name": APP,
+            "engine": {
+                "model": str(model_dir),
+                "max_model_len": 512,
+                "max_num_seqs": 2,
+                "max_num_batched_tokens": 64,
+                "num_kv_blocks": 40,
+            },
+            # a second replica is added by the autoscaler once the first one is deep in work
+            "autoscaling": {
+                "enabled": True,
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "target_queue_depth": 4,
+                "upscale_delay_s": 0.5,
+                "downscale_delay_s": 600,
+                "metrics_interval_s": 0.5,
+                "look_back_period_s": 1.0,
+            },
+            "num_cpus_per_replica": 0.5,
+            "http": {"port": port},
+            "routing": {"policy": "load_aware", "stats_period_s": 0.25},
+        }
+    )
+
+
+def _by_replica(url: str, sample_name: str) -> dict[str, float]:
+    """One metric from /metrics summed per replica label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name == sample_name:
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0) + s.value
+    return out
+
+
+def _success_by_replica(url: str) -> dict[str, float]:
+    return _by_replica(url, "stepserve:request_success_total")
+
+
+def _running(app: str) -> int:
+    status = serve.status().applications[app].deployments["LLMServer"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_new_requests_avoid_the_busy_replica(tiny_llama_dir):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    ray.init(num_cpus=2, object_store_memory=128 * 1024 * 1024, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(_config(tiny_llama_dir, port)), name=APP, route_prefix="/")
+        busy_handle = serve.get_deployment_handle("LLMServer", app_name=APP)
+        busy_id = busy_handle.stats.remote().result(timeout_s=30)["replica_id"]
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=300) as client:
+                # phase 1: one replica only, give it a deep queue of long requests
+                long_tasks = [
+                    asyncio.ensure_future(
+                        client.post(
+                            f"{url}/v1/completions",
+                            json={
+                                "prompt": [7 + i] * 60,
+                                "max_tokens": 400,
+                                "temperature": 0,
+                                "ignore_eos": True,
+                            },
+                        )
+                    )
+                    for i in range(48)
+                ]
+                await asyncio.sleep(2.0)
+                # phase 2: the autoscaler adds a second replica
+                deadline = time.time() + 120
+                while _running(APP) < 2:
+                    assert time.time() < deadline
+                    await asyncio.sleep(0.5)
+                await asyncio.sleep(1.0)  # a few routing-stats periods
+                waiting = _by_replica(url, "stepserve:num_requests_waiting")
+                running = _by_replica(url, "stepserve:num_requests_running")
+                assert waiting.get(busy_id, 0) + running.get(busy_id, 0) >= 8, (waiting, running)
+                before = _success_by_replica(url)
+                short = [
+                    client.post(
+                        f"{url}/v1/completions",
+                        json={"prompt": [3 + i] * 5, "max_tokens": 4, "temperature": 0},
+                    )
+                    for i in range(12)
+                ]
+                results = []
+                for i in range(0, 12, 3):  # a few at a time, as a steady stream
+                    results += await asyncio.gather(*short[i : i + 3])
+                assert all(r.status_code == 200 for r in results)
+                await asyncio.sleep(3.0)  # replicas push metrics about once a second
+                after = _success_by_replica(url)
+                for task in long_tasks:
+                    task.cancel()
+                await asyncio.gather(*long_tasks, return_exceptions=True)
+                return before, after
+
+        before, after = asyncio.run(scenario())
+        on_busy = after.get(busy_id, 0) - before.get(busy_id, 0)
+        on_idle = sum(v - before.get(k, 0) for k, v in after.items() if k != busy_id)
+        assert on_busy + on_idle >= 12
+        assert on_idle >= 11, f"idle replica got {on_idle} of 12 short requests, busy {on_busy}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
