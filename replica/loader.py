@@ -1,0 +1,191 @@
+"""Load a Hugging Face model directory (config.json + safetensors, single file or sharded with
+an index) into our model; every parameter copies its own shard, read lazily with get_slice."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from replica.layers.linear import TensorParallel, WeightShapeError
+from replica.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# tensors some checkpoints carry that the model recomputes
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The model directory or its weights cannot be loaded; the message says why."""
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    path = Path(model_dir).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"model path {str(path)!r} is not a directory")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"{str(path)!r} has no config.json; expected a Hugging Face model directory"
+        )
+    return path
+
+
+def load_hf_config(model_dir: str | Path) -> Any:
+    """The checkpoint's transformers config, after checking the architecture is one we run."""
+    path = check_model_dir(model_dir)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
+    resolve_model_class(raw.get("architectures"))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files: those named by model.safetensors.index.json, else every *.safetensors."""
+    path = Path(model_dir)
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names shard files that are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{str(path)!r} has no *.safetensors weights (only safetensors checkpoints are "
+            "supported; convert .bin/.pt weights with transformers' save_pretrained)"
+        )
+    return files
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    hf_config: Any, tp: TensorParallel, device: torch.device | str, dtype: torch.dtype
+) -> nn.Module:
+    """The model with uninitialised parameters of this rank's shard shapes."""
+    cls = resolve_model_class(getattr(hf_config, "architectures", None))
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(hf_config, tp)
+    return model.eval()
+
+
+def load_model(
+    model_dir: str | Path,
+    hf_config: Any | None = None,
+    tp: TensorParallel | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Build the model for `model_dir` and load this rank's weights into it."""
+    path = check_model_dir(model_dir)
+    hf_config = hf_config if hf_config is not None else load_hf_config(path)
+    files = safetensors_files(path)
+    model = build_model(hf_config, tp or TensorParallel(), device, dtype)
+    load_weights(model, files)
+    return model
+
+
+def _to_model_name(model: nn.Module, hf_name: str) -> tuple[str, Any]:
+    for fused, part, shard_id in getattr(model, "stacked_params_mapping", ()):
+        if f".{part}." in hf_name:
+            return hf_name.replace(f".{part}.", f".{fused}."), shard_id
+    return hf_name, None
+
+
+def _expected_hf_names(model: nn.Module) -> set[str]:
+    names = set()
+    mapping = getattr(model, "stacked_params_mapping", ())
+    # named_parameters drops duplicates, so a tied lm_head is not expected on its own
+    for name, _ in model.named_parameters():
+        parts = {
+            name.replace(f".{fused}.", f".{part}.")
+            for fused, part, _ in mapping
+            if f".{fused}." in name
+        }
+        names.update(parts or {name})
+    return names
+
+
+def load_weights(model: nn.Module, files: list[Path]) -> None:
+    """Copy each checkpoint tensor into its parameter (each parameter takes its own shard)."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    expected = _expected_hf_names(model)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error type for a bad header
+            raise CheckpointError(
+                f"cannot read {file}: corrupt or not a safetensors file ({exc})"
+            ) from exc
+        with handle as f:
+            for hf_name in f.keys():
+                if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                    continue
+                name, shard_id = _to_model_name(model, hf_name)
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(hf_name)
+                    continue
+                loader = param.weight_loader
+                try:
+                    tensor = f.get_slice(hf_name)
+                    if shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                except WeightShapeError as exc:
+                    raise CheckpointError(
+                        f"{file.name}: tensor {hf_name!r} has shape {list(exc.got)} but the model "
+                        f"expects {list(exc.expected)}"
+                    ) from exc
+                except CheckpointError:
+                    raise
+                except Exception as exc:
+                    raise CheckpointError(
+                        f"cannot read tensor {hf_name!r} from {file}: {exc}"
+                    ) from exc
+                loaded.add(hf_name)
+    if unexpected:
+        logger.warning(
+            "ignoring %d checkpoint tensors the model does not use, e.g. %s",
+            len(unexpected),
+            unexpected[:3],
+        )
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise CheckpointError(
+            f"checkpoint in {files[0].parent} lacks {len(missing)} tensors the model needs: {shown}"
+        )

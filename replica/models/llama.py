@@ -1,0 +1,200 @@
+"""One decoder for the Llama family (Llama, SmolLM2, Mistral, Qwen2 with its QKV bias), built
+from tensor-parallel layers and run over a flat token stream with paged attention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replica.layers.attention import Attention, AttentionMetadata, KVCache
+from replica.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from replica.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+)
+from replica.layers.norm import RMSNorm
+from replica.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+def head_dim_of(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+def num_kv_heads_of(hf_config: Any) -> int:
+    return int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+
+
+def num_kv_heads_per_rank(hf_config: Any, tp_size: int) -> int:
+    """KV heads each rank stores: a share of them, or one replica when there are fewer heads
+    than ranks."""
+    return max(1, num_kv_heads_of(hf_config) // tp_size)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, hf_config: Any, tp: TensorParallel, rotary: RotaryEmbedding, qkv_bias: bool
+    ) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        head_dim = head_dim_of(hf_config)
+        self.qkv_proj = QKVParallelLinear(
+            hidden,
+            head_dim,
+            hf_config.num_attention_heads,
+            num_kv_heads_of(hf_config),
+            qkv_bias,
+            tp,
+        )
+        self.o_proj = RowParallelLinear(
+            hf_config.num_attention_heads * head_dim,
+            hidden,
+            bool(getattr(hf_config, "attention_bias", False)),
+            tp,
+        )
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.head_dim = head_dim
+        # shared by all layers; held in a tuple so it is not registered once per layer
+        self._rotary = (rotary,)
+        self.attn = Attention(
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim**-0.5
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = hidden.shape[0]
+        q, k = self._rotary[0](
+            positions,
+            q.view(num_tokens, -1, self.head_dim),
+            k.view(num_tokens, -1, self.head_dim),
+        )
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, kv_cache, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config: Any, tp: TensorParallel) -> None:
+        super().__init__()
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: 'silu'")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, hf_config: Any, tp: TensorParallel, rotary: RotaryEmbedding, qkv_bias: bool
+    ) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.self_attn = LlamaAttention(hf_config, tp, rotary, qkv_bias)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.mlp = LlamaMLP(hf_config, tp)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, hf_config: Any, tp: TensorParallel, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
+        theta, scaling = rope_parameters(hf_config)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, tp, self.rotary_emb, qkv_bias)
+            for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF names map onto ours one to one, except the fused projections listed below."""
+
+    qkv_bias = False
+    # (our fused parameter, HF's name for one part, shard id)
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, hf_config: Any, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        tp = tp or TensorParallel()
+        self.hf_config = hf_config
+        self.tp = tp
+        self.model = LlamaModel(hf_config, tp, self.qkv_bias)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        shared = self.model.embed_tokens.weight if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, shared)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the flat token stream."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the full vocabulary for the given rows (gathered across ranks)."""
+        return self.lm_head(hidden)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

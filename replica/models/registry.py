@@ -1,0 +1,38 @@
+"""Model classes by the `architectures[0]` name in a HF config.json."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from replica.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's architecture has no implementation here."""
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    """The class for config.json's `architectures`; a clear error names what is supported."""
+    if not architectures:
+        raise UnsupportedArchitectureError(
+            "config.json has no `architectures` entry; supported: "
+            + ", ".join(supported_architectures())
+        )
+    name = architectures[0]
+    cls = MODEL_REGISTRY.get(name)
+    if cls is None:
+        raise UnsupportedArchitectureError(
+            f"model architecture {name!r} is not supported; supported: "
+            + ", ".join(supported_architectures())
+        )
+    return cls

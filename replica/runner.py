@@ -1,0 +1,227 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass over a flat token stream against
+the paged KV cache, then samples the requests whose computed tokens reach their end."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replica.config import EngineConfig
+from replica.layers.attention import AttentionMetadata, KVCache, paged_kernel_available
+from replica.layers.linear import TensorParallel
+from replica.layers.sampler import Sampler
+from replica.loader import load_hf_config, load_model
+from replica.models.llama import head_dim_of, num_kv_heads_per_rank
+from replica.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]
+    # per sampled request that asked for logprobs: (sampled token's logprob, top-k dict)
+    logprobs: dict[str, tuple[float, dict[int, float]]] | None = None
+
+
+def model_max_len(hf_config: Any) -> int:
+    """The longest context the checkpoint supports (a sliding window caps it, since attention
+    here is always full)."""
+    limit = int(hf_config.max_position_embeddings)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, int(window))
+    return limit
+
+
+class ModelRunner:
+    """One tensor-parallel rank's model, KV cache and (on rank 0) sampler."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str | Path,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Any = None,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda" and self.device.index is None:
+            # a TP worker selects its GPU with torch.cuda.set_device before building the runner
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = config.resolved_dtype(self.device.type)
+        self.tp = TensorParallel(tp_rank, tp_size, tp_group)
+        self.block_size = config.block_size
+        self.hf_config = load_hf_config(model_dir)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.max_model_len = self._resolve_max_model_len()
+        self.model = load_model(model_dir, self.hf_config, self.tp, self.device, self.dtype)
+        self.num_layers = int(self.hf_config.num_hidden_layers)
+        self.num_kv_heads = num_kv_heads_per_rank(self.hf_config, tp_size)
+        self.head_dim = head_dim_of(self.hf_config)
+        self.use_paged_kernel = paged_kernel_available(self.device, self.block_size)
+        self.sampler = Sampler()
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.generators: dict[str, torch.Generator] = {}
+        self.num_kv_blocks = self._resolve_num_kv_blocks()
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        logger.info(
+            "model %s on %s (%s), tp rank %d/%d: %d KV blocks of %d tokens, max_model_len %d",
+            Path(model_dir).name,
+            self.device,
+            self.dtype,
+            tp_rank,
+            tp_size,
+            self.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+        )
+
+    # -- sizing ---------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        limit = model_max_len(self.hf_config)
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            raise ValueError(
+                f"max_model_len={wanted} exceeds the model's maximum context of {limit} tokens "
+                "(max_position_embeddings / sliding_window in config.json)"
+            )
+        return wanted
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block over all layers, K and V, this rank's heads."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def _resolve_num_kv_blocks(self) -> int:
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_bytes is not None or self.device.type != "cuda":
+            budget = config.kv_cache_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+            source = f"kv_cache_bytes={budget}"
+        else:
+            budget = self._profile_free_cuda_bytes()
+            source = (
+                f"{budget} bytes of GPU memory left at "
+                f"kv_cache_memory_fraction={config.kv_cache_memory_fraction}"
+            )
+        blocks = budget // self.kv_block_bytes
+        if blocks < 1:
+            raise ValueError(
+                f"{source} holds no KV block: one block of {self.block_size} tokens needs "
+                f"{self.kv_block_bytes} bytes"
+            )
+        return int(blocks)
+
+    def _profile_free_cuda_bytes(self) -> int:
+        """Device memory the KV cache may take: the configured fraction of the GPU, less the
+        weights, a worst-case forward's activations and memory held outside torch."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = self.config.max_num_batched_tokens
+        seq_len = min(tokens, self.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        scratch = self._allocate_kv_caches(num_seqs * blocks_per_seq)
+        scratch_bytes = num_seqs * blocks_per_seq * self.kv_block_bytes
+        lens = [min(seq_len, tokens - i * seq_len) for i in range(num_seqs)]
+        tables = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)
+        ]
+        with torch.inference_mode():
+            hidden = self._forward([0] * sum(lens), [0] * num_seqs, lens, tables, scratch)
+            rows = min(self.config.max_num_seqs, hidden.shape[0])
+            self.model.compute_logits(hidden[:rows])
+        torch.cuda.synchronize(self.device)
+        del scratch, hidden
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return int(total * self.config.kv_cache_memory_fraction) - peak - max(outside_torch, 0)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        # zeros, not empty: padded decode lanes read slots and NaN garbage would leak through
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+
+    # -- one step -------------------------------------------------------------------------
+    def _forward(
+        self,
+        input_ids: list[int],
+        starts: list[int],
+        query_lens: list[int],
+        block_ids: list[list[int]],
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        meta, positions = AttentionMetadata.build(
+            starts, query_lens, block_ids, self.block_size, self.device, self.use_paged_kernel
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        return self.model(ids, positions, kv_caches, meta)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        """Run every scheduled chunk in one forward pass; sample where `sample` is set."""
+        for rid in so.finished_request_ids:
+            self.generators.pop(rid, None)
+        scheduled = so.scheduled
+        if not scheduled:
+            return RunnerOutput({}, None)
+        input_ids: list[int] = []
+        starts, query_lens, block_ids, last_rows, to_sample = [], [], [], [], []
+        for s in scheduled:
+            input_ids += s.token_ids()
+            starts.append(s.start)
+            query_lens.append(s.num_tokens)
+            block_ids.append(s.block_ids)
+            if s.sample:
+                last_rows.append(len(input_ids) - 1)
+                to_sample.append(s)
+        hidden = self._forward(input_ids, starts, query_lens, block_ids, self.kv_caches)
+        if not to_sample:
+            return RunnerOutput({}, None)
+        rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if self.tp.rank != 0:  # every rank joins the logits gather; rank 0 alone samples
+            return RunnerOutput({}, None)
+        params = [s.request.sampling_params for s in to_sample]
+        generators = [self._generator(s) for s in to_sample]
+        out = self.sampler(logits, params, generators, self.default_generator)
+        sampled = {s.request_id: t for s, t in zip(to_sample, out.token_ids)}
+        logprobs = {s.request_id: lp for s, lp in zip(to_sample, out.logprobs) if lp is not None}
+        return RunnerOutput(sampled, logprobs or None)
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        """A seeded request's own generator, created at its first draw and kept until it
+        finishes (through preemptions), so its draws do not depend on the batch."""
+        params = s.request.sampling_params
+        if params.seed is None or params.temperature == 0.0:
+            return None
+        generator = self.generators.get(s.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.generators[s.request_id] = generator
+        return generator
+
+    def shutdown(self) -> None:
+        """Release the KV cache and weights (the runner is unusable afterwards)."""
+        self.kv_caches = []
+        self.generators.clear()

@@ -1,0 +1,246 @@
+"""Shared fixtures: tiny random Llama / Qwen2 checkpoints with a locally trained byte-level BPE
+tokenizer, the converted default model, and a scheduler + runner loop that drives them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TINY_VOCAB = 512
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+TINY_EOS_ID = 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_PARAGRAPHS = [
+    "A replica runs an engine that schedules requests step by step. Each step gives a budget "
+    "of tokens to the running requests first and then admits waiting ones.",
+    "The key and value vectors of every token live in blocks of a paged cache. A block table "
+    "maps each request's positions to the blocks it holds, so memory is never fragmented.",
+    "When the cache runs out of blocks the newest request is preempted: its blocks are freed "
+    "and it is computed again later, producing exactly the same tokens as before.",
+    "Prefix caching hashes full blocks of tokens. Two prompts that share a system message "
+    "share the blocks of that message, and the second prompt skips their computation.",
+    "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly. "
+    "Numbers such as 12, 345 and 6789 appear too, with punctuation: commas, dots; colons!",
+]
+
+
+def _training_text() -> list[str]:
+    """A few paragraphs plus docstrings of stdlib modules: local, varied English and code."""
+    import collections
+    import functools
+    import itertools
+    import json as json_module
+    import pathlib
+    import re
+    import textwrap
+
+    texts = list(_PARAGRAPHS)
+    for module in (collections, functools, itertools, json_module, pathlib, re, textwrap):
+        texts.append(module.__doc__ or "")
+        for name in sorted(dir(module)):
+            doc = getattr(getattr(module, name), "__doc__", None)
+            if isinstance(doc, str):
+                texts.append(doc)
+    return texts
+
+
+def build_tiny_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_text(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def build_tiny_model(
+    out_dir: Path, tokenizer_dir: Path, architecture: str, seed: int, **overrides
+) -> None:
+    """A random fp32 checkpoint whose weights are scaled up from HF's tiny init so greedy
+    choices have clear margins, with random biases and norm weights so loading them matters."""
+    import torch
+    import transformers
+
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }
+    fields = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=TINY_EOS_ID,
+        pad_token_id=0,
+    )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls[architecture](config_cls[architecture](**fields)).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.1)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=0, eos_token_id=TINY_EOS_ID, pad_token_id=0
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for item in tokenizer_dir.iterdir():
+        shutil.copy(item, out_dir / item.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tiny_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """Llama, untied LM head, llama3 rope scaling (all three frequency bands are exercised)."""
+    out = tmp_path_factory.mktemp("tiny-llama")
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    build_tiny_model(
+        out, tiny_tokenizer_dir, "llama", seed=1, tie_word_embeddings=False, rope_scaling=rope
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """Qwen2: QKV bias, tied embeddings."""
+    out = tmp_path_factory.mktemp("tiny-qwen2")
+    build_tiny_model(
+        out, tiny_tokenizer_dir, "qwen2", seed=2, tie_word_embeddings=True, rope_theta=10000.0
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """Mistral with a sliding window shorter than max_position_embeddings."""
+    out = tmp_path_factory.mktemp("tiny-mistral")
+    build_tiny_model(
+        out, tiny_tokenizer_dir, "mistral", seed=3, tie_word_embeddings=False, sliding_window=256
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted SmolLM2 (first use converts the GGUF, ~20 s; later runs hit the cache)."""
+    from replica.default_model import default_model_dir as convert
+
+    return convert()
+
+
+def read_eos_ids(model_dir: Path) -> frozenset[int]:
+    eos = json.loads((Path(model_dir) / "generation_config.json").read_text())["eos_token_id"]
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+@dataclass
+class GenerationRun:
+    outputs: list[list[int]]  # output tokens per prompt, in prompt order
+    logprobs: list[list[tuple[float, dict[int, float]]]]
+    requests: list  # the Request objects, in prompt order (num_preemptions etc.)
+    scheduler: object
+    runner: object
+    num_steps: int
+
+
+def generate_with_runner(
+    model_dir: Path,
+    prompts: list[list[int]],
+    params,
+    runner=None,
+    request_ids: list[str] | None = None,
+    **engine_fields,
+) -> GenerationRun:
+    """Drive a real Scheduler and ModelRunner until every request finishes, checking the KV
+    pool's invariants after each step. `params` is one SamplingParams or one per prompt."""
+    from replica.config import EngineConfig
+    from replica.request import Request, SamplingParams
+    from replica.runner import ModelRunner
+    from replica.scheduler import Scheduler
+
+    fields = {"device": "cpu", "num_kv_blocks": 256, **engine_fields}
+    config = EngineConfig(model=str(model_dir), **fields)
+    if runner is None:
+        runner = ModelRunner(config, model_dir)
+    scheduler = Scheduler(
+        config, config.num_kv_blocks or runner.num_kv_blocks, runner.max_model_len
+    )
+    all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    ids = request_ids or [f"req-{i}" for i in range(len(prompts))]
+    eos = read_eos_ids(model_dir)
+    requests = [Request(rid, prompt, p, eos) for rid, prompt, p in zip(ids, prompts, all_params)]
+    for request in requests:
+        scheduler.add_request(request)
+    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    logprobs: dict[str, list] = {rid: [] for rid in ids}
+    steps = 0
+    while scheduler.has_unfinished():
+        so = scheduler.schedule()
+        result = runner.execute(so)
+        for step in scheduler.update_from_output(so, result.sampled, result.logprobs):
+            outputs[step.request_id] += step.new_token_ids
+            logprobs[step.request_id] += step.new_logprobs or []
+        scheduler.kv.check_invariants()
+        steps += 1
+        assert steps < 10_000, "generation did not finish"
+    assert all(b.ref_cnt == 0 for b in scheduler.kv.pool.blocks), "blocks leaked"
+    return GenerationRun(
+        [outputs[r] for r in ids], [logprobs[r] for r in ids], requests, scheduler, runner, steps
+    )
+
+
+@pytest.fixture(scope="session")
+def run_generation() -> Callable[..., GenerationRun]:
+    return generate_with_runner

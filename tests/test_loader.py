@@ -1,0 +1,264 @@
+"""Checkpoint loading: sharded and single-file safetensors, clear errors for every way a model
+directory can be wrong, tensor-parallel shard math of each weight_loader, the default model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from replica.layers.attention import AttentionMetadata
+from replica.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from replica.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+)
+from replica.layers.rotary import RotaryEmbedding
+from replica.loader import CheckpointError, load_model
+from replica.models import UnsupportedArchitectureError, supported_architectures
+
+
+@pytest.fixture
+def llama_copy(tiny_llama_dir, tmp_path) -> Path:
+    out = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, out)
+    return out
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    kv_heads = model.model.layers[0].self_attn.attn.num_kv_heads
+    caches = [
+        (torch.zeros(8, 8, kv_heads, 16), torch.zeros(8, 8, kv_heads, 16))
+        for _ in range(model.num_layers)
+    ]
+    meta, positions = AttentionMetadata.build([0], [len(ids)], [list(range(8))], 8)
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), positions, caches, meta))
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_weights(tiny_qwen2_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32)
+    hf.save_pretrained(sharded, safe_serialization=True, max_shard_size="50KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    ids = [5, 77, 300, 2, 18, 420]
+    torch.testing.assert_close(
+        _logits(load_model(sharded), ids), _logits(load_model(tiny_qwen2_dir), ids)
+    )
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_path_is_a_file(tmp_path):
+    (tmp_path / "weights").write_text("x")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        load_model(tmp_path / "weights")
+
+
+def test_no_config_json(llama_copy):
+    (llama_copy / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        load_model(llama_copy)
+
+
+def test_config_json_is_not_json(llama_copy):
+    (llama_copy / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_model(llama_copy)
+
+
+def test_no_safetensors(llama_copy):
+    (llama_copy / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors weights"):
+        load_model(llama_copy)
+
+
+def test_corrupt_safetensors(llama_copy):
+    (llama_copy / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage!")
+    with pytest.raises(CheckpointError, match="corrupt or not a safetensors file"):
+        load_model(llama_copy)
+
+
+def test_index_naming_a_missing_shard(llama_copy):
+    index = {
+        "metadata": {},
+        "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"},
+    }
+    (llama_copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        load_model(llama_copy)
+
+
+def test_shape_mismatch_names_the_tensor_and_both_shapes(llama_copy):
+    path = llama_copy / "model.safetensors"
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors[name] = torch.zeros(48, 64)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as info:
+        load_model(llama_copy)
+    message = str(info.value)
+    assert name in message and "[48, 64]" in message and "[32, 64]" in message
+
+
+def test_missing_tensors_are_named(llama_copy):
+    path = llama_copy / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    del tensors["lm_head.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lacks 2 tensors") as info:
+        load_model(llama_copy)
+    assert "model.layers.0.mlp.up_proj.weight" in str(info.value)
+    assert "lm_head.weight" in str(info.value)
+
+
+def test_extra_tensors_are_ignored(llama_copy):
+    path = llama_copy / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(8)
+    tensors["some.unused.tensor"] = torch.zeros(3)
+    save_file(tensors, path, metadata={"format": "pt"})
+    load_model(llama_copy)
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(llama_copy):
+    config = json.loads((llama_copy / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (llama_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        load_model(llama_copy)
+    message = str(info.value)
+    assert "GPT2LMHeadModel" in message
+    assert all(name in message for name in supported_architectures())
+    assert {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"} <= set(
+        supported_architectures()
+    )
+
+
+def test_unsupported_rope_scaling_is_a_clear_error():
+    with pytest.raises(ValueError, match="'yarn' is not supported; supported: default"):
+        RotaryEmbedding(16, 64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_linear_rope_scaling_divides_positions():
+    plain = RotaryEmbedding(16, 64, 10000.0)
+    scaled = RotaryEmbedding(16, 64, 10000.0, {"type": "linear", "factor": 2.0})
+    torch.testing.assert_close(scaled.cos[10], plain.cos[5])
+    torch.testing.assert_close(scaled.sin[30], plain.sin[15])
+
+
+# -- tensor-parallel shard math ---------------------------------------------------------------
+def _shards(make, full: torch.Tensor, size: int, *shard_id) -> list[torch.Tensor]:
+    out = []
+    for rank in range(size):
+        layer = make(TensorParallel(rank, size))
+        layer.weight.weight_loader(layer.weight, full, *shard_id)
+        out.append(layer.weight.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_row_parallel_shards_split_input_columns(size):
+    full = torch.randn(6, 8)
+    parts = _shards(lambda tp: RowParallelLinear(8, 6, False, tp), full, size)
+    torch.testing.assert_close(torch.cat(parts, dim=1), full)
+    # partial products summed (the all_reduce) equal the full product
+    x = torch.randn(3, 8)
+    partial = sum(x[:, r * 8 // size : (r + 1) * 8 // size] @ p.T for r, p in enumerate(parts))
+    torch.testing.assert_close(partial, x @ full.T)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_merged_gate_up_shards_hold_their_slice_of_each_part(size):
+    gate, up = torch.randn(8, 4), torch.randn(8, 4)
+    ranks = [
+        MergedColumnParallelLinear(4, [8, 8], False, TensorParallel(r, size)) for r in range(size)
+    ]
+    for layer in ranks:
+        layer.weight.weight_loader(layer.weight, gate, 0)
+        layer.weight.weight_loader(layer.weight, up, 1)
+    n = 8 // size
+    for r, layer in enumerate(ranks):
+        torch.testing.assert_close(layer.weight[:n], gate[r * n : (r + 1) * n])
+        torch.testing.assert_close(layer.weight[n:], up[r * n : (r + 1) * n])
+
+
+@pytest.mark.parametrize(("size", "kv_heads"), [(1, 2), (2, 2), (4, 2), (4, 1)])
+def test_qkv_shards_split_heads_and_replicate_scarce_kv_heads(size, kv_heads):
+    d, heads, hidden = 4, 4, 8
+    q = torch.randn(heads * d, hidden)
+    k, v = torch.randn(kv_heads * d, hidden), torch.randn(kv_heads * d, hidden)
+    for rank in range(size):
+        layer = QKVParallelLinear(hidden, d, heads, kv_heads, True, TensorParallel(rank, size))
+        for shard_id, full in (("q", q), ("k", k), ("v", v)):
+            layer.weight.weight_loader(layer.weight, full, shard_id)
+            layer.bias.weight_loader(layer.bias, full[:, 0].clone(), shard_id)
+        q_heads = heads // size
+        kv_per_rank = max(1, kv_heads // size)
+        assert layer.num_kv_heads == kv_per_rank
+        # query head h attends KV head h // (heads // kv_heads): this rank must hold those
+        first_kv = (rank * q_heads) // (heads // kv_heads)
+        kv_rows = slice(first_kv * d, (first_kv + kv_per_rank) * d)
+        got_q, got_k, got_v = layer.weight.split([q_heads * d, kv_per_rank * d, kv_per_rank * d])
+        torch.testing.assert_close(got_q, q[rank * q_heads * d : (rank + 1) * q_heads * d])
+        torch.testing.assert_close(got_k, k[kv_rows])
+        torch.testing.assert_close(got_v, v[kv_rows])
+        torch.testing.assert_close(layer.bias[: q_heads * d], got_q[:, 0])
+
+
+@pytest.mark.parametrize("size", [1, 3, 4])
+def test_vocab_parallel_rows_are_padded_with_zeros(size):
+    full = torch.randn(10, 4)
+    for cls in (VocabParallelEmbedding, ParallelLMHead):
+        parts = _shards(lambda tp, cls=cls: cls(10, 4, tp), full, size)
+        stacked = torch.cat(parts)
+        assert stacked.shape[0] == -(-10 // size) * size
+        torch.testing.assert_close(stacked[:10], full)
+        assert not stacked[10:].any()
+
+
+def test_weight_loader_rejects_a_wrong_full_shape():
+    layer = RowParallelLinear(8, 6, False, TensorParallel(0, 2))
+    with pytest.raises(ValueError, match=r"expected shape \(6, 8\), checkpoint has \(6, 7\)"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(6, 7))
+
+
+def test_indivisible_heads_are_a_clear_error():
+    with pytest.raises(ValueError, match=r"number of attention heads \(9\) is not divisible"):
+        QKVParallelLinear(576, 64, 9, 3, False, TensorParallel(0, 2))
+
+
+# -- the default model ------------------------------------------------------------------------
+def test_default_model_is_converted_once_with_tokenizer_and_generation_config(
+    default_model_dir,
+):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from replica.default_model import default_model_dir as convert
+
+    weights = default_model_dir / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert convert() == default_model_dir
+    assert weights.stat().st_mtime_ns == before  # idempotent: no second conversion
+    config = AutoConfig.from_pretrained(str(default_model_dir))
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert (config.hidden_size // config.num_attention_heads, config.vocab_size) == (64, 49152)
+    assert config.tie_word_embeddings and not hasattr(config, "quantization_config")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+    generation = json.loads((default_model_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tokenizer.eos_token_id

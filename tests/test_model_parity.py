@@ -1,0 +1,365 @@
+"""Greedy fp32 output of Scheduler + ModelRunner is token-identical to transformers' generate,
+whatever the batching: token budgets, prefix caching, preemption, tensor-parallel shards."""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from replica.config import EngineConfig
+from replica.layers.attention import AttentionMetadata
+from replica.layers.linear import TensorParallel
+from replica.loader import build_model, load_hf_config, load_weights, safetensors_files
+from replica.request import SamplingParams
+from replica.runner import ModelRunner
+
+
+@functools.cache
+def _hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@functools.cache
+def hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_new_tokens: int, stop_at_eos: bool):
+    """transformers' greedy continuation of one prompt (no padding: one prompt at a time)."""
+    from transformers import GenerationConfig
+
+    model = _hf_model(model_dir)
+    eos = model.generation_config.eos_token_id if stop_at_eos else None
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt) :].tolist()
+
+
+def mixed_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
+
+
+PROMPT_LENGTHS = [1, 2, 5, 9, 17, 24, 33, 40, 47, 3]
+MAX_TOKENS = [12, 9, 16, 7, 20, 11, 14, 8, 13, 18]
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def expected_outputs(model_dir: Path, prompts: list[list[int]], max_tokens: list[int]):
+    return [hf_greedy(model_dir, tuple(p), n, False) for p, n in zip(prompts, max_tokens)]
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny_model_dir(request, tiny_llama_dir, tiny_qwen2_dir) -> Path:
+    return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}[request.param]
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [16, 64, 4096])
+def test_greedy_batch_matches_transformers(tiny_model_dir, run_generation, max_num_batched_tokens):
+    prompts = mixed_prompts(0, PROMPT_LENGTHS)
+    run = run_generation(
+        tiny_model_dir,
+        prompts,
+        [greedy_params(n) for n in MAX_TOKENS],
+        block_size=4,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    assert run.outputs == expected_outputs(tiny_model_dir, prompts, MAX_TOKENS)
+
+
+def test_mistral_matches_transformers_and_caps_context_at_its_window(
+    tiny_mistral_dir, run_generation
+):
+    prompts = mixed_prompts(6, PROMPT_LENGTHS)
+    run = run_generation(
+        tiny_mistral_dir,
+        prompts,
+        [greedy_params(n) for n in MAX_TOKENS],
+        block_size=8,
+        max_num_batched_tokens=32,
+    )
+    assert run.outputs == expected_outputs(tiny_mistral_dir, prompts, MAX_TOKENS)
+    # attention here is always full, so the context never outgrows the sliding window
+    assert run.runner.max_model_len == 256
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+@pytest.mark.parametrize("max_num_batched_tokens", [16, 4096])
+def test_shared_prefixes_match_with_and_without_prefix_cache(
+    tiny_llama_dir, run_generation, enable_prefix_caching, max_num_batched_tokens
+):
+    system = mixed_prompts(1, [21])[0]
+    suffixes = mixed_prompts(2, [1, 4, 7, 3, 11, 2, 6, 9])
+    prompts = [system + s for s in suffixes] + [system[:13]]
+    max_tokens = [10] * len(prompts)
+    run = run_generation(
+        tiny_llama_dir,
+        prompts,
+        greedy_params(10),
+        block_size=4,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    assert run.outputs == expected_outputs(tiny_llama_dir, prompts, max_tokens)
+    hits = run.scheduler.prefix_cache_hits
+    # with one big step every later prompt hits blocks an earlier one is writing in that step
+    assert hits > 0 if enable_prefix_caching else hits == 0
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [16, 4096])
+def test_preemption_keeps_outputs_identical(tiny_qwen2_dir, run_generation, max_num_batched_tokens):
+    prompts = mixed_prompts(3, [14, 19, 22, 9, 17, 25, 12, 20])
+    max_tokens = [16] * len(prompts)
+    run = run_generation(
+        tiny_qwen2_dir,
+        prompts,
+        greedy_params(16),
+        block_size=4,
+        num_kv_blocks=24,  # the largest request needs 11 blocks; all of them need ~80
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    assert run.scheduler.num_preemptions_total > 0
+    assert run.outputs == expected_outputs(tiny_qwen2_dir, prompts, max_tokens)
+
+
+def test_eos_stops_like_transformers(tiny_llama_dir, tiny_tokenizer_dir, run_generation):
+    """Without ignore_eos, a request ends at EOS exactly where transformers stops."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    texts = ["The key and value", "A block table maps", "Numbers such as 12"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    run = run_generation(
+        tiny_llama_dir, prompts, SamplingParams(temperature=0.0, max_tokens=24), block_size=8
+    )
+    expected = [hf_greedy(tiny_llama_dir, tuple(p), 24, True) for p in prompts]
+    assert run.outputs == expected
+
+
+def test_llm_generate_matches_transformers(tiny_llama_dir):
+    """The offline LLM entry point, when the engine is importable, gives the same tokens."""
+    engine = pytest.importorskip("replica.engine")
+    prompts = mixed_prompts(4, [5, 12, 30])
+    llm = engine.LLM(
+        model=tiny_llama_dir,
+        device="cpu",
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
+    outputs = llm.generate(prompts, greedy_params(10))
+    assert [o.output_token_ids for o in outputs] == expected_outputs(
+        tiny_llama_dir, prompts, [10, 10, 10]
+    )
+
+
+def test_default_model_matches_transformers(default_model_dir, run_generation):
+    """SmolLM2-135M-Instruct, converted from the packaged GGUF, 32 greedy tokens (EOS honoured)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    run = run_generation(
+        default_model_dir,
+        prompt_ids,
+        SamplingParams(temperature=0.0, max_tokens=32),
+        num_kv_blocks=64,
+        max_num_batched_tokens=64,
+    )
+    expected = [hf_greedy(default_model_dir, tuple(p), 32, True) for p in prompt_ids]
+    assert run.outputs == expected
+    assert "Paris" in tokenizer.decode(run.outputs[0])
+    runner = run.runner
+    assert (runner.num_kv_heads, runner.head_dim, runner.vocab_size) == (3, 64, 49152)
+
+
+def _reference_varlen_kernel(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    block_table,
+):
+    """flash-attn's documented flash_attn_varlen_func semantics with a paged KV cache."""
+    assert causal and block_table.dtype == torch.int32 and cu_seqlens_q.dtype == torch.int32
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for b in range(block_table.shape[0]):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        n, length = q1 - q0, int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        assert n <= max_seqlen_q and length <= max_seqlen_k
+        keys = torch.arange(length)
+        blocks = block_table[b].long()[keys // block_size]
+        k = k_cache[blocks, keys % block_size].transpose(0, 1)
+        v = v_cache[blocks, keys % block_size].transpose(0, 1)
+        mask = torch.ones(n, length, dtype=torch.bool).tril(diagonal=length - n)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k, v, attn_mask=mask, scale=softmax_scale, enable_gqa=True
+        )
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+def test_paged_kernel_path_feeds_the_kernel_what_it_expects(
+    tiny_llama_dir, run_generation, monkeypatch
+):
+    """The CUDA varlen/paged-kernel branch, with a reference kernel standing in for flash-attn."""
+    import replica.layers.attention as attention
+    import replica.runner as runner_module
+
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", _reference_varlen_kernel)
+    monkeypatch.setattr(runner_module, "paged_kernel_available", lambda device, bs: True)
+    prompts = mixed_prompts(7, PROMPT_LENGTHS)
+    run = run_generation(
+        tiny_llama_dir,
+        prompts,
+        [greedy_params(n) for n in MAX_TOKENS],
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
+    assert run.runner.use_paged_kernel
+    assert run.outputs == expected_outputs(tiny_llama_dir, prompts, MAX_TOKENS)
+
+
+def test_max_model_len_beyond_the_model_is_rejected(tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", max_model_len=4096)
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds.*512"):
+        ModelRunner(config, tiny_llama_dir)
+
+
+def test_kv_blocks_sized_from_bytes(tiny_llama_dir):
+    # 2 (K, V) x 2 layers x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8 KiB per block
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", kv_cache_bytes=10 * 8192 + 5)
+    runner = ModelRunner(config, tiny_llama_dir)
+    assert runner.kv_block_bytes == 8192
+    assert runner.num_kv_blocks == 10
+    assert runner.kv_caches[0][0].shape == (10, 16, 2, 16)
+    assert runner.max_model_len == 512
+
+
+# -- tensor parallelism, simulated with threads ------------------------------------------------
+class _ThreadExchange:
+    """All-gather between threads standing in for ranks."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots: list[Any] = [None] * size
+
+    def all_gather(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        return parts
+
+
+@dataclass(frozen=True)
+class _ThreadTP(TensorParallel):
+    exchange: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = self.exchange.all_gather(self.rank, x)
+        return x.copy_(functools.reduce(torch.add, parts))
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        return torch.cat(self.exchange.all_gather(self.rank, x), dim=dim)
+
+
+def _sharded_logits(model_dir: Path, tp_size: int, steps) -> list[torch.Tensor]:
+    """Logits of every step's tokens from `tp_size` ranks running the same steps."""
+    hf_config = load_hf_config(model_dir)
+    files = safetensors_files(model_dir)
+    exchange = _ThreadExchange(tp_size)
+    results: list[Any] = [None] * tp_size
+
+    def rank_main(rank: int) -> None:
+        try:
+            model = build_model(
+                hf_config, _ThreadTP(rank, tp_size, None, exchange), "cpu", torch.float32
+            )
+            load_weights(model, files)
+            kv_heads = model.model.layers[0].self_attn.attn.num_kv_heads
+            caches = [
+                (torch.zeros(16, 4, kv_heads, 16), torch.zeros(16, 4, kv_heads, 16))
+                for _ in range(model.num_layers)
+            ]
+            logits = []
+            with torch.inference_mode():
+                for ids, starts, lens, tables in steps:
+                    meta, positions = AttentionMetadata.build(starts, lens, tables, 4)
+                    hidden = model(torch.tensor(ids), positions, caches, meta)
+                    logits.append(model.compute_logits(hidden))
+            results[rank] = logits
+        except BaseException as exc:  # surfaced in the main thread
+            exchange.barrier.abort()
+            results[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results[0]
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tensor_parallel_shards_match_single_rank(tiny_qwen2_dir, tp_size):
+    """Column/row-parallel layers, the vocab-parallel embedding and LM head, and KV heads
+    replicated when there are fewer of them (2) than ranks (4) give tp=1's logits."""
+    prompt_a, prompt_b = mixed_prompts(5, [9, 6])
+    # step 1: both prompts' prefill; step 2: a decode of each (tokens at positions 9 and 6)
+    steps = [
+        (prompt_a + prompt_b, [0, 0], [9, 6], [[0, 1, 2], [3, 4]]),
+        ([7, 8], [9, 6], [1, 1], [[0, 1, 2], [3, 4]]),
+    ]
+    single = _sharded_logits(tiny_qwen2_dir, 1, steps)
+    sharded = _sharded_logits(tiny_qwen2_dir, tp_size, steps)
+    for a, b in zip(single, sharded):
+        assert a.shape == b.shape == (a.shape[0], 512)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_weights_and_kv_cache(tiny_qwen2_dir, run_generation):
+    """bf16 (the GPU default) runs end to end; it is close to, not identical with, fp32."""
+    prompts = mixed_prompts(8, [6, 20, 3])
+    run = run_generation(tiny_qwen2_dir, prompts, greedy_params(6), block_size=4, dtype="bfloat16")
+    runner = run.runner
+    assert runner.dtype == torch.bfloat16 and runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert next(runner.model.parameters()).dtype == torch.bfloat16
+    assert runner.model.model.rotary_emb.cos.dtype == torch.float32
+    assert all(len(o) == 6 and all(0 <= t < 512 for t in o) for o in run.outputs)
+    fp32 = expected_outputs(tiny_qwen2_dir, prompts, [6, 6, 6])
+    assert sum(o[0] == e[0] for o, e in zip(run.outputs, fp32)) >= 2
