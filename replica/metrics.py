@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# `_created` series double the exposition and no dashboard uses them (vLLM drops them too).
+disable_created_metrics()
 
 PREFIX = "stepserve:"
 LABELS = ("model_name", "replica")
