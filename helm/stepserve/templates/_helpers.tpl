@@ -218,3 +218,24 @@ imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
+
+{{/*
+Scrape endpoints of the PodMonitor and the ServiceMonitor; the argument is the monitor's values.
+`metrics` (8080): Ray's own metrics, on every Ray pod. `app-metrics` (monitoring.appMetricsPort):
+stepserve:*, served by the replicas on worker pods; the head has no such port, so no target.
+*/}}
+{{- define "stepserve.scrapeEndpoints" -}}
+{{- $monitor := . }}
+{{- range list "metrics" "app-metrics" }}
+- port: {{ . }}
+  path: /metrics
+  interval: {{ $monitor.interval }}
+  scrapeTimeout: {{ $monitor.scrapeTimeout }}
+  relabelings:
+    # Which Ray node type (head/worker) and group a series comes from.
+    - sourceLabels: [__meta_kubernetes_pod_label_ray_io_node_type]
+      targetLabel: ray_node_type
+    - sourceLabels: [__meta_kubernetes_pod_label_ray_io_group]
+      targetLabel: ray_group
+{{- end }}
+{{- end }}
