@@ -99,6 +99,9 @@ class Engine:
         self._states: dict[str, _RequestState] = {}
         self.vocab_size = int(getattr(self.runner, "vocab_size", 0) or len(tokenizer))
         self.step_listeners: list = []  # callables(engine, scheduler_output, outputs, step_time)
+        # wall seconds the latest step spent in schedule(); the runner times its own phases
+        # (runner.step_times), the rest of step_time is update_from_output and detokenizing
+        self.last_schedule_time = 0.0
 
     @property
     def num_kv_blocks(self) -> int:
@@ -141,6 +144,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def num_request_states(self) -> int:
+        """Requests this engine keeps per-request state for (0 when idle: nothing leaked)."""
+        return len(self._states)
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
@@ -148,6 +156,7 @@ class Engine:
         """Schedule one batch, run it, and turn sampled tokens into per-request outputs."""
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self.last_schedule_time = time.perf_counter() - t0
         if scheduler_output.is_empty:
             return []
         runner_output = self.runner.execute(scheduler_output)
@@ -295,6 +304,9 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop died: {self.error!r}") from self.error
         if not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
+        runner_health = getattr(self.engine.runner, "check_health", None)
+        if runner_health is not None:  # a tensor-parallel group fails here when a rank dies
+            runner_health()
 
     def stats(self) -> SchedulerStats:
         """Counters as of the end of the last step (never blocks on the engine thread)."""
@@ -318,7 +330,9 @@ class AsyncEngine:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         self.engine.check_request(prompt_token_ids, params)
-        waiting = self._stats.num_waiting + len(self._inbox)
+        # Admitted but not running: counted from the streams, which change here at once, not
+        # from the last step's stats, so a burst within one step cannot overshoot the limit.
+        waiting = len(self._streams) - self._stats.num_running
         if waiting >= self.config.max_queue_len:
             raise EngineOverloaded(
                 f"replica queue is full ({waiting} waiting >= max_queue_len="

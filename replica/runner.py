@@ -4,6 +4,7 @@ the paged KV cache, then samples the requests whose computed tokens reach their 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,12 @@ from typing import Any
 import torch
 
 from replica.config import EngineConfig
-from replica.layers.attention import AttentionMetadata, KVCache, paged_kernel_available
+from replica.layers.attention import (
+    DECODE_GROUP_BYTES,
+    AttentionMetadata,
+    KVCache,
+    paged_kernel_available,
+)
 from replica.layers.linear import TensorParallel
 from replica.layers.sampler import Sampler
 from replica.loader import load_hf_config, load_model
@@ -21,6 +27,27 @@ from replica.scheduler import ScheduledRequest, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class StepBatch:
+    """What every tensor-parallel rank needs to run one step: the flat token stream and where
+    each request's tokens sit. Rank 0 builds it; the TP runner broadcasts it to the others."""
+
+    input_ids: list[int]
+    starts: list[int]  # per request: position of its first token this step
+    query_lens: list[int]  # per request: tokens run this step
+    block_ids: list[list[int]]  # per request: its block table
+    sample_rows: list[int]  # rows of the flat stream whose logits are computed
+
+
+@dataclass
+class StepTimes:
+    """Wall seconds of one `execute` call's phases on this rank."""
+
+    prepare: float = 0.0  # the batch layout, attention metadata and input tensors
+    forward: float = 0.0  # the model and the LM head over the sampled rows
+    sample: float = 0.0  # sampling and the tokens back to Python
 
 
 @dataclass
@@ -67,6 +94,8 @@ class ModelRunner:
         self.num_kv_heads = num_kv_heads_per_rank(self.hf_config, tp_size)
         self.head_dim = head_dim_of(self.hf_config)
         self.use_paged_kernel = paged_kernel_available(self.device, self.block_size)
+        self.decode_group_keys = self._decode_group_keys()
+        self.step_times = StepTimes()  # of the latest execute()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
@@ -151,6 +180,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(total * self.config.kv_cache_memory_fraction) - peak - max(outside_torch, 0)
 
+    def _decode_group_keys(self) -> int | None:
+        """Keys per decode attention group: on CPU as many as keep one group's gathered K
+        within DECODE_GROUP_BYTES; on CUDA one group (many small kernels would cost more)."""
+        if self.device.type == "cuda":
+            return None
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return max(
+            self.block_size, DECODE_GROUP_BYTES // (self.num_kv_heads * self.head_dim * element)
+        )
+
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: padded decode lanes read slots and NaN garbage would leak through
@@ -171,43 +210,88 @@ class ModelRunner:
         block_ids: list[list[int]],
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
-        meta, positions = AttentionMetadata.build(
-            starts, query_lens, block_ids, self.block_size, self.device, self.use_paged_kernel
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids, positions, meta = self._prepare_inputs(input_ids, starts, query_lens, block_ids)
         return self.model(ids, positions, kv_caches, meta)
 
+    def _prepare_inputs(
+        self,
+        input_ids: list[int],
+        starts: list[int],
+        query_lens: list[int],
+        block_ids: list[list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        meta, positions = AttentionMetadata.build(
+            starts,
+            query_lens,
+            block_ids,
+            self.block_size,
+            self.device,
+            self.use_paged_kernel,
+            self.decode_group_keys,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        return ids, positions, meta
+
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        """Run every scheduled chunk in one forward pass; sample where `sample` is set."""
+    def execute(self, so: SchedulerOutput, batch: StepBatch | None = None) -> RunnerOutput:
+        """Run every scheduled chunk in one forward pass; sample where `sample` is set.
+        `batch` is `prepare_batch(so)` when the caller built it already (the TP runner does,
+        to broadcast it before every rank runs the forward)."""
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
-        scheduled = so.scheduled
-        if not scheduled:
+        if not so.scheduled:
             return RunnerOutput({}, None)
-        input_ids: list[int] = []
-        starts, query_lens, block_ids, last_rows, to_sample = [], [], [], [], []
-        for s in scheduled:
-            input_ids += s.token_ids()
-            starts.append(s.start)
-            query_lens.append(s.num_tokens)
-            block_ids.append(s.block_ids)
-            if s.sample:
-                last_rows.append(len(input_ids) - 1)
-                to_sample.append(s)
-        hidden = self._forward(input_ids, starts, query_lens, block_ids, self.kv_caches)
-        if not to_sample:
+        start = time.perf_counter()
+        if batch is None:
+            batch = self.prepare_batch(so)
+        layout_time = time.perf_counter() - start
+        logits = self.forward_batch(batch)
+        self.step_times.prepare += layout_time
+        if logits is None or self.tp.rank != 0:  # every rank joins the logits gather
             return RunnerOutput({}, None)
-        rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        if self.tp.rank != 0:  # every rank joins the logits gather; rank 0 alone samples
-            return RunnerOutput({}, None)
+        sample_start = time.perf_counter()
+        to_sample = [s for s in so.scheduled if s.sample]
         params = [s.request.sampling_params for s in to_sample]
         generators = [self._generator(s) for s in to_sample]
         out = self.sampler(logits, params, generators, self.default_generator)
         sampled = {s.request_id: t for s, t in zip(to_sample, out.token_ids)}
         logprobs = {s.request_id: lp for s, lp in zip(to_sample, out.logprobs) if lp is not None}
+        # on CUDA the forward's kernels finish here: the sampled tokens' .tolist() waits for them
+        self.step_times.sample = time.perf_counter() - sample_start
         return RunnerOutput(sampled, logprobs or None)
+
+    def prepare_batch(self, so: SchedulerOutput) -> StepBatch:
+        """The step's flat token stream and per-request layout (no tensors, no requests)."""
+        input_ids: list[int] = []
+        starts, query_lens, block_ids, sample_rows = [], [], [], []
+        for s in so.scheduled:
+            input_ids += s.token_ids()
+            starts.append(s.start)
+            query_lens.append(s.num_tokens)
+            block_ids.append(s.block_ids)
+            if s.sample:
+                sample_rows.append(len(input_ids) - 1)
+        return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows)
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: StepBatch) -> torch.Tensor | None:
+        """The forward pass of one step on this rank; the logits of the sampled rows (full
+        vocabulary after the TP gather), or None when no row is sampled. Times its phases in
+        `step_times` (prepare: the input tensors; forward: the model and the LM head)."""
+        start = time.perf_counter()
+        ids, positions, meta = self._prepare_inputs(
+            batch.input_ids, batch.starts, batch.query_lens, batch.block_ids
+        )
+        rows = None
+        if batch.sample_rows:
+            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        forward_start = time.perf_counter()
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        logits = None if rows is None else self.model.compute_logits(hidden.index_select(0, rows))
+        self.step_times = StepTimes(
+            prepare=forward_start - start, forward=time.perf_counter() - forward_start
+        )
+        return logits
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         """A seeded request's own generator, created at its first draw and kept until it
