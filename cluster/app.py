@@ -13,6 +13,12 @@ from cluster.config import ClusterConfig
 from replica.deployment import LLMServer
 from router.ingress import IngressSettings, make_ingress_deployment, model_dir_of
 
+# On scale-down, redeploy or shutdown a replica takes no new requests and waits this long for
+# its in-flight ones (Serve's graceful shutdown). The ingress waits longer, so that it can still
+# relay what the replicas send until their last moment, an error event included.
+REPLICA_DRAIN_TIMEOUT_S = 60.0
+INGRESS_DRAIN_TIMEOUT_S = REPLICA_DRAIN_TIMEOUT_S + 15.0
+
 ROUTERS = {
     "load_aware": "router.request_router:LoadAwareRouter",
     "round_robin": "router.request_router:LoadAwareRouter",
@@ -30,7 +36,7 @@ def replica_options(config: ClusterConfig) -> dict:
         "max_ongoing_requests": config.max_ongoing_requests,
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
-        "graceful_shutdown_timeout_s": 30,
+        "graceful_shutdown_timeout_s": REPLICA_DRAIN_TIMEOUT_S,
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTERS[config.routing.policy],
             request_router_kwargs=(
@@ -91,7 +97,7 @@ def ingress_settings(config: ClusterConfig) -> IngressSettings:
         max_body_bytes=config.http.max_body_bytes,
         max_tokens_cap=config.http.max_tokens_cap,
         max_pending_requests=config.http.max_pending_requests,
-        api_keys=[k.get_secret_value() for k in config.auth.api_keys],
+        api_keys=list(config.auth.api_keys),
         api_keys_env=config.auth.api_keys_env,
         log_prompts=config.log_prompts,
     )
@@ -104,5 +110,6 @@ def build_app(args: ClusterConfig) -> serve.Application:
     ingress = make_ingress_deployment().options(
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=config.http.max_pending_requests + 64,
+        graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,
     )
     return ingress.bind(llm_app, ingress_settings(config))

@@ -105,6 +105,7 @@ class LLMServer:
             "num_free_blocks": self.engine.engine.scheduler.kv.pool.num_free_blocks,
             "num_kv_blocks": self.engine.engine.num_kv_blocks,
             "num_unfinished": self.engine.num_unfinished(),
+            "num_request_states": self.engine.engine.num_request_states,
             "ts": now,
         }
 

@@ -330,9 +330,13 @@ class AsyncEngine:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         self.engine.check_request(prompt_token_ids, params)
-        # Admitted but not running: counted from the streams, which change here at once, not
-        # from the last step's stats, so a burst within one step cannot overshoot the limit.
-        waiting = len(self._streams) - self._stats.num_running
+        # Waiting as of the last step, but at least the streams beyond the running seats: those
+        # change here at once, so a burst within one step cannot overshoot, and a replica never
+        # holds more than max_num_seqs + max_queue_len requests.
+        waiting = max(
+            self._stats.num_waiting + len(self._inbox),
+            len(self._streams) - self.config.max_num_seqs,
+        )
         if waiting >= self.config.max_queue_len:
             raise EngineOverloaded(
                 f"replica queue is full ({waiting} waiting >= max_queue_len="

@@ -2,8 +2,9 @@
 lengths against max_model_len, fans each choice out to a replica through the deployment handle
 (routed by LoadAwareRouter) and streams SSE or aggregates the answer."""
 
-
 import asyncio
+import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 from ray import serve
 
 from replica.config import EngineConfig
@@ -69,7 +70,7 @@ class IngressSettings(BaseModel):
     max_body_bytes: int = 4 << 20
     max_tokens_cap: int = 4096
     max_pending_requests: int = 1024
-    api_keys: list[str] = []
+    api_keys: list[SecretStr] = []  # SecretStr: a repr or log of the settings shows no key
     api_keys_env: str = "STEPSERVE_API_KEYS"
     log_prompts: bool = False
 
@@ -77,7 +78,8 @@ class IngressSettings(BaseModel):
         """Keys given in the config plus those in the env var, read in this process (so a
         Kubernetes Secret mounted as env on the pod works and keys never travel in configs)."""
         env = os.environ.get(self.api_keys_env, "")
-        return set(self.api_keys) | {k.strip() for k in env.split(",") if k.strip()}
+        given = {k.get_secret_value() for k in self.api_keys}
+        return given | {k.strip() for k in env.split(",") if k.strip()}
 
 
 class HTTPError(Exception):
@@ -180,7 +182,10 @@ class IngressCore:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() not in self.api_keys:
+        token = token.strip().encode()
+        # compare_digest against every key: the time taken does not tell how close a guess was
+        known = [hmac.compare_digest(token, key.encode()) for key in self.api_keys]
+        if scheme.lower() != "bearer" or not any(known):
             raise HTTPError(
                 401,
                 "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -197,13 +202,15 @@ class IngressCore:
                 f"request body is {declared} bytes; the limit is {limit}",
                 "invalid_request_error",
             )
-        body = await request.body()
-        if len(body) > limit:
-            raise HTTPError(
-                413,
-                f"request body is {len(body)} bytes; the limit is {limit}",
-                "invalid_request_error",
-            )
+        body = bytearray()
+        async for chunk in request.stream():  # a chunked upload has no content-length: count
+            body += chunk
+            if len(body) > limit:
+                raise HTTPError(
+                    413,
+                    f"request body exceeds the limit of {limit} bytes",
+                    "invalid_request_error",
+                )
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -289,6 +296,7 @@ class IngressCore:
         done = object()
 
         async def pump(index: int, ids: list[int], params: SamplingParams) -> None:
+            _own_serve_request_id()  # this task's context only
             try:
                 async for out in self._one_stream(ids, params):
                     queue.put_nowait((index, out))
@@ -426,7 +434,10 @@ class IngressCore:
         )
 
     async def stream(self, jobs, chat: bool, req) -> AsyncIterator[str]:
-        """SSE events; an error after the stream started is sent as an error event."""
+        """SSE events of an admitted request, which owns its in-flight slot until it ends.
+        Nothing is yielded before the first text arrives, so a failure before it (replica
+        queue full, replica lost) raises to the caller and becomes a plain HTTP error (429,
+        503); a failure after it is sent as an error event."""
         model = self.settings.model_name
         stream_id = chat_completion_id() if chat else completion_id()
         created = int(time.time())
@@ -436,10 +447,12 @@ class IngressCore:
         completion_tokens = 0
         wants_logprobs = jobs[0][2].logprobs is not None
         offsets = dict.fromkeys((j[0] for j in jobs), 0)
+        pending = ""  # events held back until the first text arrives
+        started = False
         try:
             if chat:
                 for index, _, _ in jobs:  # the role comes first, as OpenAI sends it
-                    yield sse_event(
+                    pending += sse_event(
                         ChatCompletionStreamChunk(
                             id=stream_id,
                             created=created,
@@ -488,14 +501,21 @@ class IngressCore:
                         ],
                     )
                     offsets[index] += len(out.new_text)
-                yield sse_event(chunk)
+                started = True
+                yield pending + sse_event(chunk)
+                pending = ""
             if req.include_usage:
                 usage = UsageInfo.of(sum(prompt_tokens.values()), completion_tokens)
                 cls = ChatCompletionStreamChunk if chat else CompletionStreamChunk
-                yield sse_event(cls(id=stream_id, created=created, model=model, usage=usage))
+                pending += sse_event(cls(id=stream_id, created=created, model=model, usage=usage))
+            if pending:
+                started = True
+                yield pending
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if not started:
+                raise
             err = classify_error(exc)
             logger.warning("stream %s failed: %s", stream_id, err.message)
             yield f"data: {json.dumps(error_body(err.message, err.type, err.status))}\n\n"
@@ -505,33 +525,63 @@ class IngressCore:
 
     async def serve_request(self, request: Request, chat: bool) -> Response:
         self.check_auth(request)
-        data = await self.read_json(request)
-        cls = ChatCompletionRequest if chat else CompletionRequest
-        try:
-            req = cls.model_validate(data)
-        except ValidationError as exc:
-            return JSONResponse(validation_error_body(exc.errors()), status_code=400)
-        self.check_model(req.model)
-        if chat:
-            prompts = [self.chat_prompt(req)]
-        else:
-            prompts = self.completion_prompts(req)
-        if self.settings.log_prompts:
-            logger.info("prompt token counts %s", [len(p) for p in prompts])
-        jobs = await self.prepare(req, prompts)
-        self.admit()
+        self.admit()  # before any parsing: an overloaded server spends nothing on the refused
         self.inflight += 1
-        if req.stream:
-            return StreamingResponse(
-                self.stream(jobs, chat, req),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+        owns_slot = True
         try:
+            data = await self.read_json(request)
+            cls = ChatCompletionRequest if chat else CompletionRequest
+            try:
+                req = cls.model_validate(data)
+            except ValidationError as exc:
+                return JSONResponse(validation_error_body(exc.errors()), status_code=400)
+            self.check_model(req.model)
+            if chat:
+                prompts = [self.chat_prompt(req)]
+            else:
+                prompts = self.completion_prompts(req)
+            if self.settings.log_prompts:
+                logger.info("prompt token counts %s", [len(p) for p in prompts])
+            jobs = await self.prepare(req, prompts)
+            if req.stream:
+                events = self.stream(jobs, chat, req)
+                owns_slot = False  # the stream frees it, however it ends
+                # Wait for the first event before answering, so that a refusal is a real 429
+                # (or 503) status. Once started, the stream's cleanup runs even if the response
+                # is never iterated (the event loop finalizes started async generators).
+                first = await anext(events)
+                return StreamingResponse(
+                    _prepend(first, events),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
             result = await self.aggregate(jobs, chat, req)
+            return JSONResponse(result.model_dump(exclude_none=False))
         finally:
-            self.inflight -= 1
-        return JSONResponse(result.model_dump(exclude_none=False))
+            if owns_slot:
+                self.inflight -= 1
+
+
+async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
+
+
+def _own_serve_request_id() -> None:
+    """Give the handle calls of the current task a Serve request id of their own. A call made
+    while serving a request inherits that request's internal id, and Ray Serve's router indexes
+    the calls waiting for a replica by it: two concurrent calls of one request (n > 1, several
+    prompts) collide and one of them is never routed, a hang. Cancelling the task still
+    cancels its call, so a client that leaves still aborts every choice."""
+    from ray.serve import context
+
+    current = context._get_serve_request_context()
+    fresh = dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+    context._serve_request_context.set(fresh)
 
 
 def _finish(reason: str | None) -> str | None:
@@ -558,6 +608,27 @@ async def _guarded(coro_fn, *args) -> Response:
         return err.response()
 
 
+def request_body_spec(model: type[BaseModel]) -> dict:
+    """OpenAPI requestBody for a route that reads the raw body (to cap its size and word its
+    errors) and so has no body schema from FastAPI: the model's JSON schema with its $defs
+    inlined, so clients and schema-driven fuzzers see what the route accepts."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
 # -- the Serve deployment ---------------------------------------------------------------------
 fastapi_app = FastAPI(title="stepserve", version="0.1.0")
 
@@ -569,11 +640,17 @@ class Ingress:
     def __init__(self, llm_handle, settings: IngressSettings) -> None:
         self.core = IngressCore(llm_handle, settings)
 
-    @fastapi_app.post("/v1/completions")
+    def stats(self) -> dict:
+        """Requests this ingress holds now (a handle call; used by tests and the soak)."""
+        return {"inflight": self.core.inflight}
+
+    @fastapi_app.post("/v1/completions", openapi_extra=request_body_spec(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         return await _guarded(self.core.serve_request, request, False)
 
-    @fastapi_app.post("/v1/chat/completions")
+    @fastapi_app.post(
+        "/v1/chat/completions", openapi_extra=request_body_spec(ChatCompletionRequest)
+    )
     async def chat_completions(self, request: Request) -> Response:
         return await _guarded(self.core.serve_request, request, True)
 

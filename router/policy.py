@@ -7,19 +7,36 @@ tiers of replica ids (best first), the shape of Ray's `RequestRouter.choose_repl
 Score (lower is better), in units of "queued requests":
 
     fresh    = stats_age_s <= stale_stats_periods * stats_period_s
-    queue    = max(ongoing, waiting + running) if fresh else ongoing
+    engine   = max(0, waiting + running - completed_since_stats)
+    queue    = max(ongoing, engine, mine) if fresh else max(ongoing, mine)
     overflow = max(0, queue - max_num_seqs)       (0 when max_num_seqs is unknown)
+    size     = request_tokens / mean_tokens       (1 when either is unknown)
+    sized    = queue + max(0, size * inflight_tokens / mean_tokens - mine) / 2
     kv       = u / (1 - min(u, 0.99)) with u = kv_usage clamped to [0, 1]
-    score    = weight_queue * (queue + overflow)
-             + weight_kv_usage * kv                 (fresh stats only)
+    score    = weight_queue * (sized + overflow)
+             + weight_kv_usage * kv * min(1, size)      (fresh stats only)
              + weight_preemptions * preemptions_per_s   (fresh stats only)
 
 `ongoing` is Ray's own in-flight count, always current; `waiting + running` is the engine's view
-as of its last report, which also counts requests other routers sent. Requests beyond the
-batch's seats (overflow) wait for a seat, so they count twice. The KV term is about u at low
-usage and grows without bound near a full cache (0.5 -> 1, 0.9 -> 9, 0.99 -> 99), where a new
-request would force preemptions. Stale stats drop to `ongoing` alone rather than steer by
-numbers that may be seconds old.
+as of its last report, which also counts requests other routers sent; requests of ours that
+finished since that report (`completed_since_stats`) no longer count. Requests beyond the
+batch's seats (overflow) wait for a seat, so they count twice.
+
+A count treats a 16-token chat turn and a 1k-token prompt with a 256-token answer alike, and the
+KV report that would tell them apart is up to a few periods old. So this router keeps its own,
+always-current tally of its requests on each replica (`InflightLoad`): `mine` of them, with a
+KV footprint (prompt + max_tokens) of `inflight_tokens`; `mean_tokens` is the average footprint
+of its in-flight requests over all replicas, and `size` that of the request being routed
+(`request_tokens`) relative to it. Every request takes a seat; `sized` adds the KV contention
+between the request being routed and ours already there, beyond one unit per request: nothing
+when all requests are alike (the count says it all) or when a short request only needs a
+seat, a lot when a long request would meet long requests. For the same reason the KV term is
+weighted by the request's size (at most 1): a chat turn barely moves a cache's usage, a
+1k-token prompt can tip it into preemptions.
+
+The KV term is about u at low usage and grows without bound near a full cache (0.5 -> 1,
+0.9 -> 9, 0.99 -> 99), where a new request would force preemptions. Stale stats drop to
+Ray's count and our own tally rather than steer by numbers that may be seconds old.
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import hashlib
 import math
 import random
 import struct
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -72,6 +90,10 @@ class ReplicaStats:
     preemptions_per_s: float = 0.0  # recent rate
     max_num_seqs: int = 0  # 0: unknown
     stats_age_s: float = math.inf  # seconds since the replica last recorded stats
+    # this router's own tally (InflightLoad), current at every decision:
+    inflight_requests: int = 0  # its requests in flight on the replica with a known size
+    inflight_tokens: int = 0  # their prompt + max_tokens, summed
+    completed_since_stats: int = 0  # its requests there that finished after the stats were taken
 
 
 def stats_are_fresh(stats: ReplicaStats, cfg: RoutingConfig) -> bool:
@@ -79,10 +101,37 @@ def stats_are_fresh(stats: ReplicaStats, cfg: RoutingConfig) -> bool:
 
 
 def effective_queue(stats: ReplicaStats, cfg: RoutingConfig) -> int:
-    """Requests on the replica: Ray's count, or the engine's when fresh and larger."""
+    """Requests on the replica: Ray's count, our own tally, or the engine's report when fresh
+    and larger (less the requests of ours that finished since it was taken)."""
+    known = max(stats.ongoing, stats.inflight_requests)
     if stats_are_fresh(stats, cfg):
-        return max(stats.ongoing, stats.waiting + stats.running)
-    return stats.ongoing
+        return max(known, stats.waiting + stats.running - stats.completed_since_stats)
+    return known
+
+
+@dataclass(frozen=True)
+class RequestSize:
+    """The request being routed against this router's in-flight requests: their average KV
+    footprint (0: none known) and the request's own relative to it (1: unknown)."""
+
+    mean_tokens: float = 0.0
+    relative: float = 1.0
+
+    @classmethod
+    def of(cls, replicas: Sequence[ReplicaStats], request_tokens: int = 0) -> RequestSize:
+        mean = mean_request_tokens(replicas)
+        relative = request_tokens / mean if mean > 0 and request_tokens > 0 else 1.0
+        return cls(mean, relative)
+
+
+def sized_queue(stats: ReplicaStats, cfg: RoutingConfig, size: RequestSize) -> float:
+    """`effective_queue` plus the KV contention between the request being routed and this
+    router's requests on the replica beyond one unit each (the module docstring's `sized`)."""
+    queue = effective_queue(stats, cfg)
+    if size.mean_tokens <= 0 or stats.inflight_requests <= 0:
+        return float(queue)
+    contention = size.relative * stats.inflight_tokens / size.mean_tokens
+    return queue + max(0.0, contention - stats.inflight_requests) / 2
 
 
 def kv_pressure(kv_usage: float) -> float:
@@ -91,13 +140,21 @@ def kv_pressure(kv_usage: float) -> float:
     return usage / (1.0 - usage)
 
 
-def score(stats: ReplicaStats, cfg: RoutingConfig) -> float:
-    """Load score of one replica, lower is better; the formula is in the module docstring."""
+def mean_request_tokens(replicas: Sequence[ReplicaStats]) -> float:
+    """Average size (prompt + max_tokens) of this router's in-flight requests; 0 if none."""
+    count = sum(r.inflight_requests for r in replicas)
+    return sum(r.inflight_tokens for r in replicas) / count if count else 0.0
+
+
+def score(stats: ReplicaStats, cfg: RoutingConfig, size: RequestSize = RequestSize()) -> float:
+    """Load score of one replica for a request of `size`, lower is better; the formula is in
+    the module docstring. The default size knows nothing of tokens: counts and reports only."""
     queue = effective_queue(stats, cfg)
     overflow = max(0, queue - stats.max_num_seqs) if stats.max_num_seqs > 0 else 0
-    total = cfg.weight_queue * (queue + overflow)
+    total = cfg.weight_queue * (sized_queue(stats, cfg, size) + overflow)
     if stats_are_fresh(stats, cfg):
-        total += cfg.weight_kv_usage * kv_pressure(stats.kv_usage)
+        kv_weight = cfg.weight_kv_usage * min(1.0, size.relative)
+        total += kv_weight * kv_pressure(stats.kv_usage)
         total += cfg.weight_preemptions * max(stats.preemptions_per_s, 0.0)
     return total
 
@@ -127,10 +184,12 @@ def preferred_replica(prefix: int, replica_ids: Sequence[str]) -> str | None:
     return max(replica_ids, key=lambda rid: (_rendezvous_weight(prefix, rid), rid))
 
 
-def _load_tiers(replicas: Sequence[ReplicaStats], cfg: RoutingConfig) -> list[list[str]]:
+def _load_tiers(
+    replicas: Sequence[ReplicaStats], cfg: RoutingConfig, size: RequestSize
+) -> list[list[str]]:
     """Replicas sorted by score, grouped into tiers: a tier holds every replica within
     `score_tolerance` of the tier's best."""
-    scored = sorted((score(r, cfg), r.replica_id) for r in replicas)
+    scored = sorted((score(r, cfg, size), r.replica_id) for r in replicas)
     tiers: list[list[str]] = []
     tier_best = -math.inf
     for value, replica_id in scored:
@@ -173,15 +232,18 @@ def _with_prefix_affinity(
     replicas: Sequence[ReplicaStats],
     cfg: RoutingConfig,
     prefix: int,
+    size: RequestSize,
 ) -> list[list[str]]:
-    """Put the prefix's rendezvous replica first unless its queue exceeds the least-loaded
-    replica's by more than `imbalance_threshold`; then keep `tiers` without it."""
+    """Put the prefix's rendezvous replica first unless its score exceeds the least-loaded
+    replica's by more than `imbalance_threshold`; then keep `tiers` without it. The score (in
+    queued requests, sized, KV pressure included) decides rather than the bare count: a replica
+    busy with huge requests is no place for a prompt whose only claim is a cached prefix."""
     by_id = {r.replica_id: r for r in replicas}
     preferred = preferred_replica(prefix, list(by_id))
     if preferred is None:
         return tiers
-    least_queue = min(effective_queue(r, cfg) for r in replicas)
-    if effective_queue(by_id[preferred], cfg) - least_queue > cfg.imbalance_threshold:
+    scores = {r.replica_id: score(r, cfg, size) for r in replicas}
+    if scores[preferred] - min(scores.values()) > cfg.imbalance_threshold:
         return tiers
     rest = [[rid for rid in tier if rid != preferred] for tier in tiers]
     return [[preferred]] + [tier for tier in rest if tier]
@@ -194,18 +256,20 @@ def rank_replicas(
     *,
     rng: random.Random | None = None,
     round_robin: RoundRobin | None = None,
+    request_tokens: int = 0,
 ) -> list[list[str]]:
     """Ranked tiers of replica ids, best tier first; the caller may take any replica of a tier.
 
-    load_aware ranks every replica by `score`; pow2 returns its two samples, fewer in-flight
-    first; round_robin needs the `round_robin` state (use `Policy`, which keeps it). With
-    cfg.prefix_affinity and a prefix key, the prefix's rendezvous replica leads unless the load
-    is imbalanced.
+    load_aware ranks every replica by `score` for a request of `request_tokens` (prompt +
+    max_tokens; 0: unknown); pow2 returns its two samples, fewer in-flight first; round_robin
+    needs the `round_robin` state (use `Policy`, which keeps it). With cfg.prefix_affinity and
+    a prefix key, the prefix's rendezvous replica leads unless the load is imbalanced.
     """
     if not replicas:
         return []
+    size = RequestSize.of(replicas, request_tokens)
     if cfg.policy == "load_aware":
-        tiers = _load_tiers(replicas, cfg)
+        tiers = _load_tiers(replicas, cfg, size)
     elif cfg.policy == "pow2":
         tiers = _pow2_tiers(replicas, rng or random.Random())
     else:
@@ -213,7 +277,7 @@ def rank_replicas(
             raise ValueError("the round_robin policy is stateful: pass round_robin= or use Policy")
         tiers = [[rid] for rid in round_robin.next([r.replica_id for r in replicas])]
     if cfg.prefix_affinity and prefix is not None:
-        tiers = _with_prefix_affinity(tiers, replicas, cfg, prefix)
+        tiers = _with_prefix_affinity(tiers, replicas, cfg, prefix, size)
     return tiers
 
 
@@ -226,9 +290,19 @@ class Policy:
         self._rng = rng if rng is not None else random.Random()
         self._round_robin = RoundRobin()
 
-    def rank(self, replicas: Sequence[ReplicaStats], prefix: int | None = None) -> list[list[str]]:
+    def rank(
+        self,
+        replicas: Sequence[ReplicaStats],
+        prefix: int | None = None,
+        request_tokens: int = 0,
+    ) -> list[list[str]]:
         return rank_replicas(
-            replicas, self.cfg, prefix, rng=self._rng, round_robin=self._round_robin
+            replicas,
+            self.cfg,
+            prefix,
+            rng=self._rng,
+            round_robin=self._round_robin,
+            request_tokens=request_tokens,
         )
 
     def prefix_key(self, token_ids: Sequence[int], block_size: int) -> int | None:
@@ -236,3 +310,84 @@ class Policy:
         if not self.cfg.prefix_affinity:
             return None
         return prefix_key(token_ids, block_size, self.cfg.prefix_affinity_blocks)
+
+
+class InflightLoad:
+    """A router's own, always-current tally per replica: how many of its requests are in flight
+    there and their KV footprint (prompt + max_tokens), and when its requests there finished
+    (to discount them from the replica's last stats report). Feed it `routed` and `completed`.
+
+    `completed` may arrive before `routed` for a request that finishes at once; such ids are
+    remembered (a bounded number) so the late `routed` does not leave a phantom entry behind.
+    A completion on another replica (a request the replica rejected, then sent elsewhere) does
+    not cancel the `routed` that follows.
+    """
+
+    def __init__(self, completion_window_s: float = 60.0, max_early: int = 10_000) -> None:
+        self.completion_window_s = completion_window_s
+        self._requests: dict[str, tuple[str, int]] = {}  # request id -> (replica id, tokens)
+        self._tokens: dict[str, int] = {}
+        self._counts: dict[str, int] = {}
+        self._completions: dict[str, deque[float]] = {}
+        self._finished_early: OrderedDict[str, str] = OrderedDict()  # request id -> replica id
+        self._max_early = max_early
+
+    def routed(self, request_id: str, replica_id: str, tokens: int) -> None:
+        if self._finished_early.get(request_id) == replica_id:  # it has finished already
+            del self._finished_early[request_id]
+            return
+        if request_id in self._requests:
+            return
+        self._requests[request_id] = (replica_id, tokens)
+        self._tokens[replica_id] = self._tokens.get(replica_id, 0) + tokens
+        self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
+
+    def completed(self, request_id: str, replica_id: str, now: float) -> None:
+        entry = self._requests.get(request_id)
+        if entry is None or entry[0] != replica_id:
+            self._finished_early[request_id] = replica_id
+            while len(self._finished_early) > self._max_early:
+                self._finished_early.popitem(last=False)
+            return
+        del self._requests[request_id]
+        self._tokens[replica_id] -= entry[1]
+        self._counts[replica_id] -= 1
+        times = self._completions.setdefault(replica_id, deque())
+        times.append(now)
+        while times and now - times[0] > self.completion_window_s:
+            times.popleft()
+
+    def requests(self, replica_id: str) -> int:
+        return self._counts.get(replica_id, 0)
+
+    def tokens(self, replica_id: str) -> int:
+        return self._tokens.get(replica_id, 0)
+
+    def completed_since(self, replica_id: str, since: float) -> int:
+        """This router's requests on `replica_id` that finished after time `since`."""
+        count = 0
+        for t in reversed(self._completions.get(replica_id, ())):  # newest first
+            if t <= since:
+                break
+            count += 1
+        return count
+
+    def forget_missing(self, replica_ids: Sequence[str]) -> None:
+        """Drop the tallies of replicas that are gone (their requests will never complete)."""
+        alive = set(replica_ids)
+        for rid in [r for r in self._counts if r not in alive]:
+            self._counts.pop(rid, None)
+            self._tokens.pop(rid, None)
+            self._completions.pop(rid, None)
+        for request_id in [q for q, (r, _) in self._requests.items() if r not in alive]:
+            del self._requests[request_id]
+
+
+def request_tokens(payload: object) -> int:
+    """The KV footprint a request can reach: prompt tokens + max_tokens (0 if unknown)."""
+    if not isinstance(payload, dict):
+        return 0
+    prompt = payload.get("prompt_token_ids") or ()
+    sampling = payload.get("sampling") or {}
+    max_tokens = sampling.get("max_tokens", 0) if isinstance(sampling, dict) else 0
+    return len(prompt) + int(max_tokens or 0)

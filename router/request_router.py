@@ -1,27 +1,39 @@
 """LoadAwareRouter: plugs router/policy.py into Ray Serve as a custom RequestRouter. Signals:
-Ray's own fresh per-replica in-flight count plus the stats each replica records about once a
-second (waiting, running, KV usage, recent preemptions)."""
+Ray's own fresh per-replica in-flight count, this router's own tally of the tokens it has in
+flight on each replica (fed by Ray's on_request_routed / on_request_completed hooks), plus the
+stats each replica records about once a second (waiting, running, KV usage, recent
+preemptions)."""
 
 from __future__ import annotations
 
+import random
 import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from router.policy import Policy, ReplicaStats, RoutingConfig
+from router.policy import InflightLoad, Policy, ReplicaStats, RoutingConfig, request_tokens
+
+
+def _payload(pending_request: PendingRequest | None) -> object:
+    if pending_request is None or not pending_request.args:
+        return None
+    return pending_request.args[0]
 
 
 class LoadAwareRouter(RequestRouter):
     def initialize_state(self, routing: dict | None = None, **_: object) -> None:
         self.routing_config = RoutingConfig.model_validate(routing or {})
         self.policy = Policy(self.routing_config)
+        self.inflight = InflightLoad()
+        self._rng = random.Random()
 
     def _stats_of(self, replica: RunningReplica, now: float) -> ReplicaStats:
+        rid = replica.replica_id.unique_id
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
         recorded = replica.routing_stats or {}
         ts = recorded.get("ts")
         return ReplicaStats(
-            replica_id=replica.replica_id.unique_id,
+            replica_id=rid,
             ongoing=int(ongoing or 0),
             waiting=int(recorded.get("waiting", 0)),
             running=int(recorded.get("running", 0)),
@@ -29,6 +41,9 @@ class LoadAwareRouter(RequestRouter):
             preemptions_per_s=float(recorded.get("preemptions_per_s", 0.0)),
             max_num_seqs=int(recorded.get("max_num_seqs", 0)),
             stats_age_s=(now - ts) if ts else float("inf"),
+            inflight_requests=self.inflight.requests(rid),
+            inflight_tokens=self.inflight.tokens(rid),
+            completed_since_stats=self.inflight.completed_since(rid, ts) if ts else 0,
         )
 
     async def choose_replicas(
@@ -41,10 +56,29 @@ class LoadAwareRouter(RequestRouter):
         now = time.time()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         stats = [self._stats_of(r, now) for r in candidate_replicas]
-        prefix = None
-        if pending_request is not None and pending_request.args:
-            payload = pending_request.args[0]
-            if isinstance(payload, dict):
-                prefix = payload.get("prefix_key")
-        tiers = self.policy.rank(stats, prefix)
-        return [[by_id[rid] for rid in tier if rid in by_id] for tier in tiers if tier]
+        payload = _payload(pending_request)
+        prefix = payload.get("prefix_key") if isinstance(payload, dict) else None
+        tiers = self.policy.rank(stats, prefix, request_tokens(payload))
+        ranked = []
+        for tier in tiers:
+            replicas = [by_id[rid] for rid in tier if rid in by_id]
+            # Ray takes the tier's replica with the fewest in-flight requests and, among equals,
+            # the first: shuffle so ties do not always land on the same replica
+            self._rng.shuffle(replicas)
+            if replicas:
+                ranked.append(replicas)
+        return ranked
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.inflight.forget_missing([r.replica_id.unique_id for r in replicas])
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        tokens = request_tokens(_payload(pending_request))
+        if tokens:
+            self.inflight.routed(
+                pending_request.metadata.internal_request_id, replica_id.unique_id, tokens
+            )
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.inflight.completed(internal_request_id, replica_id.unique_id, time.time())

@@ -1,5 +1,5 @@
-"""Replica ranking: load-aware scoring, stale stats, prefix affinity by rendezvous hashing,
-power-of-two choices and round robin."""
+"""Replica ranking: load-aware scoring, stale stats, in-flight token tallies, prefix affinity by
+rendezvous hashing, power-of-two choices and round robin."""
 
 from __future__ import annotations
 
@@ -11,16 +11,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.policy import (
+    InflightLoad,
     Policy,
     ReplicaStats,
+    RequestSize,
     RoundRobin,
     RoutingConfig,
     effective_queue,
     kv_pressure,
+    mean_request_tokens,
     preferred_replica,
     prefix_key,
     rank_replicas,
+    request_tokens,
     score,
+    sized_queue,
 )
 
 LOAD_AWARE = RoutingConfig()
@@ -119,15 +124,24 @@ replica_stats = st.builds(
     preemptions_per_s=st.floats(0, 10),
     max_num_seqs=st.integers(0, 64),
     stats_age_s=st.floats(0, 10),
+    inflight_requests=st.integers(0, 20),
+    inflight_tokens=st.integers(0, 40_000),
+    completed_since_stats=st.integers(0, 10),
 )
 
 
-@given(st.lists(replica_stats, max_size=12, unique_by=lambda r: r.replica_id))
-def test_load_tiers_partition_replicas_in_score_order(replicas: list[ReplicaStats]) -> None:
-    tiers = rank_replicas(replicas, LOAD_AWARE)
+@given(
+    st.lists(replica_stats, max_size=12, unique_by=lambda r: r.replica_id),
+    st.integers(0, 5000),
+)
+def test_load_tiers_partition_replicas_in_score_order(
+    replicas: list[ReplicaStats], request_tokens: int
+) -> None:
+    tiers = rank_replicas(replicas, LOAD_AWARE, request_tokens=request_tokens)
     flat = [rid for tier in tiers for rid in tier]
     assert sorted(flat) == sorted(r.replica_id for r in replicas)
-    by_id = {r.replica_id: score(r, LOAD_AWARE) for r in replicas}
+    size = RequestSize.of(replicas, request_tokens)
+    by_id = {r.replica_id: score(r, LOAD_AWARE, size) for r in replicas}
     scores = [by_id[rid] for rid in flat]
     assert scores == sorted(scores)
     for tier in tiers:
@@ -203,6 +217,23 @@ def test_prefix_affinity_yields_to_load_when_imbalanced() -> None:
     assert rank_replicas(hidden, cfg, prefix=key) == [["b"], ["a"]]
 
 
+def test_prefix_affinity_yields_to_a_replica_busy_with_huge_requests() -> None:
+    cfg = RoutingConfig(prefix_affinity=True, imbalance_threshold=4)
+    key = next(k for k in range(1000) if preferred_replica(k, ["a", "b"]) == "a")
+    # equal counts: "a" holds two long requests and a filling cache, "b" two chat turns
+    busy = [
+        fresh("a", 2, inflight_requests=2, inflight_tokens=2560, kv_usage=0.5),
+        fresh("b", 2, inflight_requests=2, inflight_tokens=96, kv_usage=0.02),
+    ]
+    assert max(effective_queue(r, cfg) for r in busy) == 2  # counts alone would keep affinity
+    assert rank_replicas(busy, cfg, prefix=key) == [["b"], ["a"]]
+    light = [
+        fresh("a", 2, inflight_requests=2, inflight_tokens=128, kv_usage=0.05),
+        fresh("b", 2, inflight_requests=2, inflight_tokens=96, kv_usage=0.02),
+    ]
+    assert first_choice(rank_replicas(light, cfg, prefix=key)) == "a"
+
+
 def test_policy_prefix_key_only_with_affinity() -> None:
     tokens = list(range(64))
     assert Policy(LOAD_AWARE).prefix_key(tokens, 16) is None
@@ -252,3 +283,145 @@ def test_round_robin_state_is_required() -> None:
         rank_replicas([fresh("a")], RoutingConfig(policy="round_robin"))
     rr = RoundRobin()
     assert [rr.next(["x", "y"])[0] for _ in range(3)] == ["x", "y", "x"]
+
+
+# --- in-flight tokens (this router's own tally) ----------------------------------------------
+
+
+def test_a_long_request_avoids_long_ones_a_short_one_only_needs_a_seat() -> None:
+    # Ray counts 1 on "long" (a 1k-token prompt with a 256-token answer, cache half full) and 3
+    # on "shorts" (chat turns); only this router's token tally tells them apart
+    replicas = [
+        fresh("long", 1, inflight_requests=1, inflight_tokens=1280, kv_usage=0.5),
+        fresh("shorts", 3, inflight_requests=3, inflight_tokens=144, kv_usage=0.05),
+    ]
+    assert first_choice(rank_replicas(replicas, LOAD_AWARE, request_tokens=1280)) == "shorts"
+    assert first_choice(rank_replicas(replicas, LOAD_AWARE, request_tokens=48)) == "long"
+    # size unknown: counted as an average request, which the long one dwarfs
+    assert first_choice(rank_replicas(replicas, LOAD_AWARE)) == "shorts"
+
+
+def test_sized_queue_adds_kv_contention_beyond_one_unit_per_request() -> None:
+    cfg = RoutingConfig(weight_kv_usage=0, weight_preemptions=0)
+    replicas = [
+        fresh("a", 1, inflight_requests=1, inflight_tokens=500),
+        fresh("b", 1, inflight_requests=1, inflight_tokens=100),
+        fresh("c", 2, inflight_requests=2, inflight_tokens=480),
+        fresh("d", 3, waiting=1, running=4, inflight_requests=1, inflight_tokens=120),
+    ]
+    assert mean_request_tokens(replicas) == 240
+    double = RequestSize.of(replicas, request_tokens=480)
+    assert double == RequestSize(240.0, 2.0)
+    # a: 1 + (2 * 500/240 - 1)/2; b and d: smaller than one unit each, no contention;
+    # c: 2 + (2 * 480/240 - 2)/2; d: the engine reports 5
+    expected = [1 + (2 * 500 / 240 - 1) / 2, 1.0, 3.0, 5.0]
+    assert [sized_queue(r, cfg, double) for r in replicas] == pytest.approx(expected)
+    assert [score(r, cfg, double) for r in replicas] == pytest.approx(expected)
+    average = RequestSize.of(replicas)  # size unknown: an average request
+    assert average.relative == 1.0
+    assert [sized_queue(r, cfg, average) for r in replicas] == pytest.approx(
+        [1 + (500 / 240 - 1) / 2, 1.0, 2.0, 5.0]
+    )
+    # scaling every size changes nothing: sizes are relative to the average
+    scaled = [
+        fresh(
+            r.replica_id,
+            r.ongoing,
+            waiting=r.waiting,
+            running=r.running,
+            inflight_requests=r.inflight_requests,
+            inflight_tokens=10 * r.inflight_tokens,
+        )
+        for r in replicas
+    ]
+    assert rank_replicas(scaled, cfg, request_tokens=4800) == rank_replicas(
+        replicas, cfg, request_tokens=480
+    )
+    assert RequestSize.of([fresh("idle")], request_tokens=100) == RequestSize(0.0, 1.0)
+    assert sized_queue(replicas[0], cfg, RequestSize()) == 1.0
+
+
+def test_equal_sizes_leave_the_counts_alone() -> None:
+    replicas = [fresh(f"r{i}", i, inflight_requests=i, inflight_tokens=64 * i) for i in range(4)]
+    size = RequestSize.of(replicas, request_tokens=64)
+    assert [sized_queue(r, LOAD_AWARE, size) for r in replicas] == [0, 1, 2, 3]
+
+
+def test_kv_term_is_weighted_by_the_request_size() -> None:
+    cfg = RoutingConfig(weight_preemptions=0)
+    stats = fresh("a", 0, kv_usage=0.5)
+    assert score(stats, cfg, RequestSize(100.0, 0.25)) == pytest.approx(4 * 0.25 * 1.0)
+    assert score(stats, cfg, RequestSize(100.0, 3.0)) == pytest.approx(4 * 1.0)  # capped at 1
+    assert score(stats, cfg) == pytest.approx(4 * 1.0)
+
+
+def test_own_tally_counts_when_rays_count_is_missing() -> None:
+    # Ray's cache entry expired (None -> 0) and the stats are stale: our tally still knows
+    stats = ReplicaStats("a", 0, inflight_requests=3, inflight_tokens=300, stats_age_s=99.0)
+    assert effective_queue(stats, LOAD_AWARE) == 3
+
+
+def test_requests_finished_since_the_report_no_longer_count() -> None:
+    # the report (0.5 s old) says 8 on the engine; 6 of ours finished since; Ray counts 2
+    stats = fresh("a", 2, waiting=4, running=4, completed_since_stats=6)
+    assert effective_queue(stats, LOAD_AWARE) == 2
+    stats.completed_since_stats = 2  # others' requests still count
+    assert effective_queue(stats, LOAD_AWARE) == 6
+    stats.completed_since_stats = 50
+    assert effective_queue(stats, LOAD_AWARE) == 2  # never below Ray's own count
+
+
+def test_inflight_load_tallies_routed_and_completed_requests() -> None:
+    load = InflightLoad()
+    load.routed("r1", "a", 1280)
+    load.routed("r2", "a", 48)
+    load.routed("r3", "b", 48)
+    load.routed("r3", "b", 48)  # a repeated hook call counts once
+    assert (load.requests("a"), load.tokens("a")) == (2, 1328)
+    assert (load.requests("b"), load.tokens("b")) == (1, 48)
+    load.completed("r1", "a", now=10.0)
+    load.completed("r3", "b", now=11.0)
+    assert (load.requests("a"), load.tokens("a")) == (1, 48)
+    assert (load.requests("b"), load.tokens("b")) == (0, 0)
+    assert load.completed_since("a", 9.5) == 1
+    assert load.completed_since("a", 10.0) == 0
+    assert load.completed_since("b", 0.0) == 1
+    assert load.completed_since("unknown", 0.0) == 0
+
+
+def test_inflight_load_early_completion_leaves_no_phantom() -> None:
+    load = InflightLoad()
+    load.completed("fast", "a", now=1.0)  # the done-callback ran before the routed hook
+    load.routed("fast", "a", 100)
+    assert (load.requests("a"), load.tokens("a")) == (0, 0)
+    # a request rejected by "a" (its completion fires there) and then accepted by "b" counts
+    load.completed("bounced", "a", now=2.0)
+    load.routed("bounced", "b", 64)
+    assert (load.requests("b"), load.tokens("b")) == (1, 64)
+    bounded = InflightLoad(max_early=2)
+    for i in range(5):
+        bounded.completed(f"x{i}", "a", now=float(i))
+    assert len(bounded._finished_early) == 2
+
+
+def test_inflight_load_prunes_old_completions_and_gone_replicas() -> None:
+    load = InflightLoad(completion_window_s=5.0)
+    for i in range(3):
+        load.routed(f"r{i}", "a", 10)
+        load.completed(f"r{i}", "a", now=float(i))
+    load.routed("late", "a", 10)
+    load.completed("late", "a", now=100.0)
+    assert load.completed_since("a", -1.0) == 1  # the three old ones were pruned
+    load.routed("stuck", "gone", 500)
+    load.forget_missing(["a"])
+    assert (load.requests("gone"), load.tokens("gone")) == (0, 0)
+    load.completed("stuck", "gone", now=101.0)  # its late completion changes nothing
+    assert load.tokens("gone") == 0
+
+
+def test_request_tokens_reads_the_ingress_payload() -> None:
+    payload = {"prompt_token_ids": [1] * 30, "sampling": {"max_tokens": 16}, "prefix_key": None}
+    assert request_tokens(payload) == 46
+    assert request_tokens({"prompt_token_ids": [1, 2]}) == 2
+    assert request_tokens(None) == 0
+    assert request_tokens("model_info") == 0

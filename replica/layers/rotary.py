@@ -76,17 +76,30 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        cos, sin = freqs.cos().float(), freqs.sin().float()
+        # full-width tables, sin signed for the rotated half: x * cos + swap_halves(x) * sin
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
+        self._step: tuple | None = None  # (positions, dtype, cos, sin) of the latest forward
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim] rotated by each token's position (any number of heads:
+        a layer rotates its query and key heads in one call)."""
+        cos, sin = self._tables(positions, x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        # the same products and sums as HF's q * cos + rotate_half(q) * sin, so fp32 is bitwise
+        return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        # every layer of one forward passes the same positions tensor: gather the rows once
+        step = self._step
+        if step is None or step[0] is not positions or step[1] != dtype:
+            cos = self.cos[positions].unsqueeze(1).to(dtype)
+            sin = self.sin[positions].unsqueeze(1).to(dtype)
+            self._step = step = (positions, dtype, cos, sin)
+        return step[2], step[3]

@@ -28,8 +28,11 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V]. `generators[i]` is row i's own
         generator (seeded request) or None (drawn from `default_generator` in one op)."""
-        logits = logits.float()
         greedy = [p.temperature == 0.0 for p in params]
+        if all(greedy) and all(p.logprobs is None for p in params):
+            # argmax in the model's dtype: widening to fp32 keeps the order, so no copy is needed
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(params))
+        logits = logits.float()
         if all(greedy):
             sampled = logits.argmax(dim=-1)
         else:

@@ -74,14 +74,12 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
-        q, k = self._rotary[0](
-            positions,
-            q.view(num_tokens, -1, self.head_dim),
-            k.view(num_tokens, -1, self.head_dim),
-        )
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, kv_cache, meta)
+        qk_size = self.q_size + self.kv_size
+        # query and key heads rotated in one call, then split (views of one tensor)
+        qk = self._rotary[0].rotate(positions, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
+        q, k = qk.view(num_tokens, qk_size).split([self.q_size, self.kv_size], dim=-1)
+        out = self.attn(q, k, qkv[:, qk_size:], kv_cache, meta)
         return self.o_proj(out)
 
 

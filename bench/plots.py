@@ -1,0 +1,225 @@
+"""PNG plots of the benchmark results (matplotlib, headless). Each benchmark calls its plot at
+the end; `python bench/plots.py` redraws every plot from the JSON in bench/results/."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROUTER_COLORS = {
+    "round_robin": "#7f7f7f",
+    "pow2": "#d62728",
+    "load_aware": "#1f77b4",
+    "load_aware+prefix": "#2ca02c",
+}
+
+
+def _color(name: str, i: int) -> str:
+    return ROUTER_COLORS.get(name, f"C{i}")
+
+
+def plot_latency_vs_rate(sweep: dict, path: Path) -> Path:
+    """sweep: {"systems": {name: [run summary with request_rate, ttft_ms, e2el_ms, ...]}}."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    panels = [
+        ("ttft_ms", "TTFT (ms)", "Time to first token"),
+        ("e2el_ms", "end-to-end latency (ms)", "End-to-end latency"),
+        ("tpot_ms", "TPOT (ms)", "Time per output token"),
+    ]
+    for i, (name, runs) in enumerate(sweep["systems"].items()):
+        runs = sorted(runs, key=lambda r: r["request_rate"])
+        rates = [r["request_rate"] for r in runs]
+        for ax, (key, _, _) in zip(axes, panels, strict=True):
+            ax.plot(
+                rates,
+                [r[key]["median"] for r in runs],
+                "o-",
+                color=_color(name, i),
+                label=f"{name} p50",
+            )
+            ax.plot(
+                rates,
+                [r[key]["p99"] for r in runs],
+                "s--",
+                color=_color(name, i),
+                alpha=0.7,
+                label=f"{name} p99",
+            )
+    for ax, (_, ylabel, title) in zip(axes, panels, strict=True):
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel(ylabel)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(sweep.get("title", "Latency vs request rate"), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_ttft_distributions(per_workload: dict, path: Path, title: str) -> Path:
+    """per_workload: {workload: {router: [ttft seconds of each successful request]}}: CDFs."""
+    fig, axes = plt.subplots(1, len(per_workload), figsize=(6.5 * len(per_workload), 4.6))
+    axes = np.atleast_1d(axes)
+    for ax, (workload, by_router) in zip(axes, per_workload.items(), strict=True):
+        for i, (router, ttfts) in enumerate(by_router.items()):
+            xs = np.sort(np.asarray(ttfts) * 1000.0)
+            if not len(xs):
+                continue
+            ys = np.arange(1, len(xs) + 1) / len(xs)
+            p50, p99 = np.percentile(xs, 50), np.percentile(xs, 99)
+            ax.step(
+                xs,
+                ys,
+                where="post",
+                color=_color(router, i),
+                label=f"{router}: p50 {p50:.0f} ms, p99 {p99:.0f} ms",
+            )
+        ax.axhline(0.99, color="k", lw=0.6, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms, log scale)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(workload)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_batch_occupancy(result: dict, path: Path) -> Path:
+    """One row per system, against wall time: batch slots used vs wasted per step (left) and
+    tokens computed per step (right, log scale: prefill steps stand out)."""
+    runs = result["runs"]
+    batch = result["batch"]
+    fig, axes = plt.subplots(
+        len(runs),
+        2,
+        figsize=(14, 2.9 * len(runs)),
+        sharex=True,
+        gridspec_kw={"width_ratios": [3, 2]},
+        squeeze=False,
+    )
+    for row, (name, run) in enumerate(runs.items()):
+        steps = run["steps"]
+        t = np.array([s["t"] for s in steps])
+        used = np.array([s["seqs"] for s in steps])
+        wasted = np.array([s["wasted_slots"] for s in steps])
+        tokens = np.array([s["tokens"] for s in steps])
+        ax, tok_ax = axes[row]
+        ax.fill_between(t, 0, used, step="post", color="#1f77b4", alpha=0.8, label="slots used")
+        ax.fill_between(
+            t, used, used + wasted, step="post", color="#d62728", alpha=0.35, label="slots wasted"
+        )
+        ax.set_ylim(0, batch * 1.08)
+        ax.set_ylabel(f"slots (B={batch})")
+        ax.set_title(
+            f"{name}: {run['wall_s']:.2f} s, {run['num_steps']} steps, slot utilization "
+            f"{run['slot_utilization']:.0%}, {run['output_tokens_per_s']:.0f} output tok/s",
+            fontsize=9.5,
+            loc="left",
+        )
+        ax.legend(loc="upper right", fontsize=8)
+        ax.grid(True, alpha=0.3)
+        tok_ax.step(t, tokens, where="post", color="k", lw=0.7)
+        tok_ax.set_yscale("log")
+        tok_ax.set_ylabel("tokens / step")
+        tok_ax.set_title(
+            "tokens computed per step (prefill spikes, decode = sequences)",
+            fontsize=9.5,
+            loc="left",
+        )
+        tok_ax.grid(True, which="both", alpha=0.3)
+    axes[-1][0].set_xlabel("wall time (s)")
+    axes[-1][1].set_xlabel("wall time (s)")
+    fig.suptitle(
+        f"Batch occupancy: {result['num_requests']} requests queued at t=0, long-tailed output "
+        f"lengths ({min(result['output_lens'])}-{max(result['output_lens'])} tokens), "
+        f"{result['model']} model, B={batch}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_overhead(result: dict, path: Path) -> Path:
+    """Histograms of per-request e2e: engine alone vs through HTTP + routing."""
+    fig, axes = plt.subplots(1, len(result["modes"]), figsize=(6.5 * len(result["modes"]), 4.2))
+    for ax, (mode, data) in zip(np.atleast_1d(axes), result["modes"].items(), strict=True):
+        engine = np.asarray(data["engine_e2e_s"]) * 1000
+        http = np.asarray(data["http_e2e_s"]) * 1000
+        bins = np.linspace(min(engine.min(), http.min()), np.percentile(http, 99.5), 50)
+        ax.hist(
+            engine, bins=bins, alpha=0.6, label=f"engine alone (median {np.median(engine):.1f} ms)"
+        )
+        ax.hist(
+            http, bins=bins, alpha=0.6, label=f"HTTP + routing (median {np.median(http):.1f} ms)"
+        )
+        ax.set_xlabel("end-to-end latency per request (ms)")
+        ax.set_ylabel("requests")
+        added = data["added_ms"]
+        ax.set_title(f"{mode}: added median {added['median']:.1f} ms, p99 {added['p99']:.1f} ms")
+        ax.legend(fontsize=8)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(result.get("title", "HTTP + routing overhead"), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_routing(data: dict, name: str) -> list[Path]:
+    """The plots of one bench/routing.py result: TTFT CDFs, and latency vs rate for a sweep."""
+    drawn = [
+        plot_ttft_distributions(data["ttft_cdf"], RESULTS / f"{name}_ttft.png", data["plot_title"])
+    ]
+    if "sweep" in data:
+        drawn.append(plot_latency_vs_rate(data["sweep"], RESULTS / f"{name}_latency_vs_rate.png"))
+    return drawn
+
+
+def plot_serving_sweeps(results: list[dict], path: Path) -> Path:
+    """bench/serving.py results with several request rates, one system per result (label)."""
+    systems = {r["label"]: r["runs"] for r in results}
+    datasets = sorted({r["dataset"]["dataset"] for r in results})
+    title = f"Latency vs request rate per system ({', '.join(datasets)} dataset, bench/serving.py)"
+    return plot_latency_vs_rate({"title": title, "systems": systems}, path)
+
+
+def redraw_all() -> list[Path]:
+    drawn = []
+    serving = []
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        kind = data.get("benchmark")
+        if kind == "serving" and len(data["runs"]) > 1:
+            serving.append(data)
+        elif kind == "routing":
+            drawn += plot_routing(data, path.stem)
+        elif kind == "batching":
+            drawn.append(plot_batch_occupancy(data, RESULTS / "batch_occupancy.png"))
+        elif kind == "http_overhead":
+            drawn.append(plot_overhead(data, RESULTS / "http_overhead.png"))
+    if serving:
+        drawn.append(plot_serving_sweeps(serving, RESULTS / "serving_latency_vs_rate.png"))
+    return drawn
+
+
+if __name__ == "__main__":
+    for p in redraw_all():
+        print(f"wrote {p}")
+    sys.exit(0)

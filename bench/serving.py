@@ -1,0 +1,598 @@
+"""HTTP load generator for any OpenAI-compatible server (/v1/completions or
+/v1/chat/completions, streaming): open-loop arrivals at a request rate (gamma inter-arrivals:
+burstiness 1 is Poisson, < 1 burstier, > 1 more regular) or a fixed concurrency, over token-id
+datasets (random, prefix repetition, long-tailed outputs, a short/long heterogeneous mix).
+Reports TTFT, TPOT, ITL and end-to-end latency (mean, median, p90, p99), request and token
+throughput, and goodput under SLOs; writes JSON.
+
+Run: .venv/bin/python bench/serving.py --base-url http://127.0.0.1:8000 --dataset random \
+        --num-prompts 200 --request-rate 4 --result-file bench/results/serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+PERCENTILES = (90.0, 99.0)  # the median is always reported
+# Token ids drawn for prompts: above the tiny tokenizer's specials (0-2), inside every vocab
+# we serve (the tiny one has 512 ids).
+DEFAULT_TOKEN_RANGE = (10, 500)
+
+
+# -- datasets -----------------------------------------------------------------------------------
+@dataclass
+class RequestSpec:
+    """One request to send: its prompt as token ids and how many tokens it must generate."""
+
+    prompt_ids: list[int]
+    output_len: int
+    kind: str = "random"  # a class label for per-class breakdowns (short / long / prefix-3 ...)
+
+
+def _tokens(rng: random.Random, n: int, token_range: tuple[int, int]) -> list[int]:
+    low, high = token_range
+    return [rng.randrange(low, high) for _ in range(n)]
+
+
+def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
+    """Uniform in [mean * (1 - r), mean * (1 + r)], at least 1."""
+    low = max(1, int(mean * (1 - range_ratio)))
+    high = max(low, int(mean * (1 + range_ratio)))
+    return rng.randint(low, high)
+
+
+def random_dataset(
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    rng: random.Random,
+    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
+) -> list[RequestSpec]:
+    return [
+        RequestSpec(
+            _tokens(rng, _length(rng, input_len, range_ratio), token_range),
+            _length(rng, output_len, range_ratio),
+            "random",
+        )
+        for _ in range(n)
+    ]
+
+
+def prefix_repetition_dataset(
+    n: int,
+    num_prefixes: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    rng: random.Random,
+    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
+    prefix_rng: random.Random | None = None,
+) -> list[RequestSpec]:
+    """`num_prefixes` shared prefixes (system prompts, few-shot headers), each request one of
+    them (uniformly at random) plus a unique suffix: the prefix cache's best case, if the
+    same prefix keeps landing on the replica that has it cached. `prefix_rng` (default `rng`)
+    draws the prefixes, so several datasets can share them."""
+    prefixes = [_tokens(prefix_rng or rng, prefix_len, token_range) for _ in range(num_prefixes)]
+    specs = []
+    for _ in range(n):
+        which = rng.randrange(num_prefixes)
+        prompt = prefixes[which] + _tokens(rng, suffix_len, token_range)
+        specs.append(RequestSpec(prompt, output_len, f"prefix-{which}"))
+    return specs
+
+
+def long_tail_dataset(
+    n: int,
+    input_len: int,
+    output_median: int,
+    output_max: int,
+    sigma: float,
+    rng: random.Random,
+    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
+) -> list[RequestSpec]:
+    """Output lengths log-normal around `output_median`, clipped to [1, output_max]: most
+    answers short, a few very long ones (the shape chat traffic has)."""
+    specs = []
+    for _ in range(n):
+        out = int(
+            min(output_max, max(1, round(rng.lognormvariate(math.log(output_median), sigma))))
+        )
+        specs.append(
+            RequestSpec(_tokens(rng, _length(rng, input_len, 0.5), token_range), out, "tail")
+        )
+    return specs
+
+
+def heterogeneous_dataset(
+    n: int,
+    long_fraction: float,
+    short: tuple[int, int],
+    long: tuple[int, int],
+    rng: random.Random,
+    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
+) -> list[RequestSpec]:
+    """Short chat turns mixed with very long prompts and outputs ((input, output) means, +-25%):
+    a few long requests hold a replica's seats and KV cache for a long time, so where each
+    request lands matters. Exactly round(n * long_fraction) of them are long, at random
+    positions, so that datasets of the same size carry the same load."""
+    num_long = round(n * long_fraction)
+    kinds = [True] * num_long + [False] * (n - num_long)
+    rng.shuffle(kinds)
+    specs = []
+    for is_long in kinds:
+        input_len, output_len = long if is_long else short
+        specs.append(
+            RequestSpec(
+                _tokens(rng, _length(rng, input_len, 0.25), token_range),
+                _length(rng, output_len, 0.25),
+                "long" if is_long else "short",
+            )
+        )
+    return specs
+
+
+# -- arrivals -----------------------------------------------------------------------------------
+def arrival_offsets(
+    n: int, request_rate: float, burstiness: float, rng: random.Random
+) -> list[float]:
+    """Send times (s from the start) of n requests: gamma inter-arrivals with mean 1/rate and
+    shape `burstiness` (1 = Poisson). An infinite rate sends everything at once."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request rate ({request_rate}) and burstiness ({burstiness}) must be > 0")
+    scale = 1.0 / (request_rate * burstiness)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, scale)
+    return out
+
+
+# -- one request ----------------------------------------------------------------------------------
+@dataclass
+class RequestResult:
+    kind: str
+    prompt_len: int
+    expected_output_len: int
+    success: bool = False
+    error: str = ""
+    start: float = 0.0  # seconds since the run started
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_len: int = 0
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_len <= 1:
+            return None
+        return (self.e2e - self.ttft) / (self.output_len - 1)
+
+
+def request_body(
+    spec: RequestSpec, endpoint: str, model: str | None, extra: dict, chat_text
+) -> dict:
+    body: dict = {
+        "max_tokens": spec.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": chat_text(spec.prompt_ids)}]
+    else:
+        body["prompt"] = spec.prompt_ids
+    body.update(extra)
+    return body
+
+
+async def send_request(
+    session: aiohttp.ClientSession, url: str, body: dict, spec: RequestSpec, t_zero: float
+) -> RequestResult:
+    """POST one streaming request; TTFT is the first chunk that carries text, ITL the gaps
+    between text chunks, output_len the server's usage count (text chunks if it sends none)."""
+    result = RequestResult(spec.kind, len(spec.prompt_ids), spec.output_len)
+    start = time.perf_counter()
+    result.start = start - t_zero
+    last = start
+    chunks = 0
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return result
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"].get("message", event["error"]))[:200]
+                    return result
+                if event.get("usage"):
+                    result.output_len = int(event["usage"].get("completion_tokens") or 0)
+                for choice in event.get("choices") or []:
+                    text = choice.get("text")
+                    if text is None:
+                        text = (choice.get("delta") or {}).get("content")
+                    if not text:
+                        continue
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks += 1
+        result.e2e = time.perf_counter() - start
+        if result.output_len == 0:
+            result.output_len = chunks
+        if chunks == 0:  # nothing but empty deltas: count the first token at the end
+            result.ttft = result.e2e
+        result.success = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+    return result
+
+
+# -- a run --------------------------------------------------------------------------------------
+@dataclass
+class LoadConfig:
+    base_url: str
+    endpoint: str = "completions"  # or "chat"
+    model: str | None = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    timeout_s: float = 600.0
+    extra_body: dict = field(default_factory=dict)
+    tokenizer: str | None = None  # chat prompts: decode token ids with it (else synthetic words)
+
+
+def _chat_text_fn(tokenizer_dir: str | None):
+    if tokenizer_dir is None:
+        return lambda ids: " ".join(f"w{t}" for t in ids)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return lambda ids: tok.decode(ids)
+
+
+async def run_load(
+    cfg: LoadConfig, specs: Sequence[RequestSpec]
+) -> tuple[list[RequestResult], float]:
+    """Send `specs` per the arrival process; returns results (in spec order) and wall time."""
+    path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
+    url = cfg.base_url.rstrip("/") + path
+    chat_text = _chat_text_fn(cfg.tokenizer)
+    bodies = [request_body(s, cfg.endpoint, cfg.model, cfg.extra_body, chat_text) for s in specs]
+    offsets = arrival_offsets(len(specs), cfg.request_rate, cfg.burstiness, random.Random(cfg.seed))
+    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t_zero = time.perf_counter()
+
+        async def one(i: int) -> RequestResult:
+            delay = t_zero + offsets[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is None:
+                return await send_request(session, url, bodies[i], specs[i], t_zero)
+            async with limit:
+                return await send_request(session, url, bodies[i], specs[i], t_zero)
+
+        results = await asyncio.gather(*(one(i) for i in range(len(specs))))
+        duration = time.perf_counter() - t_zero
+    return list(results), duration
+
+
+async def fetch_model(base_url: str) -> str | None:
+    """The first model the server lists (None if it lists none)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(base_url.rstrip("/") + "/v1/models") as resp:
+            data = (await resp.json()).get("data") or []
+            return data[0]["id"] if data else None
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    ordered = sorted(samples)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def describe_ms(samples: Sequence[float], percentiles: Sequence[float] = PERCENTILES) -> dict:
+    """mean / median / p* of seconds, in milliseconds."""
+    if not samples:
+        return {"mean": None, "median": None, **{f"p{q:g}": None for q in percentiles}}
+    out = {
+        "mean": round(1000 * statistics.fmean(samples), 3),
+        "median": round(1000 * statistics.median(samples), 3),
+    }
+    for q in percentiles:
+        out[f"p{q:g}"] = round(1000 * percentile(samples, q), 3)
+    return out
+
+
+def parse_slos(text: str | None) -> dict[str, float]:
+    """'ttft:500 tpot:50 e2el:5000' (milliseconds) -> {"ttft": 0.5, ...} in seconds."""
+    slos: dict[str, float] = {}
+    for item in (text or "").split():
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"bad SLO {item!r}: use ttft:MS, tpot:MS or e2el:MS")
+        slos[name] = float(value) / 1000.0
+    return slos
+
+
+def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
+    if not r.success:
+        return False
+    if "ttft" in slos and r.ttft > slos["ttft"]:
+        return False
+    if "e2el" in slos and r.e2e > slos["e2el"]:
+        return False
+    tpot = r.tpot
+    return not ("tpot" in slos and tpot is not None and tpot > slos["tpot"])
+
+
+def summarize(
+    results: Sequence[RequestResult],
+    duration: float,
+    slos: dict[str, float] | None = None,
+    percentiles: Sequence[float] = PERCENTILES,
+) -> dict:
+    ok = [r for r in results if r.success]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    summary = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": round(duration, 3),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": round(len(ok) / duration, 4) if duration else None,
+        "output_throughput": round(out_tokens / duration, 2) if duration else None,
+        "total_token_throughput": round((in_tokens + out_tokens) / duration, 2)
+        if duration
+        else None,
+        "ttft_ms": describe_ms([r.ttft for r in ok], percentiles),
+        "tpot_ms": describe_ms([t for r in ok if (t := r.tpot) is not None], percentiles),
+        "itl_ms": describe_ms([x for r in ok for x in r.itl], percentiles),
+        "e2el_ms": describe_ms([r.e2e for r in ok], percentiles),
+    }
+    if slos:
+        good = sum(meets_slos(r, slos) for r in results)
+        summary["goodput"] = {
+            "slos_ms": {k: v * 1000 for k, v in slos.items()},
+            "good_requests": good,
+            "request_goodput": round(good / duration, 4) if duration else None,
+        }
+    kinds = sorted({r.kind for r in results})
+    if 1 < len(kinds) <= 8:  # per-class breakdown (short / long); not one per prefix
+        summary["by_kind"] = {
+            kind: {
+                "completed": sum(1 for r in ok if r.kind == kind),
+                "ttft_ms": describe_ms([r.ttft for r in ok if r.kind == kind], percentiles),
+                "e2el_ms": describe_ms([r.e2e for r in ok if r.kind == kind], percentiles),
+            }
+            for kind in kinds
+        }
+    errors = [r.error for r in results if not r.success]
+    if errors:
+        summary["first_errors"] = errors[:3]
+    return summary
+
+
+def per_request(results: Sequence[RequestResult]) -> dict:
+    """Column arrays of the per-request numbers (for plots and re-analysis)."""
+    return {
+        "kind": [r.kind for r in results],
+        "success": [r.success for r in results],
+        "start_s": [round(r.start, 4) for r in results],
+        "prompt_len": [r.prompt_len for r in results],
+        "output_len": [r.output_len for r in results],
+        "ttft_s": [round(r.ttft, 5) for r in results],
+        "e2e_s": [round(r.e2e, 5) for r in results],
+    }
+
+
+def print_summary(title: str, s: dict) -> None:
+    print(f"== {title} ==")
+    print(
+        f"  completed {s['completed']}  failed {s['failed']}  in {s['duration_s']:.1f} s: "
+        f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s"
+    )
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        m = s[name]
+        if m["median"] is None:
+            continue
+        tail = "  ".join(f"{k} {v:9.1f}" for k, v in m.items() if k not in ("mean", "median"))
+        print(f"  {name[:-3]:>5} ms: mean {m['mean']:9.1f}  median {m['median']:9.1f}  {tail}")
+    if "goodput" in s:
+        g = s["goodput"]
+        print(
+            f"  goodput {g['request_goodput']:.2f} req/s ({g['good_requests']} met {g['slos_ms']})"
+        )
+    for kind, k in (s.get("by_kind") or {}).items():
+        t = k["ttft_ms"]
+        if t["median"] is not None:
+            print(
+                f"  [{kind}] n={k['completed']} ttft median {t['median']:.1f} p99 {t['p99']:.1f} ms"
+            )
+    for err in s.get("first_errors", []):
+        print(f"  error: {err}")
+
+
+def machine_info() -> dict:
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+# -- command line -------------------------------------------------------------------------------
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("dataset (token-id prompts)")
+    g.add_argument(
+        "--dataset",
+        choices=["random", "prefix-repetition", "long-tail", "heterogeneous"],
+        default="random",
+    )
+    g.add_argument("--num-prompts", type=int, default=200)
+    g.add_argument("--random-input-len", type=int, default=128)
+    g.add_argument("--random-output-len", type=int, default=64)
+    g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--num-prefixes", type=int, default=8)
+    g.add_argument("--prefix-len", type=int, default=256)
+    g.add_argument("--suffix-len", type=int, default=32)
+    g.add_argument("--prefix-output-len", type=int, default=16)
+    g.add_argument("--tail-input-len", type=int, default=64)
+    g.add_argument("--tail-output-median", type=int, default=32)
+    g.add_argument("--tail-output-max", type=int, default=512)
+    g.add_argument("--tail-sigma", type=float, default=1.0)
+    g.add_argument("--long-fraction", type=float, default=0.15)
+    g.add_argument("--short-len", default="32,16", help="short requests: input,output means")
+    g.add_argument("--long-len", default="1024,256", help="long requests: input,output means")
+    g.add_argument("--token-id-range", default="10,500", help="prompt token ids: low,high")
+
+
+def _pair(text: str) -> tuple[int, int]:
+    a, b = (int(x) for x in text.split(","))
+    return a, b
+
+
+def build_dataset(args: argparse.Namespace) -> list[RequestSpec]:
+    rng = random.Random(args.seed)
+    tr = _pair(args.token_id_range)
+    n = args.num_prompts
+    if args.dataset == "random":
+        return random_dataset(
+            n, args.random_input_len, args.random_output_len, args.random_range_ratio, rng, tr
+        )
+    if args.dataset == "prefix-repetition":
+        return prefix_repetition_dataset(
+            n, args.num_prefixes, args.prefix_len, args.suffix_len, args.prefix_output_len, rng, tr
+        )
+    if args.dataset == "long-tail":
+        return long_tail_dataset(
+            n,
+            args.tail_input_len,
+            args.tail_output_median,
+            args.tail_output_max,
+            args.tail_sigma,
+            rng,
+            tr,
+        )
+    return heterogeneous_dataset(
+        n, args.long_fraction, _pair(args.short_len), _pair(args.long_len), rng, tr
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--model", help="model name to send (default: the server's first model)")
+    p.add_argument(
+        "--tokenizer", help="chat endpoint: decode token-id prompts with this tokenizer dir"
+    )
+    p.add_argument(
+        "--request-rate",
+        default="inf",
+        help="requests/s; 'inf' sends all at once; a comma list runs a sweep (e.g. 1,2,4)",
+    )
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    p.add_argument("--goodput", help="SLOs in ms, e.g. 'ttft:500 tpot:50 e2el:5000'")
+    p.add_argument("--percentiles", default="90,99", help="besides mean and median")
+    p.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    p.add_argument("--label", default="server", help="name of the system under test")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--result-file", help="write the results as JSON here")
+    p.add_argument("--save-detailed", action="store_true", help="per-request columns in the JSON")
+    p.add_argument("--quick", action="store_true", help="a 20-prompt smoke run")
+    add_dataset_args(p)
+    args = p.parse_args()
+    if args.quick:
+        args.num_prompts = min(args.num_prompts, 20)
+    slos = parse_slos(args.goodput)
+    percentiles = [float(x) for x in args.percentiles.split(",")]
+    rates = [float(x) for x in args.request_rate.split(",")]
+    specs = build_dataset(args)
+    model = args.model or asyncio.run(fetch_model(args.base_url))
+    runs = []
+    for rate in rates:
+        cfg = LoadConfig(
+            base_url=args.base_url,
+            endpoint=args.endpoint,
+            model=model,
+            request_rate=rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+            timeout_s=args.timeout_s,
+            extra_body=json.loads(args.extra_body),
+            tokenizer=args.tokenizer,
+        )
+        results, duration = asyncio.run(run_load(cfg, specs))
+        summary = summarize(results, duration, slos, percentiles)
+        print_summary(f"{args.label} @ {rate:g} req/s ({args.dataset}, {args.endpoint})", summary)
+        run = {"request_rate": rate, **summary}
+        if args.save_detailed:
+            run["requests"] = per_request(results)
+        runs.append(run)
+    if args.result_file:
+        out = {
+            "benchmark": "serving",
+            "label": args.label,
+            "base_url": args.base_url,
+            "endpoint": args.endpoint,
+            "model": model,
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
+            "dataset": {
+                k: v for k, v in vars(args).items() if k not in ("base_url", "result_file")
+            },
+            "host": machine_info(),
+            "runs": runs,
+        }
+        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_file).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.result_file}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
