@@ -290,6 +290,8 @@ def scrape(url: str) -> dict[str, float]:
 def test_metrics_counts_are_true(cluster):
     from replica.deployment import METRICS_PUSH_PERIOD_S
 
+    # replicas push metrics about once a second: let earlier tests' tokens land first
+    time.sleep(METRICS_PUSH_PERIOD_S * 3)
     before = scrape(cluster["url"])
     n_requests, completion_tokens = 6, 0
     for i in range(n_requests):
