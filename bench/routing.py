@@ -266,17 +266,24 @@ def main() -> None:
     p.add_argument("--workloads", default=f"{HET},{PREFIX}")
     p.add_argument("--rates", default="6", help="heterogeneous request rates (comma list)")
     p.add_argument("--prefix-rate", type=float, default=8.0)
-    p.add_argument("--seconds", type=float, default=15.0, help="arrival window per round")
-    p.add_argument("--rounds", type=int, default=3, help="windows per router and workload")
+    p.add_argument("--seconds", type=float, default=12.0, help="arrival window per round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="windows per router and workload (4: each router once in each slot)",
+    )
     p.add_argument("--burstiness", type=float, default=1.0)
-    p.add_argument("--long-fraction", type=float, default=0.15)
+    p.add_argument("--long-fraction", type=float, default=0.1)
     p.add_argument("--num-prefixes", type=int, default=20)
     p.add_argument("--prefix-len", type=int, default=256)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--num-cpus-per-replica", type=float, default=0.1)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--num-kv-blocks", type=int, default=160)
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=120, help="per replica: room for one long request"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="routing", help="result name: bench/results/<out>.json")
     p.add_argument("--quick", action="store_true", help="1 round of 5 s windows, no files")
