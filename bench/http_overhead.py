@@ -1,9 +1,11 @@
 """What the HTTP + routing path adds per request over calling the engine directly, side by side
-in one run: the same requests (token-id prompts, `ignore_eos`, greedy) go one at a time,
-alternately, to (a) an in-process AsyncEngine and (b) a 1-replica stepserve cluster over HTTP
-(proxy -> ingress -> LoadAwareRouter -> replica -> SSE back), built from the same EngineConfig
-and torch thread count. Reports per-request e2e and TTFT, and their paired differences
-(median, p99), streaming and non-streaming. Writes bench/results/http_overhead.json + .png.
+in one run: the same requests (token-id prompts, `ignore_eos`, greedy) go one at a time, in
+rotating order, to (a) an in-process AsyncEngine, (b) a 1-replica stepserve cluster over HTTP
+(proxy -> ingress -> LoadAwareRouter -> replica actor -> SSE back), built from the same
+EngineConfig and torch thread count, and (c) that replica through a deployment handle from
+this process (router + actor + Ray streaming, no proxy or ingress), which splits (b)'s cost.
+Reports per-request e2e and TTFT and their paired differences (median, p99), streaming and
+non-streaming. Writes bench/results/http_overhead.json + .png.
 
 Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/http_overhead.py [--quick]
 """
@@ -17,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -69,38 +72,70 @@ async def http_request(session, url: str, model: str, spec: RequestSpec, stream:
     return e2e, e2e
 
 
-async def measure(engine, base_url: str, model: str, specs, stream: bool, warmup: int) -> dict:
+async def handle_request(handle, spec: RequestSpec) -> tuple[float, float]:
+    """(e2e, ttft) through a deployment handle from this process: the same router and replica
+    actor as the HTTP path, without the HTTP proxy and the ingress."""
+    from replica.request import SamplingParams
+
+    params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+    payload = {
+        "prompt_token_ids": spec.prompt_ids,
+        "sampling": params.__dict__,
+        "request_id": uuid.uuid4().hex,
+        "prefix_key": None,
+    }
+    start = time.perf_counter()
+    ttft = None
+    async for out in handle.generate.remote(payload):
+        if ttft is None and out.new_token_ids:
+            ttft = time.perf_counter() - start
+    return time.perf_counter() - start, ttft or 0.0
+
+
+async def measure(
+    engine, handle, base_url: str, model: str, specs, stream: bool, warmup: int
+) -> dict:
+    """Each request three ways, one at a time; the order rotates so that drift and cache
+    effects hit every path alike."""
     url = base_url + "/v1/completions"
-    pairs = []
+    rows = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        paths = {
+            "engine": lambda spec: engine_request(engine, spec),
+            "handle": lambda spec: handle_request(handle, spec),
+            "http": lambda spec: http_request(session, url, model, spec, stream),
+        }
+        names = list(paths)
         for i, spec in enumerate(specs):
-            # alternate which side goes first so drift and cache effects hit both equally
-            if i % 2 == 0:
-                eng = await engine_request(engine, spec)
-                http = await http_request(session, url, model, spec, stream)
-            else:
-                http = await http_request(session, url, model, spec, stream)
-                eng = await engine_request(engine, spec)
+            order = names[i % 3 :] + names[: i % 3]
+            row = {name: await paths[name](spec) for name in order}
             if i >= warmup:
-                pairs.append((eng, http))
-    eng_e2e = [e[0] for e, _ in pairs]
-    http_e2e = [h[0] for _, h in pairs]
-    added = [h[0] - e[0] for e, h in pairs]
+                rows.append(row)
+
+    def e2e(name: str) -> list[float]:
+        return [row[name][0] for row in rows]
+
+    def added(name: str, over: str = "engine", index: int = 0) -> list[float]:
+        return [row[name][index] - row[over][index] for row in rows]
+
     out = {
-        "pairs": len(pairs),
-        "engine_e2e_ms": describe_ms(eng_e2e),
-        "http_e2e_ms": describe_ms(http_e2e),
-        "added_ms": describe_ms(added),
+        "pairs": len(rows),
+        "engine_e2e_ms": describe_ms(e2e("engine")),
+        "handle_e2e_ms": describe_ms(e2e("handle")),
+        "http_e2e_ms": describe_ms(e2e("http")),
+        "added_ms": describe_ms(added("http")),
+        "added_by_handle_ms": describe_ms(added("handle")),
+        "added_by_http_over_handle_ms": describe_ms(added("http", over="handle")),
         "difference_of_medians_ms": round(
-            1000 * (statistics.median(http_e2e) - statistics.median(eng_e2e)), 3
+            1000 * (statistics.median(e2e("http")) - statistics.median(e2e("engine"))), 3
         ),
-        "engine_e2e_s": [round(x, 6) for x in eng_e2e],
-        "http_e2e_s": [round(x, 6) for x in http_e2e],
+        "engine_e2e_s": [round(x, 6) for x in e2e("engine")],
+        "http_e2e_s": [round(x, 6) for x in e2e("http")],
     }
     if stream:
-        out["engine_ttft_ms"] = describe_ms([e[1] for e, _ in pairs])
-        out["http_ttft_ms"] = describe_ms([h[1] for _, h in pairs])
-        out["added_ttft_ms"] = describe_ms([h[1] - e[1] for e, h in pairs])
+        out["engine_ttft_ms"] = describe_ms([row["engine"][1] for row in rows])
+        out["http_ttft_ms"] = describe_ms([row["http"][1] for row in rows])
+        out["added_ttft_ms"] = describe_ms(added("http", index=1))
     return out
 
 
@@ -117,6 +152,7 @@ def main() -> None:
     if args.quick:
         args.num_requests = 30
     import torch
+    from ray import serve
 
     from cluster.app import cpu_threads_per_replica
     from replica.engine import AsyncEngine, Engine
@@ -135,32 +171,35 @@ def main() -> None:
     n = args.num_requests + args.warmup
     cluster = LocalCluster()
     try:
-        cluster.deploy(
-            config.model_copy(
-                update={"http": config.http.model_copy(update={"port": cluster.port})}
-            )
-        )
+        base_url = cluster.deploy(config, "overhead")
+        # mode: (SSE streaming?, output tokens); fresh prompts per mode, so nothing is
+        # served from the prefix cache. One output token shows the fixed per-request cost.
+        plan = {
+            "streaming": (True, args.output_len),
+            "non-streaming": (False, args.output_len),
+            "streaming, 1 token": (True, 1),
+        }
         specs = {
-            # fresh prompts per mode: nothing is served from the prefix cache
             mode: [
-                RequestSpec(
-                    [rng.randrange(10, 500) for _ in range(args.input_len)], args.output_len
-                )
+                RequestSpec([rng.randrange(10, 500) for _ in range(args.input_len)], out_len)
                 for _ in range(n)
             ]
-            for mode in ("streaming", "non-streaming")
+            for mode, (_, out_len) in plan.items()
         }
 
         async def both_modes() -> dict:
             engine = AsyncEngine(Engine(config.engine))  # bound to this event loop
+            handle = serve.get_deployment_handle("LLMServer", app_name="overhead")
+            handle = handle.options(stream=True)
             try:
                 return {
                     mode: await measure(
                         engine,
-                        cluster.url,
+                        handle,
+                        base_url,
                         config.model_name(),
                         specs[mode],
-                        mode == "streaming",
+                        plan[mode][0],
                         args.warmup,
                     )
                     for mode in specs
@@ -174,13 +213,20 @@ def main() -> None:
 
     print(
         f"{args.num_requests} request pairs per mode, prompt {args.input_len} tokens, "
-        f"{args.output_len} output tokens, {threads} torch threads on both sides"
+        f"{args.output_len} output tokens (1 in the last mode), {threads} torch threads on "
+        "every path"
     )
-    print(f"{'mode':<14} {'engine p50':>11} {'HTTP p50':>9} {'added p50':>10} {'added p99':>10}")
+    print(
+        f"{'mode':<20} {'engine p50':>11} {'handle p50':>11} {'HTTP p50':>9} {'added p50':>10} "
+        f"{'added p99':>10} {'by handle':>10} {'HTTP-handle':>12}"
+    )
     for mode, m in modes.items():
         print(
-            f"{mode:<14} {m['engine_e2e_ms']['median']:>11.2f} {m['http_e2e_ms']['median']:>9.2f} "
-            f"{m['added_ms']['median']:>10.2f} {m['added_ms']['p99']:>10.2f}"
+            f"{mode:<20} {m['engine_e2e_ms']['median']:>11.2f} "
+            f"{m['handle_e2e_ms']['median']:>11.2f} {m['http_e2e_ms']['median']:>9.2f} "
+            f"{m['added_ms']['median']:>10.2f} {m['added_ms']['p99']:>10.2f} "
+            f"{m['added_by_handle_ms']['median']:>10.2f} "
+            f"{m['added_by_http_over_handle_ms']['median']:>12.2f}"
         )
     met = modes["streaming"]["added_ms"]["median"] < TARGET_MEDIAN_MS
     print(f"target: added median < {TARGET_MEDIAN_MS} ms (streaming): {'met' if met else 'MISSED'}")
@@ -188,8 +234,8 @@ def main() -> None:
         return
     result = {
         "benchmark": "http_overhead",
-        "title": f"HTTP + routing overhead: 1 replica, prompt {args.input_len} / "
-        f"{args.output_len} output tokens, requests one at a time",
+        "title": f"HTTP + routing overhead: 1 replica, {args.input_len}-token prompts, "
+        f"{args.output_len} output tokens (1 in the last panel), requests one at a time",
         "model": args.model,
         "input_len": args.input_len,
         "output_len": args.output_len,

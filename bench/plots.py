@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -24,6 +25,17 @@ ROUTER_COLORS = {
 
 def _color(name: str, i: int) -> str:
     return ROUTER_COLORS.get(name, f"C{i}")
+
+
+def _plain_log_ticks(axis) -> None:
+    """Label a log axis 20, 50, 100, 200 ... instead of 2x10^1."""
+
+    def label(value: float, _pos) -> str:
+        mantissa = value / 10 ** np.floor(np.log10(value)) if value > 0 else 0
+        return f"{value:g}" if round(mantissa) in (1, 2, 5) else ""
+
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(label))
+    axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(label))
 
 
 def plot_latency_vs_rate(sweep: dict, path: Path) -> Path:
@@ -57,6 +69,7 @@ def plot_latency_vs_rate(sweep: dict, path: Path) -> Path:
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.set_ylabel(ylabel)
         ax.set_yscale("log")
+        _plain_log_ticks(ax.yaxis)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7, ncol=2)
@@ -68,30 +81,33 @@ def plot_latency_vs_rate(sweep: dict, path: Path) -> Path:
 
 
 def plot_ttft_distributions(per_workload: dict, path: Path, title: str) -> Path:
-    """per_workload: {workload: {router: [ttft seconds of each successful request]}}: CDFs."""
-    fig, axes = plt.subplots(1, len(per_workload), figsize=(6.5 * len(per_workload), 4.6))
-    axes = np.atleast_1d(axes)
-    for ax, (workload, by_router) in zip(axes, per_workload.items(), strict=True):
+    """per_workload: {workload: {router: [TTFT seconds of each successful request]}}. Top row:
+    CDFs; bottom row: the tail, as the fraction of requests slower than x (log-log)."""
+    n = len(per_workload)
+    fig, axes = plt.subplots(2, n, figsize=(6.8 * n, 8.4), squeeze=False)
+    for col, (workload, by_router) in enumerate(per_workload.items()):
+        cdf_ax, tail_ax = axes[0][col], axes[1][col]
         for i, (router, ttfts) in enumerate(by_router.items()):
             xs = np.sort(np.asarray(ttfts) * 1000.0)
             if not len(xs):
                 continue
             ys = np.arange(1, len(xs) + 1) / len(xs)
             p50, p99 = np.percentile(xs, 50), np.percentile(xs, 99)
-            ax.step(
-                xs,
-                ys,
-                where="post",
-                color=_color(router, i),
-                label=f"{router}: p50 {p50:.0f} ms, p99 {p99:.0f} ms",
-            )
-        ax.axhline(0.99, color="k", lw=0.6, ls=":")
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (ms, log scale)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(workload)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+            label = f"{router}: p50 {p50:.0f} ms, p99 {p99:.0f} ms"
+            cdf_ax.step(xs, ys, where="post", color=_color(router, i), label=label)
+            tail_ax.step(xs, 1.0 - ys + 1.0 / len(xs), where="post", color=_color(router, i))
+        name, _, rate = workload.partition("@")
+        cdf_ax.set_title(f"{name}, {rate} req/s" if rate else name)
+        cdf_ax.set_ylabel("fraction of requests")
+        cdf_ax.legend(fontsize=8, loc="lower right")
+        tail_ax.set_yscale("log")
+        tail_ax.axhline(0.01, color="k", lw=0.6, ls=":")
+        tail_ax.set_ylabel("fraction of requests slower (log; dotted: p99)")
+        for ax in (cdf_ax, tail_ax):
+            ax.set_xscale("log")
+            _plain_log_ticks(ax.xaxis)
+            ax.set_xlabel("TTFT (ms, log scale)")
+            ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -158,7 +174,7 @@ def plot_batch_occupancy(result: dict, path: Path) -> Path:
 
 def plot_overhead(result: dict, path: Path) -> Path:
     """Histograms of per-request e2e: engine alone vs through HTTP + routing."""
-    fig, axes = plt.subplots(1, len(result["modes"]), figsize=(6.5 * len(result["modes"]), 4.2))
+    fig, axes = plt.subplots(1, len(result["modes"]), figsize=(5.6 * len(result["modes"]), 4.4))
     for ax, (mode, data) in zip(np.atleast_1d(axes), result["modes"].items(), strict=True):
         engine = np.asarray(data["engine_e2e_s"]) * 1000
         http = np.asarray(data["http_e2e_s"]) * 1000

@@ -272,12 +272,19 @@ class LoadConfig:
     tokenizer: str | None = None  # chat prompts: decode token ids with it (else synthetic words)
 
 
-def _chat_text_fn(tokenizer_dir: str | None):
-    if tokenizer_dir is None:
+def _chat_text_fn(tokenizer: str | None):
+    """Chat messages are text: decode the token-id prompt with `tokenizer` (a directory, or
+    `tiny` / `default` for the benchmark models), or spell it as words w<id> without one."""
+    if tokenizer is None:
         return lambda ids: " ".join(f"w{t}" for t in ids)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if tokenizer in ("tiny", "default"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench._models import model_dir
+
+        tokenizer = str(model_dir(tokenizer))
+    tok = AutoTokenizer.from_pretrained(tokenizer)
     return lambda ids: tok.decode(ids)
 
 
@@ -526,7 +533,8 @@ def main() -> None:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", help="model name to send (default: the server's first model)")
     p.add_argument(
-        "--tokenizer", help="chat endpoint: decode token-id prompts with this tokenizer dir"
+        "--tokenizer",
+        help="chat endpoint: decode token-id prompts with this tokenizer (dir, tiny or default)",
     )
     p.add_argument(
         "--request-rate",
