@@ -2,7 +2,8 @@
 a tiny model with a long context), real HTTP. Bad input gets 4xx errors (also under a
 schemathesis fuzz), overload gets 429 with bounded queues and memory, a killed replica ends its
 streams with an error and is replaced, disconnects free KV blocks, API keys keep strangers out
-and are never logged, and a redeploy drains in-flight streams instead of cutting them."""
+and are never logged, and a redeploy or an app deletion drains in-flight streams instead of
+cutting them."""
 
 from __future__ import annotations
 
@@ -578,7 +579,7 @@ def test_burst_of_10x_capacity_gets_429s_bounded_queues_and_memory(cluster):
     assert max(s[2] for s in samples) <= MAX_PENDING, max(s[2] for s in samples)
     assert max(s[0] for s in samples) <= MAX_NUM_SEQS + MAX_QUEUE_LEN
     assert max(s[1] for s in samples) <= MAX_QUEUE_LEN
-    # bounded memory: no process grew by more than a few MiB per admitted-capacity request
+    # bounded memory: no replica, ingress or proxy process grew by 48 MiB over the burst
     for pid, before in rss_before.items():
         growth = rss_after.get(pid, before) - before
         assert growth < 48 * 2**20, f"pid {pid} grew by {growth / 2**20:.1f} MiB"
@@ -598,12 +599,12 @@ def test_non_streaming_client_that_leaves_frees_kv_blocks(cluster):
             headers=AUTH,
             timeout=httpx.Timeout(30, read=1.5),
         )
-    # blocks were taken ...
-    wait_idle(2, timeout_s=30)  # ... and are all free again
+    wait_idle(2, timeout_s=30)  # every block free again, no request state left
     from replica.deployment import METRICS_PUSH_PERIOD_S
 
     time.sleep(METRICS_PUSH_PERIOD_S * 3)
     generated = scrape_total(url, "stepserve:generation_tokens_total") - tokens_before
+    # it ran (so it held blocks) and was cut short (so the blocks were freed by the abort)
     assert 0 < generated < n * max_tokens, f"{generated} tokens: the request was not aborted"
 
 
@@ -637,11 +638,10 @@ def test_killed_replica_ends_its_streams_with_an_error_and_is_replaced(cluster):
             name = replica_actor_names()[victim["replica_id"]]
             killed.update(id=victim["replica_id"], running=victim["running"])
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-            t_kill = time.monotonic()
-            done = await asyncio.wait_for(asyncio.gather(*streams, *plain), timeout=90)
-            return done, time.monotonic() - t_kill
+            # every request ends (completed or with an error) in bounded time: none hangs
+            return await asyncio.wait_for(asyncio.gather(*streams, *plain), timeout=90)
 
-    results, took = asyncio.run(scenario())
+    results = asyncio.run(scenario())
     streams, plain = results[:n_streams], results[n_streams:]
     failed = 0
     for r in streams + plain:

@@ -30,8 +30,8 @@ class Sampler:
         generator (seeded request) or None (drawn from `default_generator` in one op)."""
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy) and all(p.logprobs is None for p in params):
-            # argmax in the model's dtype: widening to fp32 keeps the order, so no copy is needed
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(params))
+            # no logprobs to compute (bf16 is widened first: its CPU argmax is ~4x slower)
+            return SamplerOutput(logits.float().argmax(dim=-1).tolist(), [None] * len(params))
         logits = logits.float()
         if all(greedy):
             sampled = logits.argmax(dim=-1)
