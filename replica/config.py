@@ -45,6 +45,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    pack_cpu_weights: bool = Field(
+        default=True,
+        description="CPU: reorder linear weights once into oneDNN's blocked layout (faster "
+        "matmuls); off keeps torch's row-major F.linear.",
+    )
     max_queue_len: int = Field(
         default=1024, ge=1, description="Waiting requests beyond which the replica refuses more."
     )

@@ -351,10 +351,18 @@ class AsyncEngine:
         self._wake.set()
         finished = False
         try:
+            held: BaseException | None = None  # an error queued behind deltas, raised next
             while True:
-                item = await queue.get()
+                item = held or await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                # a consumer behind the engine gets every delta queued so far as one
+                while not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later
+                        break
+                    item = item.merge(later)
                 yield item
                 if item.finished:
                     finished = True

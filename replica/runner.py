@@ -18,7 +18,7 @@ from replica.layers.attention import (
     KVCache,
     paged_kernel_available,
 )
-from replica.layers.linear import TensorParallel
+from replica.layers.linear import TensorParallel, pack_linear_weights
 from replica.layers.sampler import Sampler
 from replica.loader import load_hf_config, load_model
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
@@ -90,6 +90,9 @@ class ModelRunner:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_model_len = self._resolve_max_model_len()
         self.model = load_model(model_dir, self.hf_config, self.tp, self.device, self.dtype)
+        self.num_packed_layers = 0
+        if self.device.type == "cpu" and config.pack_cpu_weights:
+            self.num_packed_layers = pack_linear_weights(self.model)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.num_kv_heads = num_kv_heads_per_rank(self.hf_config, tp_size)
         self.head_dim = head_dim_of(self.hf_config)
@@ -102,10 +105,12 @@ class ModelRunner:
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         logger.info(
-            "model %s on %s (%s), tp rank %d/%d: %d KV blocks of %d tokens, max_model_len %d",
+            "model %s on %s (%s, %d linear layers packed for oneDNN), tp rank %d/%d: "
+            "%d KV blocks of %d tokens, max_model_len %d",
             Path(model_dir).name,
             self.device,
             self.dtype,
+            self.num_packed_layers,
             tp_rank,
             tp_size,
             self.num_kv_blocks,

@@ -270,17 +270,41 @@ class IngressCore:
             )
 
     # -- generation -----------------------------------------------------------------------------
-    async def _one_stream(
-        self, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        payload = {
+    def _payload(self, prompt_ids: list[int], params: SamplingParams) -> dict:
+        return {
             "prompt_token_ids": prompt_ids,
             "sampling": params.__dict__,
             "request_id": uuid.uuid4().hex,
             "prefix_key": self.policy.prefix_key(prompt_ids, self.settings.engine.block_size),
         }
-        async for out in self.stream_handle.generate.remote(payload):
+
+    async def _one_stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        async for out in self.stream_handle.generate.remote(self._payload(prompt_ids, params)):
             yield out
+
+    async def complete_all(
+        self, jobs: list[tuple[int, list[int], SamplingParams]]
+    ) -> list[tuple[int, RequestOutput]]:
+        """Every (choice index, prompt, params) run to completion concurrently, one unary call
+        each (a non-streaming answer needs no per-token messages). Leaving early (client gone)
+        cancels the calls, and so aborts each in its replica."""
+
+        async def one(index: int, ids: list[int], params: SamplingParams):
+            if len(jobs) > 1:
+                _own_serve_request_id()  # this task's context only
+            out = await self.handle.generate_all.remote(self._payload(ids, params))
+            return index, out
+
+        if len(jobs) == 1:
+            return [await one(*jobs[0])]
+        tasks = [asyncio.ensure_future(one(*job)) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def fan_out(
         self, jobs: list[tuple[int, list[int], SamplingParams]]
@@ -393,7 +417,7 @@ class IngressCore:
         prompt_tokens = {}
         for index, ids, _ in jobs:
             prompt_tokens.setdefault(index // req.n, len(ids))
-        async for index, out in self.fan_out(jobs):
+        for index, out in await self.complete_all(jobs):
             choice = choices[index]
             choice.text += out.new_text
             choice.token_ids.extend(out.new_token_ids)

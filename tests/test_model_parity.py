@@ -81,6 +81,38 @@ def test_greedy_batch_matches_transformers(tiny_model_dir, run_generation, max_n
     assert run.outputs == expected_outputs(tiny_model_dir, prompts, MAX_TOKENS)
 
 
+def test_plain_torch_linear_path_matches_transformers_too(tiny_llama_dir, run_generation):
+    """pack_cpu_weights=False keeps the row-major F.linear path; it is exact as well."""
+    prompts = mixed_prompts(0, PROMPT_LENGTHS)
+    run = run_generation(
+        tiny_llama_dir,
+        prompts,
+        [greedy_params(n) for n in MAX_TOKENS],
+        block_size=4,
+        max_num_batched_tokens=64,
+        pack_cpu_weights=False,
+    )
+    assert run.runner.num_packed_layers == 0
+    assert run.outputs == expected_outputs(tiny_llama_dir, prompts, MAX_TOKENS)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_cpu_weights_are_packed_once_and_the_row_major_copies_released(
+    tiny_llama_dir, run_generation
+):
+    run = run_generation(tiny_llama_dir, [[5, 6, 7]], greedy_params(4), block_size=4)
+    runner = run.runner
+    layers = runner.num_layers
+    # per layer qkv, o, gate_up, down; plus the LM head
+    assert runner.num_packed_layers == 4 * layers + 1
+    attn = runner.model.model.layers[0].self_attn
+    assert attn.qkv_proj.packed_weight is not None and attn.qkv_proj.weight.numel() == 0
+    head = runner.model.lm_head
+    assert head.packed_weight is not None
+    # a tied LM head keeps the weight the embedding looks rows up in
+    assert head.weight.numel() == (0 if head.release_after_packing else head.weight.shape[0] * head.weight.shape[1])
+
+
 def test_mistral_matches_transformers_and_caps_context_at_its_window(
     tiny_mistral_dir, run_generation
 ):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replica.layers.linear import TensorParallel, check_shape, narrow_loaded
+from replica.layers.linear import PackableLinear, TensorParallel, check_shape, narrow_loaded
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -53,12 +53,23 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """logits = h W^T over this rank's vocabulary slice, gathered to the full vocabulary.
-    With tied embeddings it is given the embedding's weight (same sharding)."""
+    With tied embeddings it is given the embedding's weight (same sharding); packing then keeps
+    the row-major weight for the embedding lookup."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp: TensorParallel,
+        shared_weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__(vocab_size, hidden_size, tp, shared_weight)
+        self.release_after_packing = shared_weight is None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden, None)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[..., : self.vocab_size]
