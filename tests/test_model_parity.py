@@ -110,7 +110,9 @@ def test_cpu_weights_are_packed_once_and_the_row_major_copies_released(
     head = runner.model.lm_head
     assert head.packed_weight is not None
     # a tied LM head keeps the weight the embedding looks rows up in
-    assert head.weight.numel() == (0 if head.release_after_packing else head.weight.shape[0] * head.weight.shape[1])
+    assert head.weight.numel() == (
+        0 if head.release_after_packing else head.weight.shape[0] * head.weight.shape[1]
+    )
 
 
 def test_mistral_matches_transformers_and_caps_context_at_its_window(
