@@ -3,9 +3,12 @@ in one run: the same requests (token-id prompts, `ignore_eos`, greedy) go one at
 rotating order, to (a) an in-process AsyncEngine, (b) a 1-replica stepserve cluster over HTTP
 (proxy -> ingress -> LoadAwareRouter -> replica actor -> SSE back), built from the same
 EngineConfig and torch thread count, and (c) that replica through a deployment handle from
-this process (router + actor + Ray streaming, no proxy or ingress), which splits (b)'s cost.
-Reports per-request e2e and TTFT and their paired differences (median, p99), streaming and
-non-streaming. Writes bench/results/http_overhead.json + .png.
+this process (router + actor + Ray streaming, no proxy or ingress), which splits (b)'s cost,
+and (d) Ray Serve's own floor: an application of the same shape on the same cluster (FastAPI
+ingress -> deployment handle -> a replica that does no work and streams as many SSE events as
+(b) sends, or answers in one unary call), so what Ray Serve costs by itself is told apart from
+what stepserve adds. Reports per-request e2e and TTFT and their paired differences (median,
+p99), streaming and non-streaming. Writes bench/results/http_overhead.json + .png.
 
 Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/http_overhead.py [--quick]
 """
@@ -39,6 +42,50 @@ from cluster.config import ClusterConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_MEDIAN_MS = 5.0
+
+
+def floor_app():
+    """The Ray Serve floor: the same path shape as stepserve's (proxy -> FastAPI ingress ->
+    deployment handle -> replica -> SSE back) with no validation, tokenizer or engine. The
+    replica streams `max_tokens` one-token items (streaming) or returns them in one call."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from ray import serve
+
+    app = FastAPI()
+
+    @serve.deployment(name="FloorReplica", ray_actor_options={"num_cpus": 0})
+    class FloorReplica:
+        async def generate(self, n: int):
+            for i in range(n):
+                yield {"token": i}
+
+        async def generate_all(self, n: int) -> dict:
+            return {"tokens": list(range(n))}
+
+    @serve.deployment(name="FloorIngress", ray_actor_options={"num_cpus": 0})
+    @serve.ingress(app)
+    class FloorIngress:
+        def __init__(self, replica) -> None:
+            self.replica = replica
+            self.stream_replica = replica.options(stream=True)
+
+        @app.post("/v1/completions")
+        async def completions(self, request: Request):
+            body = await request.json()
+            n = int(body["max_tokens"])
+            if not body.get("stream"):
+                out = await self.replica.generate_all.remote(n)
+                return JSONResponse({"choices": [{"text": "x" * len(out["tokens"])}]})
+
+            async def events():
+                async for item in self.stream_replica.generate.remote(n):
+                    yield f"data: {json.dumps({'choices': [{'text': str(item['token'])}]})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+    return FloorIngress.bind(FloorReplica.bind())
 
 
 async def engine_request(engine, spec: RequestSpec) -> tuple[float, float]:
@@ -93,21 +140,24 @@ async def handle_request(handle, spec: RequestSpec) -> tuple[float, float]:
 
 
 async def measure(
-    engine, handle, base_url: str, model: str, specs, stream: bool, warmup: int
+    engine, handle, base_url: str, floor_url: str, model: str, specs, stream: bool, warmup: int
 ) -> dict:
-    """Each request three ways, one at a time; the order rotates so that drift and cache
+    """Each request four ways, one at a time; the order rotates so that drift and cache
     effects hit every path alike."""
     url = base_url + "/v1/completions"
+    floor = floor_url + "/v1/completions"
     rows = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         paths = {
             "engine": lambda spec: engine_request(engine, spec),
             "handle": lambda spec: handle_request(handle, spec),
             "http": lambda spec: http_request(session, url, model, spec, stream),
+            "floor": lambda spec: http_request(session, floor, model, spec, stream),
         }
         names = list(paths)
         for i, spec in enumerate(specs):
-            order = names[i % 3 :] + names[: i % 3]
+            k = i % len(names)
+            order = names[k:] + names[:k]
             row = {name: await paths[name](spec) for name in order}
             if i >= warmup:
                 rows.append(row)
@@ -123,7 +173,12 @@ async def measure(
         "engine_e2e_ms": describe_ms(e2e("engine")),
         "handle_e2e_ms": describe_ms(e2e("handle")),
         "http_e2e_ms": describe_ms(e2e("http")),
+        "serve_floor_e2e_ms": describe_ms(e2e("floor")),
         "added_ms": describe_ms(added("http")),
+        # what stepserve's HTTP path costs beyond Ray Serve's floor for the same shape
+        "added_over_serve_floor_ms": describe_ms(
+            [row["http"][0] - row["engine"][0] - row["floor"][0] for row in rows]
+        ),
         "added_by_handle_ms": describe_ms(added("handle")),
         "added_by_http_over_handle_ms": describe_ms(added("http", over="handle")),
         "difference_of_medians_ms": round(
@@ -131,6 +186,7 @@ async def measure(
         ),
         "engine_e2e_s": [round(x, 6) for x in e2e("engine")],
         "http_e2e_s": [round(x, 6) for x in e2e("http")],
+        "floor_e2e_s": [round(x, 6) for x in e2e("floor")],
     }
     if stream:
         out["engine_ttft_ms"] = describe_ms([row["engine"][1] for row in rows])
@@ -172,6 +228,8 @@ def main() -> None:
     cluster = LocalCluster()
     try:
         base_url = cluster.deploy(config, "overhead")
+        serve.run(floor_app(), name="floor", route_prefix="/floor")  # returns once running
+        floor_url = f"{cluster.url}/floor"
         # mode: (SSE streaming?, output tokens); fresh prompts per mode, so nothing is
         # served from the prefix cache. One output token shows the fixed per-request cost.
         plan = {
@@ -197,6 +255,7 @@ def main() -> None:
                         engine,
                         handle,
                         base_url,
+                        floor_url,
                         config.model_name(),
                         specs[mode],
                         plan[mode][0],
@@ -218,7 +277,8 @@ def main() -> None:
     )
     print(
         f"{'mode':<20} {'engine p50':>11} {'handle p50':>11} {'HTTP p50':>9} {'added p50':>10} "
-        f"{'added p99':>10} {'by handle':>10} {'HTTP-handle':>12}"
+        f"{'added p99':>10} {'by handle':>10} {'HTTP-handle':>12} {'Serve floor':>12} "
+        f"{'over floor':>11}"
     )
     for mode, m in modes.items():
         print(
@@ -226,10 +286,17 @@ def main() -> None:
             f"{m['handle_e2e_ms']['median']:>11.2f} {m['http_e2e_ms']['median']:>9.2f} "
             f"{m['added_ms']['median']:>10.2f} {m['added_ms']['p99']:>10.2f} "
             f"{m['added_by_handle_ms']['median']:>10.2f} "
-            f"{m['added_by_http_over_handle_ms']['median']:>12.2f}"
+            f"{m['added_by_http_over_handle_ms']['median']:>12.2f} "
+            f"{m['serve_floor_e2e_ms']['median']:>12.2f} "
+            f"{m['added_over_serve_floor_ms']['median']:>11.2f}"
         )
     met = modes["streaming"]["added_ms"]["median"] < TARGET_MEDIAN_MS
     print(f"target: added median < {TARGET_MEDIAN_MS} ms (streaming): {'met' if met else 'MISSED'}")
+    floors = {mode: m["serve_floor_e2e_ms"]["median"] for mode, m in modes.items()}
+    print(
+        "Ray Serve's own floor for the same path shape (no stepserve code, no engine), median ms: "
+        + ", ".join(f"{mode} {v:.2f}" for mode, v in floors.items())
+    )
     if args.quick:
         return
     result = {
@@ -242,6 +309,9 @@ def main() -> None:
         "torch_threads": threads,
         "target": f"added median < {TARGET_MEDIAN_MS} ms",
         "target_met": met,
+        "serve_floor_note": "serve_floor_e2e_ms: a no-op application of the same shape on the "
+        "same cluster (FastAPI ingress -> handle -> replica streaming as many items); "
+        "added_over_serve_floor_ms = HTTP - engine - floor, per request",
         "host": machine_info(),
         "modes": modes,
     }

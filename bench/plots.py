@@ -173,7 +173,8 @@ def plot_batch_occupancy(result: dict, path: Path) -> Path:
 
 
 def plot_overhead(result: dict, path: Path) -> Path:
-    """Histograms of per-request e2e: engine alone vs through HTTP + routing."""
+    """Histograms of per-request e2e: engine alone, through HTTP + routing, and Ray Serve's
+    floor for the same path shape (when measured)."""
     fig, axes = plt.subplots(1, len(result["modes"]), figsize=(5.6 * len(result["modes"]), 4.4))
     for ax, (mode, data) in zip(np.atleast_1d(axes), result["modes"].items(), strict=True):
         engine = np.asarray(data["engine_e2e_s"]) * 1000
@@ -185,6 +186,14 @@ def plot_overhead(result: dict, path: Path) -> Path:
         ax.hist(
             http, bins=bins, alpha=0.6, label=f"HTTP + routing (median {np.median(http):.1f} ms)"
         )
+        if "floor_e2e_s" in data:  # Ray Serve alone: the same path shape, no engine
+            floor = np.asarray(data["floor_e2e_s"]) * 1000
+            ax.hist(
+                floor,
+                bins=bins,
+                alpha=0.5,
+                label=f"Ray Serve floor, no engine (median {np.median(floor):.1f} ms)",
+            )
         ax.set_xlabel("end-to-end latency per request (ms)")
         ax.set_ylabel("requests")
         added = data["added_ms"]

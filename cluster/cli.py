@@ -122,12 +122,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    print("stepserve: shutting down", flush=True)
     import ray
     from ray import serve
 
-    serve.shutdown()
-    ray.shutdown()
+    from cluster.app import REPLICA_DRAIN_TIMEOUT_S
+
+    # Deleting the application first lets in-flight requests finish (each replica drains for
+    # up to its graceful-shutdown timeout); a second Ctrl-C / SIGTERM skips the wait.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
+    print(
+        f"stepserve: draining in-flight requests (up to {REPLICA_DRAIN_TIMEOUT_S} s; "
+        "Ctrl-C again to stop now)",
+        flush=True,
+    )
+    try:
+        serve.delete(config.name, _blocking=True)
+    except KeyboardInterrupt:
+        print("stepserve: stopping without draining", flush=True)
+    print("stepserve: shutting down", flush=True)
+    if args.address is None:  # Serve and Ray are ours; on a joined cluster they are not
+        serve.shutdown()
+        ray.shutdown()
     return 0
 
 

@@ -524,9 +524,18 @@ class ChatCompletionStreamChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+# Characters JSON leaves raw inside strings but that line splitters built on str.splitlines
+# (Python's httpx aiter_lines, for one) take as line ends, which would cut an event in two.
+_LINE_BREAKS_TO_ESCAPE = str.maketrans(
+    {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
+)
+
+
 def sse_event(chunk: BaseModel) -> str:
-    """One server-sent event carrying `chunk` as JSON; end a stream with SSE_DONE."""
-    return f"data: {chunk.model_dump_json()}\n\n"
+    """One server-sent event carrying `chunk` as JSON; end a stream with SSE_DONE. Unicode line
+    separators in the text are sent escaped (the same JSON value), so every client sees one
+    line per event."""
+    return f"data: {chunk.model_dump_json().translate(_LINE_BREAKS_TO_ESCAPE)}\n\n"
 
 
 class ModelCard(BaseModel):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from types import SimpleNamespace
 
@@ -14,6 +13,7 @@ import pytest
 
 from cluster.autoscaling import QueueDepthPolicy, desired_replicas
 from cluster.config import AutoscalingConfig
+from tests.helpers import free_port, loopback_serve
 
 CFG = AutoscalingConfig(enabled=True, min_replicas=1, max_replicas=4, target_queue_depth=8)
 
@@ -67,12 +67,6 @@ def test_policy_reads_replica_stats_and_falls_back_to_ray_counts():
 # -- on loopback ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _num_running_replicas(app: str) -> int:
     from ray import serve
 
@@ -82,13 +76,13 @@ def _num_running_replicas(app: str) -> int:
 
 @pytest.mark.ray
 def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from ray import serve
 
     from cluster.app import build_app
     from cluster.config import ClusterConfig
 
-    app, port = "autoscale-test", _free_port()
+    app, port = "autoscale-test", free_port()
     config = ClusterConfig.model_validate(
         {
             "name": app,
@@ -113,9 +107,7 @@ def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
             "routing": {"stats_period_s": 0.5},
         }
     )
-    ray.init(num_cpus=2, object_store_memory=128 * 1024 * 1024, include_dashboard=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with loopback_serve(port):
         serve.run(build_app(config), name=app, route_prefix="/")
         assert _num_running_replicas(app) == 1
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -160,6 +152,3 @@ def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         assert "stepserve:num_requests_waiting" in text
         json.dumps(peak)
-    finally:
-        serve.shutdown()
-        ray.shutdown()

@@ -1,11 +1,11 @@
 """`stepserve serve` as a user runs it: embedded Ray, the default model, a real chat answer,
-clean shutdown on Ctrl-C."""
+a SIGTERM that lets an in-flight stream finish before the process exits."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,17 +13,13 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import free_port
+
 pytestmark = pytest.mark.ray
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_default_model_answers_and_shuts_down(default_model_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)]
     with open(log, "w") as out:
@@ -46,12 +42,38 @@ def test_serve_default_model_answers_and_shuts_down(default_model_dir, tmp_path)
         )
         assert r.status_code == 200, r.text
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        # SIGTERM while a stream runs: the stream still ends normally (the app drains first)
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 64,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
+        events = []
+        with httpx.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120
+        ) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: ") :])
+                if len(events) == 2:
+                    proc.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]", events[-3:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert len("".join(c["choices"][0]["text"] for c in chunks)) > 0
+        code = proc.wait(timeout=120)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
     assert code == 0, log.read_text()[-3000:]
-    assert "shutting down" in log.read_text()
+    text = log.read_text()
+    assert "draining in-flight requests" in text and "shutting down" in text

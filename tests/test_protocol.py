@@ -434,3 +434,14 @@ def test_openai_client_reads_our_sse_streams() -> None:
     pieces = list(client.completions.create(model="m", prompt="x", stream=True))
     assert [p.choices[0].text for p in pieces] == ["Hel", "lo"]
     assert pieces[-1].choices[0].finish_reason == "stop"
+
+
+def test_sse_events_escape_unicode_line_separators_so_line_splitters_keep_them_whole() -> None:
+    text = "a\u2028b\x85c\u2029d\ne"
+    chunk = CompletionStreamChunk(
+        id="cmpl-1", created=1, model="m", choices=[CompletionChoice(index=0, text=text)]
+    )
+    event = sse_event(chunk)
+    lines = event.splitlines()  # what httpx's aiter_lines (str.splitlines) would see
+    assert lines[0].startswith("data: ") and lines[1:] == [""]
+    assert json.loads(lines[0][len("data: ") :])["choices"][0]["text"] == text

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
 import threading
 import time
 import uuid
@@ -27,6 +25,7 @@ from ray import serve  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from tests.conftest import TINY_VOCAB, build_tiny_model  # noqa: E402
+from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "stepserve-reliability"
 MAX_MODEL_LEN = 4096  # long streams: still in flight when a replica is killed or replaced
@@ -39,12 +38,6 @@ ENV_KEY = f"sk-env-{uuid.uuid4().hex}"  # reaches the ingress as a Secret would:
 AUTH = {"Authorization": f"Bearer {CONFIG_KEY}"}
 PROMPT_MARKER = f"zebra-{uuid.uuid4().hex[:12]}"  # must never appear in a log
 LONG = 1200  # tokens of a "long" request: seconds of decoding on the tiny model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -98,25 +91,15 @@ def deploy(config: ClusterConfig) -> None:
 def cluster(long_llama_dir):
     port = free_port()
     config = make_config(long_llama_dir, port)
-    # The env of the processes Ray starts, as a Kubernetes Secret mounted as env would be (not
-    # runtime_env: Ray's runtime-env agent logs its env_vars, keys included).
-    os.environ["STEPSERVE_API_KEYS"] = f"other-key, {ENV_KEY}"
-    try:
-        ray.init(
-            num_cpus=2,
-            object_store_memory=128 * 1024 * 1024,
-            include_dashboard=False,
-            log_to_driver=False,  # the workers' logs stay in their files (searched below)
-        )
-    finally:
-        del os.environ["STEPSERVE_API_KEYS"]
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # The API keys reach the processes Ray starts as env (not runtime_env: Ray's runtime-env
+    # agent logs its env_vars, keys included).
+    with loopback_serve(
+        port,
+        env={"STEPSERVE_API_KEYS": f"other-key, {ENV_KEY}"},
+        log_to_driver=False,  # the workers' logs stay in their files (searched below)
+    ) as url:
         deploy(config)
-        yield {"url": f"http://127.0.0.1:{port}", "port": port, "model_dir": long_llama_dir}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        yield {"url": url, "port": port, "model_dir": long_llama_dir}
 
 
 # -- helpers ----------------------------------------------------------------------------------

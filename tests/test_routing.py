@@ -4,7 +4,6 @@ preemptions), new requests go to the idle one."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
@@ -17,14 +16,9 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
+from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "routing-test"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(model_dir, port: int) -> ClusterConfig:
@@ -78,11 +72,9 @@ def _running(app: str) -> int:
 
 
 def test_new_requests_avoid_the_busy_replica(tiny_llama_dir):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    ray.init(num_cpus=2, object_store_memory=128 * 1024 * 1024, include_dashboard=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with loopback_serve(port):
         serve.run(build_app(_config(tiny_llama_dir, port)), name=APP, route_prefix="/")
         busy_handle = serve.get_deployment_handle("LLMServer", app_name=APP)
         busy_id = busy_handle.stats.remote().result(timeout_s=30)["replica_id"]
@@ -138,6 +130,3 @@ def test_new_requests_avoid_the_busy_replica(tiny_llama_dir):
         on_idle = sum(v - before.get(k, 0) for k, v in after.items() if k != busy_id)
         assert on_busy + on_idle >= 12
         assert on_idle >= 11, f"idle replica got {on_idle} of 12 short requests, busy {on_busy}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()

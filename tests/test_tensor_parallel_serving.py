@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 
 import httpx
@@ -21,15 +20,10 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
+from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "stepserve-tp-test"
 WORKER_CLASS = "RayRankWorker"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_fields(model_dir) -> dict:
@@ -56,14 +50,9 @@ def cluster(tiny_llama_dir):
             "routing": {"stats_period_s": 0.5},
         }
     )
-    ray.init(num_cpus=2, object_store_memory=128 * 1024 * 1024, include_dashboard=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with loopback_serve(port) as url:
         serve.run(build_app(config), name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        yield url
 
 
 @pytest.fixture(scope="module")
