@@ -5,13 +5,13 @@ uses it in `flock /tmp/stepserve-ray.lock ...`."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
 
 from bench import _models  # noqa: F401  (puts the repo root on sys.path)
 from cluster.config import ClusterConfig
+from tests.helpers import free_port
 
 COUNTERS = (
     "stepserve:prefix_cache_queries_total",
@@ -21,12 +21,6 @@ COUNTERS = (
     "stepserve:generation_tokens_total",
     "stepserve:prompt_tokens_total",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalCluster:

@@ -50,6 +50,12 @@ class EngineConfig(BaseModel):
         description="CPU: reorder linear weights once into oneDNN's blocked layout (faster "
         "matmuls); off keeps torch's row-major F.linear.",
     )
+    cpu_decode_attention: Literal["native", "torch"] = Field(
+        default="native",
+        description="CPU: 'native' runs decode attention in a C kernel (built on first use "
+        "with the system compiler) that reads K/V in place; 'torch' gathers each request's "
+        "blocks for SDPA. Without a C compiler 'native' falls back to 'torch'.",
+    )
     max_queue_len: int = Field(
         default=1024, ge=1, description="Waiting requests beyond which the replica refuses more."
     )

@@ -18,6 +18,7 @@ from replica.layers.attention import (
     KVCache,
     paged_kernel_available,
 )
+from replica.layers.cpu_kernels import KERNEL_DTYPES, paged_decode_kernel
 from replica.layers.linear import TensorParallel, pack_linear_weights
 from replica.layers.sampler import Sampler
 from replica.loader import load_hf_config, load_model
@@ -98,6 +99,7 @@ class ModelRunner:
         self.head_dim = head_dim_of(self.hf_config)
         self.use_paged_kernel = paged_kernel_available(self.device, self.block_size)
         self.decode_group_keys = self._decode_group_keys()
+        self.native_decode = self._use_native_decode()
         self.step_times = StepTimes()  # of the latest execute()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -105,12 +107,13 @@ class ModelRunner:
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         logger.info(
-            "model %s on %s (%s, %d linear layers packed for oneDNN), tp rank %d/%d: "
-            "%d KV blocks of %d tokens, max_model_len %d",
+            "model %s on %s (%s, %d linear layers packed for oneDNN, %s decode attention), "
+            "tp rank %d/%d: %d KV blocks of %d tokens, max_model_len %d",
             Path(model_dir).name,
             self.device,
             self.dtype,
             self.num_packed_layers,
+            "native" if self.native_decode else "torch",
             tp_rank,
             tp_size,
             self.num_kv_blocks,
@@ -185,6 +188,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(total * self.config.kv_cache_memory_fraction) - peak - max(outside_torch, 0)
 
+    def _use_native_decode(self) -> bool:
+        if self.device.type != "cpu" or self.config.cpu_decode_attention != "native":
+            return False
+        if self.dtype not in KERNEL_DTYPES:
+            return False
+        return paged_decode_kernel() is not None
+
     def _decode_group_keys(self) -> int | None:
         """Keys per decode attention group: on CPU as many as keep one group's gathered K
         within DECODE_GROUP_BYTES; on CUDA one group (many small kernels would cost more)."""
@@ -233,6 +243,7 @@ class ModelRunner:
             self.device,
             self.use_paged_kernel,
             self.decode_group_keys,
+            self.native_decode,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return ids, positions, meta

@@ -15,6 +15,7 @@ import torch
 
 from replica.config import EngineConfig
 from replica.layers.attention import AttentionMetadata
+from replica.layers.cpu_kernels import _compiler
 from replica.layers.linear import TensorParallel
 from replica.loader import build_model, load_hf_config, load_weights, safetensors_files
 from replica.request import SamplingParams
@@ -81,8 +82,9 @@ def test_greedy_batch_matches_transformers(tiny_model_dir, run_generation, max_n
     assert run.outputs == expected_outputs(tiny_model_dir, prompts, MAX_TOKENS)
 
 
-def test_plain_torch_linear_path_matches_transformers_too(tiny_llama_dir, run_generation):
-    """pack_cpu_weights=False keeps the row-major F.linear path; it is exact as well."""
+def test_plain_torch_path_matches_transformers_too(tiny_llama_dir, run_generation):
+    """pack_cpu_weights=False keeps the row-major F.linear path and cpu_decode_attention="torch"
+    the gathered-blocks SDPA decode path; together they are exact as well."""
     prompts = mixed_prompts(0, PROMPT_LENGTHS)
     run = run_generation(
         tiny_llama_dir,
@@ -91,8 +93,9 @@ def test_plain_torch_linear_path_matches_transformers_too(tiny_llama_dir, run_ge
         block_size=4,
         max_num_batched_tokens=64,
         pack_cpu_weights=False,
+        cpu_decode_attention="torch",
     )
-    assert run.runner.num_packed_layers == 0
+    assert run.runner.num_packed_layers == 0 and not run.runner.native_decode
     assert run.outputs == expected_outputs(tiny_llama_dir, prompts, MAX_TOKENS)
 
 
@@ -226,6 +229,8 @@ def test_default_model_matches_transformers(default_model_dir, run_generation):
     assert "Paris" in tokenizer.decode(run.outputs[0])
     runner = run.runner
     assert (runner.num_kv_heads, runner.head_dim, runner.vocab_size) == (3, 64, 49152)
+    # the native decode kernel ran these steps wherever a C compiler could build it
+    assert runner.native_decode or _compiler() is None
 
 
 def _reference_varlen_kernel(

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replica.layers.cpu_kernels import paged_decode
+
 try:  # a paged varlen kernel for CUDA; the torch path below is used without it
     from flash_attn import flash_attn_varlen_func
 except ImportError:  # pragma: no cover - depends on the environment
@@ -40,6 +42,17 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every request with exactly one query token, for the native paged decode kernel, which
+    reads each request's K/V where they lie in the block cache (nothing gathered)."""
+
+    token_index: torch.Tensor  # [n] their token's index in the flat stream
+    block_table: torch.Tensor  # int32 [n, max_blocks]
+    seq_lens: torch.Tensor  # int32 [n] keys each attends to (its position + 1)
+    all_tokens: bool  # the step is decodes only, in stream order: no gather or scatter of q
+
+
+@dataclass
 class PrefillSpan:
     """A request with more than one query token, attended in its own SDPA call."""
 
@@ -59,6 +72,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     decodes: list[DecodeGroup]  # requests with exactly one query token, padded + masked
     prefills: list[PrefillSpan]
+    decode_batch: DecodeBatch | None = None  # instead of `decodes` when the kernel runs them
     # for a varlen/paged kernel (CUDA): int32 tensors
     query_start_loc: torch.Tensor | None = None  # [B + 1]
     seq_start_loc: torch.Tensor | None = None  # [B + 1]
@@ -80,11 +94,13 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         paged_kernel: bool = False,
         decode_group_keys: int | None = DEFAULT_DECODE_GROUP_KEYS,
+        native_decode: bool = False,
     ) -> tuple[AttentionMetadata, torch.Tensor]:
         """Metadata for requests whose tokens start..start+n run this step, laid out back to back,
         and the positions tensor [T]. Index tensors are made with vector ops, not per token;
         decodes are grouped so a group's padded keys stay within `decode_group_keys` (None: all
-        decodes in one group)."""
+        decodes in one group). `native_decode`: decodes go to the native paged kernel as one
+        DecodeBatch instead of gathered groups."""
         num_reqs = len(starts)
         seq_lens = [s + n for s, n in zip(starts, query_lens)]
         blocks_per_req = [-(-n // block_size) for n in seq_lens]
@@ -119,16 +135,21 @@ class AttentionMetadata:
             )
             return meta, positions.to(device)
 
-        decodes = _decode_groups(
-            query_lens,
-            blocks_per_req,
-            seq_lens,
-            block_table,
-            q_starts,
-            block_size,
-            decode_group_keys,
-            device,
-        )
+        decodes: list[DecodeGroup] = []
+        decode_batch = None
+        if native_decode:
+            decode_batch = _decode_batch(query_lens, seq_lens, block_table, q_starts, device)
+        else:
+            decodes = _decode_groups(
+                query_lens,
+                blocks_per_req,
+                seq_lens,
+                block_table,
+                q_starts,
+                block_size,
+                decode_group_keys,
+                device,
+            )
 
         prefills = []
         for i, n in enumerate(query_lens):
@@ -144,8 +165,32 @@ class AttentionMetadata:
             mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
             prefills.append(PrefillSpan(q0, q0 + n, slots.to(device), mask.to(device)))
 
-        meta = cls(slot_mapping=slot_mapping.to(device), decodes=decodes, prefills=prefills)
+        meta = cls(
+            slot_mapping=slot_mapping.to(device),
+            decodes=decodes,
+            prefills=prefills,
+            decode_batch=decode_batch,
+        )
         return meta, positions.to(device)
+
+
+def _decode_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    q_starts: torch.Tensor,
+    device: torch.device | str,
+) -> DecodeBatch | None:
+    decode_reqs = [i for i, n in enumerate(query_lens) if n == 1]
+    if not decode_reqs:
+        return None
+    index = torch.tensor(decode_reqs, dtype=torch.long)
+    return DecodeBatch(
+        token_index=q_starts[index].to(device),
+        block_table=block_table[index].to(torch.int32).to(device),
+        seq_lens=torch.tensor([seq_lens[i] for i in decode_reqs], dtype=torch.int32).to(device),
+        all_tokens=len(decode_reqs) == len(query_lens),
+    )
 
 
 def _decode_groups(
@@ -253,7 +298,15 @@ class Attention(nn.Module):
             )
             return out.reshape(num_tokens, self.num_heads * d)
 
+        batch = meta.decode_batch
+        if batch is not None and batch.all_tokens:  # a pure decode step: q is in stream order
+            out = paged_decode(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale)
+            return out.view(num_tokens, self.num_heads * d)
         out = torch.empty_like(q)
+        if batch is not None:
+            qd = q.index_select(0, batch.token_index)
+            od = paged_decode(qd, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale)
+            out.index_copy_(0, batch.token_index, od)
         if meta.decodes:
             block_size = k_cache.shape[1]
             for group in meta.decodes:
