@@ -48,7 +48,7 @@ def floor_app():
     """The Ray Serve floor: the same path shape as stepserve's (proxy -> FastAPI ingress ->
     deployment handle -> replica -> SSE back) with no validation, tokenizer or engine. The
     replica streams `max_tokens` one-token items (streaming) or returns them in one call."""
-    from fastapi import FastAPI, Request
+    from fastapi import Body, FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
     from ray import serve
 
@@ -71,8 +71,7 @@ def floor_app():
             self.stream_replica = replica.options(stream=True)
 
         @app.post("/v1/completions")
-        async def completions(self, request: Request):
-            body = await request.json()
+        async def completions(self, body: dict = Body(...)):  # noqa: B008
             n = int(body["max_tokens"])
             if not body.get("stream"):
                 out = await self.replica.generate_all.remote(n)

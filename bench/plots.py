@@ -179,15 +179,16 @@ def plot_overhead(result: dict, path: Path) -> Path:
     for ax, (mode, data) in zip(np.atleast_1d(axes), result["modes"].items(), strict=True):
         engine = np.asarray(data["engine_e2e_s"]) * 1000
         http = np.asarray(data["http_e2e_s"]) * 1000
-        bins = np.linspace(min(engine.min(), http.min()), np.percentile(http, 99.5), 50)
+        floor = np.asarray(data.get("floor_e2e_s", [])) * 1000
+        lowest = min(engine.min(), http.min(), floor.min() if floor.size else np.inf)
+        bins = np.linspace(lowest, np.percentile(http, 99.5), 60)
         ax.hist(
             engine, bins=bins, alpha=0.6, label=f"engine alone (median {np.median(engine):.1f} ms)"
         )
         ax.hist(
             http, bins=bins, alpha=0.6, label=f"HTTP + routing (median {np.median(http):.1f} ms)"
         )
-        if "floor_e2e_s" in data:  # Ray Serve alone: the same path shape, no engine
-            floor = np.asarray(data["floor_e2e_s"]) * 1000
+        if floor.size:  # Ray Serve alone: the same path shape, no engine
             ax.hist(
                 floor,
                 bins=bins,
