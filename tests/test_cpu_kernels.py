@@ -90,3 +90,16 @@ def test_kernel_is_built_once_and_rejects_bad_inputs():
     with pytest.raises(ValueError, match="do not group"):
         paged_decode(torch.randn(3, 3, 32), k, v, table, lens, 1.0)
     assert paged_decode(q[:0], k, v, table[:0], lens[:0], 1.0).shape == (0, 4, 32)
+
+
+def test_loading_the_kernel_keeps_subnormal_floats_in_this_process():
+    """A shared library linked with -ffast-math would set flush-to-zero for the whole process
+    when it loads; torch and Python arithmetic must be untouched."""
+    assert paged_decode_kernel() is not None
+    tiny = float("5e-324")  # the smallest subnormal double
+    assert tiny * 3 > 0
+    sub = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in fp32
+    assert float(sub * 2) > 0
+    q, k, v, table, lens = case(2, 2, 2, 1, 16, 4, torch.float32)
+    paged_decode(q, k, v, table, lens, 1.0)
+    assert tiny * 3 > 0 and float(sub * 2) > 0

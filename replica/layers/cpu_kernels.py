@@ -21,8 +21,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
-# -march=native: the library is built for this CPU (the cache key includes its flags)
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c11", "-shared", "-fPIC", "-pthread")
+# -march=native: the library is built for this CPU (the cache key includes its flags).
+# -ffast-math lets the compiler vectorize the dot products' reductions and expf (libmvec). It is
+# given to the compile step only: linking with it would add crtfastmath, whose constructor sets
+# flush-to-zero for the whole process when the library loads, changing every float op of torch
+# and Python alike.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c11", "-fPIC")
+LDFLAGS = ("-shared", "-pthread")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 DISABLE_ENV = "STEPSERVE_NATIVE_KERNELS"  # "0": never build or use the native kernels
 
@@ -49,7 +54,7 @@ def _build(compiler: str) -> Path:
 
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(CFLAGS).encode(), _cpu_signature().encode()])
+        b"\0".join([source, " ".join(CFLAGS + LDFLAGS).encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
     target = out_dir / f"paged_decode-{platform.machine()}-{key}.so"
@@ -59,19 +64,20 @@ def _build(compiler: str) -> Path:
     # build beside the target and rename: replicas starting together never load a partial file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
     try:
-        result = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        for cmd in (
+            [compiler, *CFLAGS, "-c", str(SOURCE), "-o", obj],
+            [compiler, *LDFLAGS, obj, "-o", tmp, "-lm"],
+        ):
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     logger.info("built native paged decode kernel %s", target)
     return target
 

@@ -13,6 +13,7 @@
  * KV element type: fp32, or bf16 (uint16 bit patterns, widened to fp32 on load); q and out
  * share the KV type. Accumulation is in fp32.
  */
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -122,7 +123,7 @@ static void *run(void *arg) {
         }
         /* softmax per query head */
         for (int qh = 0; qh < heads; qh++) {
-            float *sc = scores + (int64_t)qh * len, m = -INFINITY, sum = 0.0f;
+            float *sc = scores + (int64_t)qh * len, m = -FLT_MAX, sum = 0.0f;
             for (int t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
             for (int t = 0; t < len; t++) {
                 sc[t] = expf(sc[t] - m);
