@@ -24,6 +24,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--cpu-decode-attention",
+        choices=["native", "torch"],
+        help="CPU decode attention: the native C kernel (default) or the torch path",
+    )
+    p.add_argument(
+        "--no-pack-cpu-weights",
+        action="store_true",
+        help="CPU: keep row-major weights (F.linear) instead of oneDNN-packed ones",
+    )
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:
@@ -37,10 +47,13 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
         "block_size": args.block_size,
         "dtype": args.dtype,
         "device": args.device,
+        "cpu_decode_attention": args.cpu_decode_attention,
     }
     out = {k: v for k, v in fields.items() if v is not None}
     if args.no_prefix_caching:
         out["enable_prefix_caching"] = False
+    if args.no_pack_cpu_weights:
+        out["pack_cpu_weights"] = False
     return out
 
 
