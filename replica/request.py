@@ -189,27 +189,6 @@ class StepOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def merge(self, later: RequestOutput) -> RequestOutput:
-        """This delta followed by a later one of the same request, as one delta (a consumer
-        that fell behind the engine takes what queued up in one piece)."""
-        if later.request_id != self.request_id:
-            raise ValueError(f"cannot merge {later.request_id!r} into {self.request_id!r}")
-        logprobs = None
-        if self.new_logprobs is not None or later.new_logprobs is not None:
-            logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
-        return RequestOutput(
-            request_id=self.request_id,
-            new_token_ids=self.new_token_ids + later.new_token_ids,
-            new_text=self.new_text + later.new_text,
-            num_prompt_tokens=later.num_prompt_tokens,
-            num_output_tokens=later.num_output_tokens,
-            finish_reason=later.finish_reason,
-            stop_reason=later.stop_reason,
-            new_logprobs=logprobs,
-            num_cached_tokens=later.num_cached_tokens,
-            num_preemptions=later.num_preemptions,
-        )
-
 
 @dataclass
 class RequestOutput:
