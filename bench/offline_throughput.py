@@ -77,6 +77,26 @@ def _timed(run) -> tuple[object, float, tuple[float, float]]:
     return result, elapsed, (load_before, os.getloadavg()[0])
 
 
+def step_recorder(steps: list[dict]):
+    """An engine step listener that appends each step's size and phase times to `steps`."""
+
+    def record(engine, so, outputs, step_time) -> None:
+        times = engine.runner.step_times
+        steps.append(
+            {
+                "requests": len(so.scheduled),
+                "tokens": so.total_num_scheduled_tokens,
+                "step": step_time,
+                "schedule": engine.last_schedule_time,
+                "prepare": times.prepare,
+                "forward": times.forward,
+                "sample": times.sample,
+            }
+        )
+
+    return record
+
+
 def worker_ours(args, workload: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     from replica.engine import LLM
@@ -97,21 +117,7 @@ def worker_ours(args, workload: dict) -> dict:
 
     llm.generate([prompts[0][:48], prompts[1][:32]], params(8))  # warm-up
     steps: list[dict] = []
-
-    def record(engine, so, outputs, step_time) -> None:
-        times = engine.runner.step_times
-        steps.append(
-            {
-                "requests": len(so.scheduled),
-                "tokens": so.total_num_scheduled_tokens,
-                "step": step_time,
-                "schedule": engine.last_schedule_time,
-                "prepare": times.prepare,
-                "forward": times.forward,
-                "sample": times.sample,
-            }
-        )
-
+    record = step_recorder(steps)
     engine.step_listeners.append(record)
     outs, elapsed, load = _timed(lambda: llm.generate(prompts, [params(n) for n in output_lens]))
     engine.step_listeners.remove(record)
@@ -131,21 +137,7 @@ def steady_state_breakdown(engine, prompts: list[list[int]], num_steps: int) -> 
     for i, prompt in enumerate(prompts):
         engine.add_request(f"steady-{i}", prompt, params)
     steps: list[dict] = []
-
-    def record(engine, so, outputs, step_time) -> None:
-        times = engine.runner.step_times
-        steps.append(
-            {
-                "requests": len(so.scheduled),
-                "tokens": so.total_num_scheduled_tokens,
-                "step": step_time,
-                "schedule": engine.last_schedule_time,
-                "prepare": times.prepare,
-                "forward": times.forward,
-                "sample": times.sample,
-            }
-        )
-
+    record = step_recorder(steps)
     engine.step_listeners.append(record)
     while not steps or steps[-1]["tokens"] != len(prompts):  # until the prefill is done
         engine.step()

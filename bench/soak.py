@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._cluster import LocalCluster  # noqa: E402
 from bench._models import model_dir  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
+from tests import helpers  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "soak.json"
 APP = "stepserve-soak"
@@ -157,18 +159,6 @@ async def run_one(client: httpx.AsyncClient, url: str, plan: Plan) -> dict:
     return record
 
 
-async def sse_data(response: httpx.Response):
-    """The data fields of an SSE stream, split at "\n" only: httpx's aiter_lines also splits
-    at U+2028 and the other breaks of str.splitlines, which an event's JSON may hold raw."""
-    buffer = b""
-    async for chunk in response.aiter_bytes():
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data: "):
-                yield line[len(b"data: ") :].decode()
-
-
 async def read_stream(client, url, body, headers, plan: Plan, leave: bool) -> dict:
     events, error, done = 0, None, False
     finished, usage = set(), None
@@ -179,7 +169,7 @@ async def read_stream(client, url, body, headers, plan: Plan, leave: bool) -> di
                 "status": r.status_code,
                 "outcome": classify_status(plan, r.status_code, r.headers, r.json()),
             }
-        async for payload in sse_data(r):
+        async for payload in helpers.sse_data(r):
             if payload == "[DONE]":
                 done = True
                 break
@@ -241,20 +231,7 @@ async def soak(url: str, args) -> tuple[list[dict], dict]:
     return results, kill
 
 
-def llm_handle():
-    from ray import serve
-
-    return serve.get_deployment_handle("LLMServer", app_name=APP)
-
-
-def replica_stats(n_replicas: int, max_calls: int = 60) -> dict[str, dict]:
-    handle, seen = llm_handle(), {}
-    for _ in range(max_calls):
-        stats = handle.stats.remote().result(timeout_s=30)
-        seen[stats["replica_id"]] = stats
-        if len(seen) >= n_replicas:
-            break
-    return seen
+replica_stats = functools.partial(helpers.replica_stats, APP, max_calls=60)
 
 
 def kill_busiest_replica() -> dict:
@@ -262,17 +239,16 @@ def kill_busiest_replica() -> dict:
 
     stats = replica_stats(2)
     victim = max(stats.values(), key=lambda s: s["running"] + s["waiting"])
-    prefix = f"SERVE_REPLICA::{APP}#LLMServer#"
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] == "serve" and actor["name"] == prefix + victim["replica_id"]:
-            ray.kill(ray.get_actor(actor["name"], namespace="serve"), no_restart=True)
-            return {
-                "replica_id": victim["replica_id"],
-                "running": victim["running"],
-                "waiting": victim["waiting"],
-                "at": time.time(),
-            }
-    raise RuntimeError(f"no actor for replica {victim['replica_id']}")
+    name = helpers.replica_actor_names(APP).get(victim["replica_id"])
+    if name is None:
+        raise RuntimeError(f"no actor for replica {victim['replica_id']}")
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return {
+        "replica_id": victim["replica_id"],
+        "running": victim["running"],
+        "waiting": victim["waiting"],
+        "at": time.time(),
+    }
 
 
 def wait_recovered(replicas: int, timeout_s: float) -> tuple[float, dict[str, dict], int]:

@@ -243,27 +243,31 @@ class LLM:
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
             )
         engine = self.engine
-        order: list[str] = []
-        results: dict[str, CompletionOutput] = {}
+        prompt_ids: dict[str, list[int]] = {}  # in submission order
+        merged: dict[str, RequestOutput] = {}
         for prompt, params in zip(prompts, sampling_params, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))
             engine.add_request(rid, ids, params)
-            order.append(rid)
-            results[rid] = CompletionOutput(rid, ids, [], "", None)
+            prompt_ids[rid] = ids
         while engine.has_unfinished():
             for out in engine.step():
-                result = results[out.request_id]
-                result.output_token_ids.extend(out.new_token_ids)
-                result.text += out.new_text
-                if out.new_logprobs:
-                    result.logprobs = (result.logprobs or []) + out.new_logprobs
-                if out.finished:
-                    result.finish_reason = out.finish_reason
-                    result.stop_reason = out.stop_reason
-                    result.num_cached_tokens = out.num_cached_tokens
-                    result.num_preemptions = out.num_preemptions
-        return [results[rid] for rid in order]
+                seen = merged.get(out.request_id)
+                merged[out.request_id] = out if seen is None else seen.merge(out)
+        return [
+            CompletionOutput(
+                request_id=rid,
+                prompt_token_ids=ids,
+                output_token_ids=merged[rid].new_token_ids,
+                text=merged[rid].new_text,
+                finish_reason=merged[rid].finish_reason,
+                stop_reason=merged[rid].stop_reason,
+                logprobs=merged[rid].new_logprobs or None,
+                num_cached_tokens=merged[rid].num_cached_tokens,
+                num_preemptions=merged[rid].num_preemptions,
+            )
+            for rid, ids in prompt_ids.items()
+        ]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

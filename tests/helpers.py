@@ -6,7 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
 
 RAY_OBJECT_STORE_BYTES = 128 * 1024 * 1024
 
@@ -51,3 +55,42 @@ def loopback_serve(
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def replica_stats(app: str, n_replicas: int, max_calls: int = 40) -> dict[str, dict]:
+    """stats() of each LLMServer replica of `app`, by replica id. The handle routes every call
+    to some replica, so call until `n_replicas` were seen or `max_calls` calls were made."""
+    from ray import serve
+
+    handle, seen = serve.get_deployment_handle("LLMServer", app_name=app), {}
+    for _ in range(max_calls):
+        stats = handle.stats.remote().result(timeout_s=30)
+        seen[stats["replica_id"]] = stats
+        if len(seen) >= n_replicas:
+            break
+    return seen
+
+
+def replica_actor_names(app: str) -> dict[str, str]:
+    """LLMServer replica unique id -> its actor's name in the "serve" namespace."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#LLMServer#"
+    return {
+        actor["name"].rsplit("#", 1)[1]: actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == "serve" and actor["name"].startswith(prefix)
+    }
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The data fields of an SSE stream, split at "\n" only: httpx's aiter_lines also splits
+    at U+2028 and the other breaks of str.splitlines, which a server's JSON may hold raw
+    (stepserve escapes them; a test should not depend on it)."""
+    buffer = b""
+    async for chunk in response.aiter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: "):
+                yield line[len(b"data: ") :].decode()

@@ -8,6 +8,7 @@ cutting them."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -24,6 +25,7 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.conftest import TINY_VOCAB, build_tiny_model  # noqa: E402
 from tests.helpers import free_port, loopback_serve  # noqa: E402
 
@@ -107,15 +109,18 @@ def llm_handle():
     return serve.get_deployment_handle("LLMServer", app_name=APP)
 
 
-def replica_stats(n_replicas: int, max_calls: int = 40) -> dict[str, dict]:
-    """stats() of each LLMServer replica (the handle routes calls; call until all were seen)."""
-    handle, seen = llm_handle(), {}
-    for _ in range(max_calls):
-        s = handle.stats.remote().result(timeout_s=30)
-        seen[s["replica_id"]] = s
-        if len(seen) >= n_replicas:
-            break
-    return seen
+replica_stats = functools.partial(helpers.replica_stats, APP)
+
+
+async def wait_until_decoding(n_replicas: int, timeout_s: float = 30.0) -> dict[str, dict]:
+    """Until each of `n_replicas` replicas runs at least one request; returns their stats."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await asyncio.to_thread(replica_stats, n_replicas)
+        if len(stats) == n_replicas and all(s["running"] > 0 for s in stats.values()):
+            return stats
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.1)
 
 
 def ingress_inflight() -> int:
@@ -156,34 +161,12 @@ def wait_replicas_running(n: int, timeout_s: float = 120) -> None:
         time.sleep(0.5)
 
 
-def replica_actor_names() -> dict[str, str]:
-    """LLMServer replica unique id -> its actor's name in the "serve" namespace."""
-    names = {}
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        name = actor["name"]
-        if actor["namespace"] == "serve" and name.startswith(f"SERVE_REPLICA::{APP}#LLMServer#"):
-            names[name.rsplit("#", 1)[1]] = name
-    return names
-
-
 def completion_body(n_tokens: int, stream: bool, seed: int = 0, **extra) -> dict:
     prompt = [(seed * 7 + j) % (TINY_VOCAB - 3) + 3 for j in range(8 + seed % 5)]
     body = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True}
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     return body | extra
-
-
-async def sse_data(response: httpx.Response):
-    """The data fields of an SSE stream, split at "\n" only: httpx's aiter_lines also splits
-    at U+2028 and the other breaks of str.splitlines, which an event's JSON may hold raw."""
-    buffer = b""
-    async for chunk in response.aiter_bytes():
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data: "):
-                yield line[len(b"data: ") :].decode()
 
 
 async def call(client: httpx.AsyncClient, url: str, body: dict, path="/v1/completions") -> dict:
@@ -198,7 +181,7 @@ async def call(client: httpx.AsyncClient, url: str, body: dict, path="/v1/comple
         if r.status_code != 200:
             await r.aread()
             return result | {"json": r.json()}
-        async for data in sse_data(r):
+        async for data in helpers.sse_data(r):
             if data == "[DONE]":
                 result["done"] = True
                 break
@@ -610,15 +593,9 @@ def test_killed_replica_ends_its_streams_with_an_error_and_is_replaced(cluster):
                 for i in range(n_plain)
             ]
             # kill the busiest replica once both replicas are decoding
-            deadline = time.monotonic() + 30
-            while True:
-                stats = await asyncio.to_thread(replica_stats, 2)
-                if len(stats) == 2 and all(s["running"] > 0 for s in stats.values()):
-                    break
-                assert time.monotonic() < deadline, stats
-                await asyncio.sleep(0.1)
+            stats = await wait_until_decoding(2)
             victim = max(stats.values(), key=lambda s: s["running"])
-            name = replica_actor_names()[victim["replica_id"]]
+            name = helpers.replica_actor_names(APP)[victim["replica_id"]]
             killed.update(id=victim["replica_id"], running=victim["running"])
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
             # every request ends (completed or with an error) in bounded time: none hangs
@@ -673,12 +650,7 @@ def test_redeploy_to_one_replica_drains_in_flight_streams(cluster):
                 asyncio.ensure_future(call(client, url, completion_body(LONG, True, seed=i)))
                 for i in range(n_streams)
             ]
-            deadline = time.monotonic() + 30
-            while not all(
-                s["running"] > 0 for s in (await asyncio.to_thread(replica_stats, 2)).values()
-            ):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
+            await wait_until_decoding(2)
             redeploy = asyncio.ensure_future(
                 asyncio.to_thread(
                     deploy, make_config(cluster["model_dir"], cluster["port"], replicas=1)
@@ -718,10 +690,7 @@ def test_deleting_the_app_lets_in_flight_streams_finish(cluster):
                 asyncio.ensure_future(call(client, url, completion_body(LONG, True, seed=i)))
                 for i in range(n_streams)
             ]
-            deadline = time.monotonic() + 30
-            while (await asyncio.to_thread(replica_stats, 1)).popitem()[1]["running"] == 0:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.1)
+            await wait_until_decoding(1)
             shutdown = asyncio.ensure_future(asyncio.to_thread(serve.delete, APP))
             results = await asyncio.gather(*streams, return_exceptions=True)
             in_flight_at_end = not shutdown.done()

@@ -17,6 +17,7 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
+from tests import helpers  # noqa: E402
 from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "stepserve-test"
@@ -68,13 +69,8 @@ def greedy_offline(offline, prompt_ids: list[int], max_tokens: int) -> list[int]
     return out.output_token_ids, out.text
 
 
-def replica_stats(n_calls: int = 24) -> dict[str, dict]:
-    handle = serve.get_deployment_handle("LLMServer", app_name=APP)
-    seen = {}
-    for _ in range(n_calls):
-        s = handle.stats.remote().result(timeout_s=30)
-        seen[s["replica_id"]] = s
-    return seen
+def replica_stats() -> dict[str, dict]:
+    return helpers.replica_stats(APP, n_replicas=2, max_calls=24)
 
 
 def test_completion_matches_offline_engine(cluster, offline):

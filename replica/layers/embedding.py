@@ -28,6 +28,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.vocab_per_rank
         # rows past the real vocabulary (padding on the last rank) stay zero
         self.num_real_rows = max(0, min(vocab_size - self.vocab_start, self.vocab_per_rank))
+        self.tied = shared_weight is not None
         if shared_weight is not None:  # tied embeddings: same shape and sharding, no copy
             self.weight = shared_weight
             return
@@ -58,15 +59,9 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     With tied embeddings it is given the embedding's weight (same sharding); packing then keeps
     the row-major weight for the embedding lookup."""
 
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        tp: TensorParallel,
-        shared_weight: nn.Parameter | None = None,
-    ) -> None:
-        super().__init__(vocab_size, hidden_size, tp, shared_weight)
-        self.release_after_packing = shared_weight is None
+    @property
+    def release_after_packing(self) -> bool:
+        return not self.tied  # a tied weight is the embedding's lookup table
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden, None)

@@ -70,6 +70,18 @@ static inline void prefetch_row(const void *base, int64_t offset, int64_t elemen
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
 
+/* Slot `o` of the block starting at element `base` of a cache, as fp32 (bf16 rows widened into
+ * `scratch`); the same slot of the sequence's next block (at `next`, -1 for none) is
+ * prefetched. */
+static inline const float *slot_row(const void *cache, int64_t base, int64_t next, int o,
+                                    int64_t kv_row, int bf16, float *scratch) {
+    const int64_t offset = base + (int64_t)o * kv_row;
+    if (next >= 0) prefetch_row(cache, next + (int64_t)o * kv_row, kv_row, bf16);
+    if (!bf16) return (const float *)cache + offset;
+    row_f32(cache, offset, (int)kv_row, 1, scratch);
+    return scratch;
+}
+
 static inline float dot(const float *a, const float *b, int n) {
     float acc[LANES] = {0};
     int i = 0;
@@ -111,12 +123,7 @@ static void *run(void *arg) {
             const int n = len - t0 < bs ? len - t0 : bs;
             const int64_t next = t0 + bs < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
             for (int o = 0; o < n; o++) {
-                if (next >= 0) prefetch_row(j->k, next + (int64_t)o * kv_row, kv_row, j->bf16);
-                const float *krow = (const float *)j->k + base + (int64_t)o * kv_row;
-                if (j->bf16) {
-                    row_f32(j->k, base + (int64_t)o * kv_row, (int)kv_row, 1, row);
-                    krow = row;
-                }
+                const float *krow = slot_row(j->k, base, next, o, kv_row, j->bf16, row);
                 for (int qh = 0; qh < heads; qh++)
                     scores[(int64_t)qh * len + t0 + o] = dot(qf + qh * d, krow + (qh / group) * d, d);
             }
@@ -139,12 +146,7 @@ static void *run(void *arg) {
             const int n = len - t0 < bs ? len - t0 : bs;
             const int64_t next = t0 + bs < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
             for (int o = 0; o < n; o++) {
-                if (next >= 0) prefetch_row(j->v, next + (int64_t)o * kv_row, kv_row, j->bf16);
-                const float *vrow = (const float *)j->v + base + (int64_t)o * kv_row;
-                if (j->bf16) {
-                    row_f32(j->v, base + (int64_t)o * kv_row, (int)kv_row, 1, row);
-                    vrow = row;
-                }
+                const float *vrow = slot_row(j->v, base, next, o, kv_row, j->bf16, row);
                 for (int qh = 0; qh < heads; qh++) {
                     const float p = scores[(int64_t)qh * len + t0 + o];
                     const float *vh = vrow + (qh / group) * d;
