@@ -334,13 +334,14 @@ class AsyncEngine:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         self.engine.check_request(prompt_token_ids, params)
-        # Waiting as of the last step, but at least the streams beyond the running seats: those
-        # change here at once, so a burst within one step cannot overshoot, and a replica never
-        # holds more than max_num_seqs + max_queue_len requests.
-        waiting = max(
-            self._stats.num_waiting + len(self._inbox),
-            len(self._streams) - self.config.max_num_seqs,
-        )
+        # Every request this replica holds has a stream (registered here at once, so a burst
+        # that lands within one step is counted in full). Those beyond the seats that can run
+        # are waiting: all max_num_seqs seats, unless the last step already left requests
+        # waiting (KV cache or token budget full); then only as many as ran in it. A replica
+        # never holds more than max_num_seqs + max_queue_len requests.
+        stats = self._stats
+        seats = stats.num_running if stats.num_waiting else self.config.max_num_seqs
+        waiting = len(self._streams) - seats
         if waiting >= self.config.max_queue_len:
             raise EngineOverloaded(
                 f"replica queue is full ({waiting} waiting >= max_queue_len="

@@ -10,7 +10,7 @@ import pytest
 
 from replica.config import EngineConfig
 from replica.engine import LLM, AsyncEngine, Engine
-from replica.request import RequestOutput, SamplingParams
+from replica.request import EngineOverloaded, RequestOutput, SamplingParams
 from tests.test_model_parity import mixed_prompts
 
 NUM_STREAMS = 16
@@ -115,3 +115,24 @@ def test_a_slow_consumer_gets_queued_deltas_merged_and_loses_nothing(tiny_llama_
     tokens, text, deltas = run_async(Engine(engine_config(tiny_llama_dir)), body)
     assert tokens == expected.output_token_ids and text == expected.text
     assert deltas < len(tokens)
+
+
+def test_a_burst_within_one_step_fills_seats_and_queue_then_is_refused(tiny_llama_dir):
+    """max_num_seqs + max_queue_len requests arriving together are all admitted (the first
+    max_num_seqs take seats; they are not counted as waiting); one more gets a clear overload."""
+    config = engine_config(tiny_llama_dir, max_num_seqs=2, max_queue_len=3)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    async def body(async_engine: AsyncEngine):
+        streams = [async_engine.generate([3 + i, 4, 5], params) for i in range(6)]
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        admitted = [f for f in firsts if isinstance(f, RequestOutput)]
+        refused = [f for f in firsts if isinstance(f, BaseException)]
+        for s in streams:
+            await s.aclose()
+        return admitted, refused
+
+    admitted, refused = run_async(Engine(config), body)
+    assert len(admitted) == 5, refused
+    assert len(refused) == 1 and isinstance(refused[0], EngineOverloaded)
+    assert "3 waiting >= max_queue_len=3" in str(refused[0])
