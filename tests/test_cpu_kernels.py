@@ -103,3 +103,15 @@ def test_loading_the_kernel_keeps_subnormal_floats_in_this_process():
     q, k, v, table, lens = case(2, 2, 2, 1, 16, 4, torch.float32)
     paged_decode(q, k, v, table, lens, 1.0)
     assert tiny * 3 > 0 and float(sub * 2) > 0
+
+
+def test_kernel_threads_come_from_torchs_openmp_runtime():
+    """Built with OpenMP, the library must bind to the libgomp torch already loaded (one
+    runtime, one pool of threads): a second runtime would put two spinning pools on the
+    same cores."""
+    assert paged_decode_kernel() is not None
+    q, k, v, table, lens = case(3, 8, 4, 2, 32, 4, torch.float32)
+    paged_decode(q, k, v, table, lens, 1.0, num_threads=2)
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) <= 1, runtimes

@@ -28,6 +28,9 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
 # and Python alike.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c11", "-fPIC")
 LDFLAGS = ("-shared", "-pthread")
+# OpenMP first: the kernels then run on torch's thread pool (libgomp.so.1 resolves to the copy
+# torch has loaded); a compiler without it builds the pthread variant.
+OPENMP = ("-fopenmp",)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 DISABLE_ENV = "STEPSERVE_NATIVE_KERNELS"  # "0": never build or use the native kernels
 
@@ -50,11 +53,20 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str) -> Path:
+    try:
+        return _build_with(compiler, OPENMP)
+    except RuntimeError as exc:
+        logger.info("OpenMP build failed (%s); building with pthreads", str(exc)[-300:])
+        return _build_with(compiler, ())
+
+
+def _build_with(compiler: str, extra: tuple[str, ...]) -> Path:
     from replica.default_model import cache_root
 
+    cflags, ldflags = CFLAGS + extra, LDFLAGS + extra
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(CFLAGS + LDFLAGS).encode(), _cpu_signature().encode()])
+        b"\0".join([source, " ".join(cflags + ldflags).encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
     target = out_dir / f"paged_decode-{platform.machine()}-{key}.so"
@@ -67,8 +79,8 @@ def _build(compiler: str) -> Path:
     obj = tmp[: -len(".so")] + ".o"
     try:
         for cmd in (
-            [compiler, *CFLAGS, "-c", str(SOURCE), "-o", obj],
-            [compiler, *LDFLAGS, obj, "-o", tmp, "-lm"],
+            [compiler, *cflags, "-c", str(SOURCE), "-o", obj],
+            [compiler, *ldflags, obj, "-o", tmp, "-lm"],
         ):
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if result.returncode != 0:
