@@ -98,6 +98,12 @@ def onednn_available(weight: torch.Tensor) -> bool:
     )
 
 
+# oneDNN's matmul from a packed weight streamed it slower for 1 or 2 rows than for 4 on this
+# project's test machine (a model's linears: 17.5 ms at 1 row, 20.5 at 2, 14.2 at 4; see
+# bench/README.md), so fewer rows are padded to this many.
+MIN_PACKED_ROWS = 4
+
+
 class PackableLinear(nn.Module):
     """A linear layer whose weight can be reordered once, after loading, into oneDNN's blocked
     layout. On CPU that is what makes decode fast: at 4-64 rows an fp32 matmul from the packed
@@ -119,6 +125,11 @@ class PackableLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
+            rows = x.shape[0]
+            if rows < MIN_PACKED_ROWS:  # zero rows added, their outputs dropped
+                x = F.pad(x, (0, 0, 0, MIN_PACKED_ROWS - rows))
+                out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+                return out[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
