@@ -34,6 +34,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CPU: keep row-major weights (F.linear) instead of oneDNN-packed ones",
     )
+    p.add_argument(
+        "--no-cpu-fused-ops",
+        action="store_true",
+        help="CPU: torch ops for RMSNorm, rotary and SiLU * up instead of the fused C kernels",
+    )
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:
@@ -54,6 +59,8 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
         out["enable_prefix_caching"] = False
     if args.no_pack_cpu_weights:
         out["pack_cpu_weights"] = False
+    if args.no_cpu_fused_ops:
+        out["cpu_fused_ops"] = False
     return out
 
 

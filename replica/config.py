@@ -56,6 +56,12 @@ class EngineConfig(BaseModel):
         "with the system compiler) that reads K/V in place; 'torch' gathers each request's "
         "blocks for SDPA. Without a C compiler 'native' falls back to 'torch'.",
     )
+    cpu_fused_ops: bool = Field(
+        default=True,
+        description="CPU, fp32: each RMSNorm with the residual add before it, rotary and "
+        "SiLU * up run as single C kernels (built like the native decode kernel) instead of "
+        "several torch ops each.",
+    )
     max_queue_len: int = Field(
         default=1024, ge=1, description="Waiting requests beyond which the replica refuses more."
     )

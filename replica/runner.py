@@ -18,7 +18,12 @@ from replica.layers.attention import (
     KVCache,
     paged_kernel_available,
 )
-from replica.layers.cpu_kernels import KERNEL_DTYPES, paged_decode_kernel
+from replica.layers.cpu_kernels import (
+    KERNEL_DTYPES,
+    enable_fused_cpu_ops,
+    native_library,
+    paged_decode_kernel,
+)
 from replica.layers.linear import TensorParallel, pack_linear_weights
 from replica.layers.sampler import Sampler
 from replica.loader import load_hf_config, load_model
@@ -94,6 +99,14 @@ class ModelRunner:
         self.num_packed_layers = 0
         if self.device.type == "cpu" and config.pack_cpu_weights:
             self.num_packed_layers = pack_linear_weights(self.model)
+        self.num_fused_modules = 0
+        if (
+            self.device.type == "cpu"
+            and config.cpu_fused_ops
+            and self.dtype == torch.float32
+            and native_library() is not None
+        ):
+            self.num_fused_modules = enable_fused_cpu_ops(self.model)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.num_kv_heads = num_kv_heads_per_rank(self.hf_config, tp_size)
         self.head_dim = head_dim_of(self.hf_config)
@@ -107,13 +120,15 @@ class ModelRunner:
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         logger.info(
-            "model %s on %s (%s, %d linear layers packed for oneDNN, %s decode attention), "
-            "tp rank %d/%d: %d KV blocks of %d tokens, max_model_len %d",
+            "model %s on %s (%s, %d linear layers packed for oneDNN, %s decode attention, "
+            "%d modules on fused C ops), tp rank %d/%d: %d KV blocks of %d tokens, "
+            "max_model_len %d",
             Path(model_dir).name,
             self.device,
             self.dtype,
             self.num_packed_layers,
             "native" if self.native_decode else "torch",
+            self.num_fused_modules,
             tp_rank,
             tp_size,
             self.num_kv_blocks,

@@ -10,10 +10,14 @@ def parse(*argv: str):
 
 
 def test_cpu_engine_flags_reach_the_engine_config():
-    engine = parse("--cpu-decode-attention", "torch", "--no-pack-cpu-weights").engine
+    engine = parse(
+        "--cpu-decode-attention", "torch", "--no-pack-cpu-weights", "--no-cpu-fused-ops"
+    ).engine
     assert engine.cpu_decode_attention == "torch" and engine.pack_cpu_weights is False
+    assert engine.cpu_fused_ops is False
     default = parse().engine
     assert default.cpu_decode_attention == "native" and default.pack_cpu_weights is True
+    assert default.cpu_fused_ops is True
 
 
 def test_engine_flags_override_the_config_file(tmp_path):

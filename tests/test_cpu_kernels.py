@@ -4,6 +4,7 @@ lengths on and off block boundaries, fp32 and bf16, any thread count."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -113,5 +114,58 @@ def test_kernel_threads_come_from_torchs_openmp_runtime():
     q, k, v, table, lens = case(3, 8, 4, 2, 32, 4, torch.float32)
     paged_decode(q, k, v, table, lens, 1.0, num_threads=2)
     with open("/proc/self/maps") as maps:
-        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+        paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    # vendored copies under a hashed name (libgomp-1a2b3c.so, e.g. sentencepiece's) are private
+    # to their package; the kernels' libgomp.so.1 must be the one already loaded
+    runtimes = {p for p in paths if os.path.basename(p).startswith("libgomp.so")}
     assert len(runtimes) <= 1, runtimes
+
+
+# -- fused elementwise ops ----------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 5, 130])  # 130: split over threads
+def test_fused_norms_and_silu_match_torch(rows):
+    from replica.layers.cpu_kernels import add_rms_norm, rms_norm, silu_mul
+
+    gen = torch.Generator().manual_seed(rows)
+    hidden = 72  # not a multiple of the 16 lanes
+    x = torch.randn(rows, hidden, generator=gen)
+    residual = torch.randn(rows, hidden, generator=gen)
+    weight = torch.rand(hidden, generator=gen) + 0.5
+
+    def ref_norm(t):
+        return weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5), ref_norm(x), atol=1e-6, rtol=1e-5)
+    expected_sum = residual + x
+    got = add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, expected_sum)  # the residual stream updated in place, exactly
+    torch.testing.assert_close(got, ref_norm(expected_sum), atol=1e-6, rtol=1e-5)
+
+    gate_up = torch.randn(rows, 2 * 40, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="last dimension"):
+        rms_norm(x, weight[:-1], 1e-5)
+    with pytest.raises(ValueError, match="fp32"):
+        silu_mul(gate_up.double())
+
+
+@pytest.mark.parametrize("rows", [3, 70])
+def test_fused_rotary_is_bitwise_the_torch_rotation(rows):
+    """In place on the query and key heads at the start of strided qkv rows; the value heads
+    after them untouched."""
+    from replica.layers.rotary import RotaryEmbedding
+
+    head_dim, q_heads, kv_heads = 32, 4, 2
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim, generator=gen)
+    positions = torch.randint(0, 512, (rows,), generator=gen)
+    qk_width = (q_heads + kv_heads) * head_dim
+    expected = rotary.rotate(positions, qkv[:, :qk_width].reshape(rows, -1, head_dim))
+    values = qkv[:, qk_width:].clone()
+    rotary.rotate_(positions, qkv, q_heads + kv_heads)
+    assert torch.equal(qkv[:, :qk_width], expected.reshape(rows, qk_width))
+    assert torch.equal(qkv[:, qk_width:], values)
+    with pytest.raises(ValueError, match="beyond the rotary table"):
+        rotary.rotate_(positions + 512, qkv, q_heads + kv_heads)

@@ -83,8 +83,9 @@ def test_greedy_batch_matches_transformers(tiny_model_dir, run_generation, max_n
 
 
 def test_plain_torch_path_matches_transformers_too(tiny_llama_dir, run_generation):
-    """pack_cpu_weights=False keeps the row-major F.linear path and cpu_decode_attention="torch"
-    the gathered-blocks SDPA decode path; together they are exact as well."""
+    """pack_cpu_weights=False keeps the row-major F.linear path, cpu_decode_attention="torch"
+    the gathered-blocks SDPA decode path and cpu_fused_ops=False torch's norm, rotary and SiLU;
+    together they are exact as well."""
     prompts = mixed_prompts(0, PROMPT_LENGTHS)
     run = run_generation(
         tiny_llama_dir,
@@ -94,8 +95,10 @@ def test_plain_torch_path_matches_transformers_too(tiny_llama_dir, run_generatio
         max_num_batched_tokens=64,
         pack_cpu_weights=False,
         cpu_decode_attention="torch",
+        cpu_fused_ops=False,
     )
     assert run.runner.num_packed_layers == 0 and not run.runner.native_decode
+    assert run.runner.num_fused_modules == 0
     assert run.outputs == expected_outputs(tiny_llama_dir, prompts, MAX_TOKENS)
 
 
@@ -116,6 +119,18 @@ def test_cpu_weights_are_packed_once_and_the_row_major_copies_released(
     assert head.weight.numel() == (
         0 if head.release_after_packing else head.weight.shape[0] * head.weight.shape[1]
     )
+
+
+@pytest.mark.skipif(_compiler() is None, reason="no C compiler on this machine")
+def test_fp32_cpu_runs_use_the_fused_ops_and_bf16_does_not(tiny_llama_dir, run_generation):
+    """The parity tests above run with the defaults: the fused C ops on in every norm, attention
+    (rotary) and MLP module. bf16 activations keep torch's ops."""
+    runner = run_generation(tiny_llama_dir, [[5, 6, 7]], greedy_params(4), block_size=4).runner
+    assert runner.num_fused_modules == 4 * runner.num_layers + 1
+    bf16 = run_generation(
+        tiny_llama_dir, [[5, 6, 7]], greedy_params(4), block_size=4, dtype="bfloat16"
+    ).runner
+    assert bf16.num_fused_modules == 0
 
 
 def test_mistral_matches_transformers_and_caps_context_at_its_window(

@@ -1,7 +1,8 @@
 """Native CPU kernels: C sources in csrc/, compiled on first use with the system C compiler into
 the stepserve cache (keyed by source, flags and CPU) and called through ctypes, which releases
-the GIL for the call. Without a compiler (or when a build fails) `paged_decode_kernel()` is None
-and attention uses its torch path; the reason is logged once."""
+the GIL for the call: paged decode attention and the fused elementwise steps of a decoder layer
+(RMSNorm with the residual add, rotary, SiLU * up). Without a compiler (or when a build fails)
+`native_library()` is None and every caller uses its torch path; the reason is logged once."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# source -> its own extra compile flags. fused_ops.c without contraction: its rotary then
+# rounds every product and sum as torch does (bitwise equal).
+SOURCES = {"paged_decode.c": (), "fused_ops.c": ("-ffp-contract=off",)}
 # -march=native: the library is built for this CPU (the cache key includes its flags).
-# -ffast-math lets the compiler vectorize the dot products' reductions and expf (libmvec). It is
-# given to the compile step only: linking with it would add crtfastmath, whose constructor sets
-# flush-to-zero for the whole process when the library loads, changing every float op of torch
-# and Python alike.
+# -ffast-math lets the compiler vectorize the reductions and expf (libmvec). It is given to the
+# compile step only: linking with it would add crtfastmath, whose constructor sets flush-to-zero
+# for the whole process when the library loads, changing every float op of torch and Python.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c11", "-fPIC")
 LDFLAGS = ("-shared", "-pthread")
 # OpenMP first: the kernels then run on torch's thread pool (libgomp.so.1 resolves to the copy
@@ -64,65 +67,78 @@ def _build_with(compiler: str, extra: tuple[str, ...]) -> Path:
     from replica.default_model import cache_root
 
     cflags, ldflags = CFLAGS + extra, LDFLAGS + extra
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, " ".join(cflags + ldflags).encode(), _cpu_signature().encode()])
-    ).hexdigest()[:16]
+    parts = [_cpu_signature().encode(), " ".join(cflags + ldflags).encode()]
+    for name, flags in SOURCES.items():
+        parts += [name.encode(), " ".join(flags).encode(), (CSRC / name).read_bytes()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
-    target = out_dir / f"paged_decode-{platform.machine()}-{key}.so"
+    target = out_dir / f"stepserve_kernels-{platform.machine()}-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: replicas starting together never load a partial file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    obj = tmp[: -len(".so")] + ".o"
+    objs = [f"{tmp[: -len('.so')]}-{i}.o" for i in range(len(SOURCES))]
     try:
-        for cmd in (
-            [compiler, *cflags, "-c", str(SOURCE), "-o", obj],
-            [compiler, *ldflags, obj, "-o", tmp, "-lm"],
-        ):
+        commands = [
+            [compiler, *cflags, *flags, "-c", str(CSRC / name), "-o", obj]
+            for (name, flags), obj in zip(SOURCES.items(), objs)
+        ]
+        commands.append([compiler, *ldflags, *objs, "-o", tmp, "-lm"])
+        for cmd in commands:
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if result.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
-        for path in (tmp, obj):
+        for path in (tmp, *objs):
             if os.path.exists(path):
                 os.unlink(path)
-    logger.info("built native paged decode kernel %s", target)
+    logger.info("built native CPU kernels %s", target)
     return target
 
 
-def paged_decode_kernel():
-    """The C function, or None when native kernels are off or cannot be built here."""
+def native_library() -> ctypes.CDLL | None:
+    """The kernels' shared library, or None when native kernels are off or cannot be built
+    here (the reason is logged once)."""
     with _lock:
-        if "fn" in _loaded:
-            return _loaded["fn"]
-        fn = None
+        if "lib" in _loaded:
+            return _loaded["lib"]
+        lib = None
         if os.environ.get(DISABLE_ENV, "1") == "0":
-            logger.info("native kernels off (%s=0): torch attention path", DISABLE_ENV)
+            logger.info("native kernels off (%s=0): torch paths", DISABLE_ENV)
         elif (compiler := _compiler()) is None:
-            logger.warning("no C compiler found (set CC): CPU decode attention uses torch")
+            logger.warning("no C compiler found (set CC): native CPU kernels off, torch paths")
         else:
             try:
                 lib = ctypes.CDLL(str(_build(compiler)))
-                fn = lib.stepserve_paged_decode
-                fn.restype = ctypes.c_int
-                fn.argtypes = (
-                    [ctypes.c_void_p] * 6
-                    + [ctypes.c_int] * 6
-                    + [
-                        ctypes.c_float,
-                        ctypes.c_int,
-                        ctypes.c_int,
-                    ]
-                )
+                _declare(lib)
             except Exception as exc:  # a broken toolchain must not take the engine down
-                logger.warning("native paged decode kernel unavailable (%s): torch path", exc)
-                fn = None
-        _loaded["fn"] = fn
-        return fn
+                logger.warning("native CPU kernels unavailable (%s): torch paths", exc)
+                lib = None
+        _loaded["lib"] = lib
+        return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "stepserve_paged_decode": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32]),
+        "stepserve_rms_norm": (None, [ptr, ptr, ptr, i64, i32, f32, i32]),
+        "stepserve_add_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i32, f32, i32]),
+        "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32]),
+        "stepserve_rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+
+
+def paged_decode_kernel():
+    """The paged decode C function, or None without the native library."""
+    lib = native_library()
+    return None if lib is None else lib.stepserve_paged_decode
 
 
 def paged_decode(
@@ -177,3 +193,107 @@ def paged_decode(
     if status:
         raise MemoryError("native paged decode kernel could not allocate its scratch memory")
     return out
+
+
+# -- fused elementwise ops (fp32 CPU) -------------------------------------------------------------
+def fused_ops_available(x: torch.Tensor) -> bool:
+    """Whether the fused C ops can take this activation: fp32 on the CPU, with the library."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and native_library() is not None
+
+
+def enable_fused_cpu_ops(model: torch.nn.Module) -> int:
+    """Turn on the fused C ops in every module that has them (a `fused_cpu_ops` flag; each still
+    checks its activation's dtype and device per call); returns how many modules."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "fused_cpu_ops"):
+            module.fused_cpu_ops = True
+            count += 1
+    return count
+
+
+def _rows(x: torch.Tensor, width: int, name: str) -> int:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous fp32 CPU tensor, got {x.dtype} {x.device}")
+    if x.shape[-1] != width:
+        raise ValueError(f"{name} has last dimension {x.shape[-1]}, expected {width}")
+    return x.numel() // width
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension."""
+    n = weight.shape[0]
+    rows = _rows(x, n, "x")
+    out = torch.empty_like(x)
+    native_library().stepserve_rms_norm(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n, eps, torch.get_num_threads()
+    )
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x (in place), then weight * residual / rms(residual)."""
+    n = weight.shape[0]
+    rows = _rows(x, n, "x")
+    if _rows(residual, n, "residual") != rows:
+        raise ValueError(f"x has {rows} rows, residual {residual.numel() // n}")
+    out = torch.empty_like(x)
+    native_library().stepserve_add_rms_norm(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
+    inter = gate_up.shape[-1] // 2
+    rows = _rows(gate_up, 2 * inter, "gate_up")
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    native_library().stepserve_silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads()
+    )
+    return out
+
+
+def rotary_(
+    x: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Rotate the first num_heads heads of every row of x [rows, >= num_heads * head_dim] in
+    place (rows may be strided: a layer's query and key heads at the start of its qkv rows).
+    cos/sin: fp32 tables [max_position, head_dim]; positions int64 [rows], each below
+    max_position (the caller checks: RotaryEmbedding.rotate_ once per forward)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1 or x.dim() != 2:
+        raise ValueError("x must be a 2-D fp32 CPU tensor with unit stride in its rows")
+    if x.shape[1] < num_heads * head_dim or head_dim % 2:
+        raise ValueError(f"x rows of {x.shape[1]} cannot hold {num_heads} heads of {head_dim}")
+    if positions.dtype != torch.int64 or positions.shape != (x.shape[0],):
+        raise ValueError("positions must be int64 with one entry per row")
+    for t in (cos, sin):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[1] != head_dim:
+            raise ValueError("cos/sin must be contiguous fp32 [max_position, head_dim] tables")
+    positions = positions.contiguous()
+    native_library().stepserve_rotary(
+        x.data_ptr(),
+        x.stride(0),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        x.shape[0],
+        num_heads,
+        head_dim,
+        torch.get_num_threads(),
+    )

@@ -128,7 +128,9 @@ class PackableLinear(nn.Module):
             rows = x.shape[0]
             if rows < MIN_PACKED_ROWS:  # zero rows added, their outputs dropped
                 x = F.pad(x, (0, 0, 0, MIN_PACKED_ROWS - rows))
-                out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+                out = torch.ops.mkldnn._linear_pointwise(
+                    x, self.packed_weight, bias, "none", [], ""
+                )
                 return out[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, bias)

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from replica.layers.cpu_kernels import rotary_
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -81,6 +83,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat([cos, cos], dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
         self._step: tuple | None = None  # (positions, dtype, cos, sin) of the latest forward
+        self._checked: torch.Tensor | None = None  # positions rotate_ last bounds-checked
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -94,6 +97,18 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         # the same products and sums as HF's q * cos + rotate_half(q) * sin, so fp32 is bitwise
         return x * cos + torch.cat((x2, x1), dim=-1) * sin
+
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
+        """The first num_heads heads of every row of x [tokens, >= num_heads * head_dim]
+        rotated in place by the C kernel (fp32 CPU; the same arithmetic as `rotate`)."""
+        if self._checked is not positions:  # every layer of a forward passes the same tensor
+            if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+                raise ValueError(
+                    f"position {int(positions.max())} is beyond the rotary table of "
+                    f"{self.cos.shape[0]} positions"
+                )
+            self._checked = positions
+        rotary_(x, num_heads, self.head_dim, positions, self.cos, self.sin)
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
         # every layer of one forward passes the same positions tensor: gather the rows once

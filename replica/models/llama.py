@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica.layers.attention import Attention, AttentionMetadata, KVCache
+from replica.layers.cpu_kernels import fused_ops_available, silu_mul
 from replica.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replica.layers.linear import (
     MergedColumnParallelLinear,
@@ -37,6 +38,8 @@ def num_kv_heads_per_rank(hf_config: Any, tp_size: int) -> int:
 
 
 class LlamaAttention(nn.Module):
+    fused_cpu_ops = False  # set by the runner: rotary in place by the C kernel (fp32 CPU)
+
     def __init__(
         self, hf_config: Any, tp: TensorParallel, rotary: RotaryEmbedding, qkv_bias: bool
     ) -> None:
@@ -76,9 +79,15 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         num_tokens = hidden.shape[0]
         qk_size = self.q_size + self.kv_size
-        # query and key heads rotated in one call, then split (views of one tensor)
-        qk = self._rotary[0].rotate(positions, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
-        q, k = qk.view(num_tokens, qk_size).split([self.q_size, self.kv_size], dim=-1)
+        rotary = self._rotary[0]
+        if self.fused_cpu_ops and fused_ops_available(qkv):
+            # query and key heads rotated in place in the qkv rows
+            rotary.rotate_(positions, qkv, qk_size // self.head_dim)
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : qk_size]
+        else:
+            # query and key heads rotated in one call, then split (views of one tensor)
+            qk = rotary.rotate(positions, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
+            q, k = qk.view(num_tokens, qk_size).split([self.q_size, self.kv_size], dim=-1)
         out = self.attn(q, k, qkv[:, qk_size:], kv_cache, meta)
         return self.o_proj(out)
 
@@ -94,8 +103,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp)
         self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
 
+    fused_cpu_ops = False  # set by the runner: the C kernels for fp32 CPU activations
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_cpu_ops and fused_ops_available(gate_up):
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -114,11 +128,19 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before adding it): each residual add
+        is done by the norm that follows it, fused where the C kernels run."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -142,10 +164,10 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
