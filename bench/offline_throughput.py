@@ -305,6 +305,7 @@ def launch(system: str, args, workload_path: Path, tmp: Path) -> dict:
     name, _, dtype = system.partition(":")
     result_path = tmp / f"{system.replace(':', '_')}.json"
     python = sys.executable
+    env = dict(os.environ)
     cmd = ["--model-dir", str(args.model_dir), "--workload", str(workload_path)]
     cmd += ["--result", str(result_path), "--threads", str(args.threads)]
     if name == "ours":
@@ -315,6 +316,8 @@ def launch(system: str, args, workload_path: Path, tmp: Path) -> dict:
         if not Path(python).exists():
             return {"error": f"skipped: no vLLM Python at {python} (see bench/README.md)"}
         cmd += ["--worker", "vllm", "--dtype", dtype or "float32"]
+        if args.vllm_bind != "auto":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_bind or f"0-{args.threads - 1}"
     elif name == "hf-static":
         cmd += ["--worker", "hf", "--dtype", "float32", "--batch-size", str(HF_STATIC_BATCH)]
     elif name == "hf-seq":
@@ -333,6 +336,7 @@ def launch(system: str, args, workload_path: Path, tmp: Path) -> dict:
                 stderr=subprocess.STDOUT,
                 timeout=args.timeout,
                 cwd=str(ROOT),
+                env=env,
             )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
@@ -381,6 +385,12 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--model", default="default", help="default, tiny or a model directory")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--vllm-bind",
+        default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        help="vLLM's VLLM_CPU_OMP_THREADS_BIND: default the same cores as ours "
+        "(0-<threads-1>); 'auto' leaves vLLM's own choice (on a 2-core VM one compute thread)",
+    )
     parser.add_argument(
         "--hf-seq-requests", type=int, default=None, help="requests hf-seq runs (default N/8)"
     )

@@ -58,7 +58,7 @@ class EngineConfig(BaseModel):
     )
     cpu_fused_ops: bool = Field(
         default=True,
-        description="CPU, fp32: each RMSNorm with the residual add before it, rotary and "
+        description="CPU (fp32, bf16): each RMSNorm with the residual add before it, rotary and "
         "SiLU * up run as single C kernels (built like the native decode kernel) instead of "
         "several torch ops each.",
     )

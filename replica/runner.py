@@ -103,7 +103,7 @@ class ModelRunner:
         if (
             self.device.type == "cpu"
             and config.cpu_fused_ops
-            and self.dtype == torch.float32
+            and self.dtype in KERNEL_DTYPES
             and native_library() is not None
         ):
             self.num_fused_modules = enable_fused_cpu_ops(self.model)

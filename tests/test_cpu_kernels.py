@@ -169,3 +169,35 @@ def test_fused_rotary_is_bitwise_the_torch_rotation(rows):
     assert torch.equal(qkv[:, qk_width:], values)
     with pytest.raises(ValueError, match="beyond the rotary table"):
         rotary.rotate_(positions + 512, qkv, q_heads + kv_heads)
+
+
+@pytest.mark.parametrize("rows", [2, 66])
+def test_fused_ops_in_bf16_round_where_torch_rounds(rows):
+    """bf16: the residual sum, the rotary and SiLU*up are bitwise torch's bf16 ops; the norm
+    (its fp32 reduction in another order) within one bf16 ulp."""
+    from replica.layers.cpu_kernels import add_rms_norm, silu_mul
+    from replica.layers.norm import RMSNorm
+    from replica.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(rows)
+    bf = torch.bfloat16
+    hidden = 48
+    norm = RMSNorm(hidden, 1e-5).to(bf)
+    norm.weight.data = (torch.rand(hidden, generator=gen) + 0.5).to(bf)
+    x = torch.randn(rows, hidden, generator=gen).to(bf)
+    residual = torch.randn(rows, hidden, generator=gen).to(bf)
+    want, want_sum = norm(x, residual.clone())  # torch ops (fused_cpu_ops off)
+    got = add_rms_norm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(residual, want_sum)
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+
+    gate_up = (torch.randn(rows, 64, generator=gen) * 3).to(bf)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(silu_mul(gate_up), F.silu(gate) * up)
+
+    rotary = RotaryEmbedding(16, 256)
+    qkv = torch.randn(rows, 5 * 16, generator=gen).to(bf)
+    positions = torch.randint(0, 256, (rows,), generator=gen)
+    expected = rotary.rotate(positions, qkv[:, :48].reshape(rows, 3, 16)).reshape(rows, 48)
+    rotary.rotate_(positions, qkv, 3)
+    assert torch.equal(qkv[:, :48], expected)

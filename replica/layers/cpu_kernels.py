@@ -125,10 +125,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
         "stepserve_paged_decode": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32]),
-        "stepserve_rms_norm": (None, [ptr, ptr, ptr, i64, i32, f32, i32]),
-        "stepserve_add_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i32, f32, i32]),
-        "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32]),
-        "stepserve_rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]),
+        "stepserve_rms_norm": (None, [ptr, ptr, ptr, i64, i32, f32, i32, i32]),
+        "stepserve_add_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i32, f32, i32, i32]),
+        "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32, i32]),
+        "stepserve_rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -195,10 +195,14 @@ def paged_decode(
     return out
 
 
-# -- fused elementwise ops (fp32 CPU) -------------------------------------------------------------
+# -- fused elementwise ops (fp32 and bf16 CPU) ---------------------------------------------------
+MAX_NORM_WIDTH = 16384  # the norms widen a row on the stack
+
+
 def fused_ops_available(x: torch.Tensor) -> bool:
-    """Whether the fused C ops can take this activation: fp32 on the CPU, with the library."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and native_library() is not None
+    """Whether the fused C ops can take this activation: fp32 or bf16 on the CPU, with the
+    library."""
+    return x.dtype in KERNEL_DTYPES and x.device.type == "cpu" and native_library() is not None
 
 
 def enable_fused_cpu_ops(model: torch.nn.Module) -> int:
@@ -212,21 +216,40 @@ def enable_fused_cpu_ops(model: torch.nn.Module) -> int:
     return count
 
 
-def _rows(x: torch.Tensor, width: int, name: str) -> int:
-    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous fp32 CPU tensor, got {x.dtype} {x.device}")
+def _rows(x: torch.Tensor, width: int, name: str, dtype: torch.dtype | None = None) -> int:
+    if x.dtype not in KERNEL_DTYPES or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous fp32 or bf16 CPU tensor, got {x.dtype} {x.device}"
+        )
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name} is {x.dtype}, expected {dtype} like the input")
     if x.shape[-1] != width:
         raise ValueError(f"{name} has last dimension {x.shape[-1]}, expected {width}")
     return x.numel() // width
 
 
+def _norm_width(x: torch.Tensor, weight: torch.Tensor) -> int:
+    n = weight.shape[0]
+    if n > MAX_NORM_WIDTH:
+        raise ValueError(f"rows of {n} exceed the fused norm's {MAX_NORM_WIDTH}")
+    _rows(weight, n, "weight", x.dtype)
+    return n
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dimension."""
-    n = weight.shape[0]
+    n = _norm_width(x, weight)
     rows = _rows(x, n, "x")
     out = torch.empty_like(x)
     native_library().stepserve_rms_norm(
-        x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n, eps, torch.get_num_threads()
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        eps,
+        x.dtype == torch.bfloat16,
+        torch.get_num_threads(),
     )
     return out
 
@@ -235,9 +258,9 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """residual += x (in place), then weight * residual / rms(residual)."""
-    n = weight.shape[0]
+    n = _norm_width(x, weight)
     rows = _rows(x, n, "x")
-    if _rows(residual, n, "residual") != rows:
+    if _rows(residual, n, "residual", x.dtype) != rows:
         raise ValueError(f"x has {rows} rows, residual {residual.numel() // n}")
     out = torch.empty_like(x)
     native_library().stepserve_add_rms_norm(
@@ -248,6 +271,7 @@ def add_rms_norm(
         rows,
         n,
         eps,
+        x.dtype == torch.bfloat16,
         torch.get_num_threads(),
     )
     return out
@@ -259,7 +283,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = _rows(gate_up, 2 * inter, "gate_up")
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
     native_library().stepserve_silu_mul(
-        gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads()
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        rows,
+        inter,
+        gate_up.dtype == torch.bfloat16,
+        torch.get_num_threads(),
     )
     return out
 
@@ -276,8 +305,8 @@ def rotary_(
     place (rows may be strided: a layer's query and key heads at the start of its qkv rows).
     cos/sin: fp32 tables [max_position, head_dim]; positions int64 [rows], each below
     max_position (the caller checks: RotaryEmbedding.rotate_ once per forward)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1 or x.dim() != 2:
-        raise ValueError("x must be a 2-D fp32 CPU tensor with unit stride in its rows")
+    if x.dtype not in KERNEL_DTYPES or x.device.type != "cpu" or x.stride(-1) != 1 or x.dim() != 2:
+        raise ValueError("x must be a 2-D fp32 or bf16 CPU tensor with unit stride in its rows")
     if x.shape[1] < num_heads * head_dim or head_dim % 2:
         raise ValueError(f"x rows of {x.shape[1]} cannot hold {num_heads} heads of {head_dim}")
     if positions.dtype != torch.int64 or positions.shape != (x.shape[0],):
@@ -295,5 +324,6 @@ def rotary_(
         x.shape[0],
         num_heads,
         head_dim,
+        x.dtype == torch.bfloat16,
         torch.get_num_threads(),
     )

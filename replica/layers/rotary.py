@@ -100,7 +100,7 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_(self, positions: torch.Tensor, x: torch.Tensor, num_heads: int) -> None:
         """The first num_heads heads of every row of x [tokens, >= num_heads * head_dim]
-        rotated in place by the C kernel (fp32 CPU; the same arithmetic as `rotate`)."""
+        rotated in place by the C kernel (CPU, fp32 or bf16; the same arithmetic as `rotate`)."""
         if self._checked is not positions:  # every layer of a forward passes the same tensor
             if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
                 raise ValueError(

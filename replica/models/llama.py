@@ -38,7 +38,7 @@ def num_kv_heads_per_rank(hf_config: Any, tp_size: int) -> int:
 
 
 class LlamaAttention(nn.Module):
-    fused_cpu_ops = False  # set by the runner: rotary in place by the C kernel (fp32 CPU)
+    fused_cpu_ops = False  # set by the runner: rotary in place by the C kernel (CPU)
 
     def __init__(
         self, hf_config: Any, tp: TensorParallel, rotary: RotaryEmbedding, qkv_bias: bool
@@ -103,7 +103,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp)
         self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
 
-    fused_cpu_ops = False  # set by the runner: the C kernels for fp32 CPU activations
+    fused_cpu_ops = False  # set by the runner: the C kernel for CPU activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -1,8 +1,10 @@
-/* Fused elementwise steps of a decoder layer for the CPU, fp32 only: each replaces several torch
- * ops (one pass over the rows instead of one per op, and one call from Python instead of
- * several), which matters in decode, where a step's rows are few and each torch op's dispatch
- * costs about as much as its arithmetic.
+/* Fused elementwise steps of a decoder layer for the CPU: each replaces several torch ops (one
+ * pass over the rows instead of one per op, and one call from Python instead of several), which
+ * matters in decode, where a step's rows are few and each torch op's dispatch costs about as
+ * much as its arithmetic.
  *
+ * fp32, or bf16 (uint16 bit patterns) where every intermediate is rounded to bf16 exactly where
+ * the torch ops it replaces round it (each bf16 op computes in fp32 and rounds its result).
  * Built without contraction (-ffp-contract=off): rotary then computes exactly the products and
  * sums torch does (x * cos + swapped * sin, each rounded), so it is bitwise equal to the
  * reference. The norms reduce in a different order than torch's, within an ulp or so.
@@ -10,12 +12,41 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #define LANES 16
 #define PARALLEL_ROWS 64 /* fewer rows than this run on the calling thread */
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float x) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+static inline float ld(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st(void *p, int64_t i, float x, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(x);
+    else ((float *)p)[i] = x;
+}
+
+/* fp32 rows of up to this many elements are widened on the stack */
+#define MAX_WIDTH 16384
 
 static inline float sum_squares(const float *x, int n) {
     float acc[LANES] = {0};
@@ -28,48 +59,73 @@ static inline float sum_squares(const float *x, int n) {
     return s;
 }
 
-static inline void norm_row(const float *x, const float *w, float *out, int n, float eps) {
-    const float inv = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
-    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+/* out = w * x / rms(x) for one fp32 row h (already summed and, for bf16, rounded); bf16:
+ * the normalized row is rounded before the weight multiplies it, and the product after */
+static inline void norm_row(const float *h, const void *w, void *out, int64_t o, int n,
+                            float eps, int bf16) {
+    const float inv = 1.0f / sqrtf(sum_squares(h, n) / (float)n + eps);
+    if (!bf16) {
+        const float *wf = (const float *)w;
+        float *of = (float *)out + o;
+        for (int i = 0; i < n; i++) of[i] = wf[i] * (h[i] * inv);
+        return;
+    }
+    for (int i = 0; i < n; i++) st(out, o + i, ld(w, i, 1) * round_bf16(h[i] * inv), 1);
 }
 
 /* out = w * x / rms(x), row by row; x and out [rows, n] */
-void stepserve_rms_norm(const float *x, const float *w, float *out, int64_t rows, int n,
-                        float eps, int num_threads) {
+void stepserve_rms_norm(const void *x, const void *w, void *out, int64_t rows, int n,
+                        float eps, int bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) norm_row(x + r * n, w, out + r * n, n, eps);
+    for (int64_t r = 0; r < rows; r++) {
+        float h[MAX_WIDTH];
+        for (int i = 0; i < n; i++) h[i] = ld(x, r * n + i, bf16);
+        norm_row(h, w, out, r * n, n, eps, bf16);
+    }
 }
 
 /* residual += x, then out = w * residual / rms(residual): the residual stream's update and the
  * next norm in one pass */
-void stepserve_add_rms_norm(const float *x, float *residual, const float *w, float *out,
-                            int64_t rows, int n, float eps, int num_threads) {
+void stepserve_add_rms_norm(const void *x, void *residual, const void *w, void *out,
+                            int64_t rows, int n, float eps, int bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        float *h = residual + r * n;
-        const float *a = x + r * n;
-        for (int i = 0; i < n; i++) h[i] = h[i] + a[i];
-        norm_row(h, w, out + r * n, n, eps);
+        float h[MAX_WIDTH];
+        for (int i = 0; i < n; i++) {
+            const float sum = ld(residual, r * n + i, bf16) + ld(x, r * n + i, bf16);
+            st(residual, r * n + i, sum, bf16);
+            h[i] = bf16 ? round_bf16(sum) : sum;
+        }
+        norm_row(h, w, out, r * n, n, eps, bf16);
     }
 }
 
 /* out[r] = silu(gate[r]) * up[r] where gate_up[r] = [gate | up], each `inter` wide */
-void stepserve_silu_mul(const float *gate_up, float *out, int64_t rows, int inter,
+void stepserve_silu_mul(const void *gate_up, void *out, int64_t rows, int inter, int bf16,
                         int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * 2 * (int64_t)inter, *u = g + inter;
-        float *o = out + r * (int64_t)inter;
-        for (int i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        const int64_t g = r * 2 * (int64_t)inter, u = g + inter, o = r * (int64_t)inter;
+        if (!bf16) {
+            const float *gf = (const float *)gate_up + g, *uf = (const float *)gate_up + u;
+            float *of = (float *)out + o;
+            for (int i = 0; i < inter; i++) of[i] = gf[i] / (1.0f + expf(-gf[i])) * uf[i];
+            continue;
+        }
+        for (int i = 0; i < inter; i++) {
+            const float a = ld(gate_up, g + i, 1);
+            st(out, o + i, round_bf16(a / (1.0f + expf(-a))) * ld(gate_up, u + i, 1), 1);
+        }
     }
 }
 
 /* Rotate-half rotary embedding in place on the first `heads` heads of each row of x (row
  * stride `stride` elements; a layer's query and key heads lie side by side at the start of its
- * qkv row). cos/sin: full-width tables [max_position, head_dim] with sin signed for the
- * rotated half, as torch uses them: x * cos + swap_halves(x) * sin. */
-void stepserve_rotary(float *x, int64_t stride, const int64_t *positions, const float *cos_table,
-                      const float *sin_table, int64_t rows, int heads, int head_dim,
+ * qkv row). cos/sin: fp32 full-width tables [max_position, head_dim] with sin signed for the
+ * rotated half, as torch uses them: x * cos + swap_halves(x) * sin (bf16: the tables rounded
+ * to bf16 first, each product and the sum rounded). */
+void stepserve_rotary(void *x, int64_t stride, const int64_t *positions, const float *cos_table,
+                      const float *sin_table, int64_t rows, int heads, int head_dim, int bf16,
                       int num_threads) {
     const int half = head_dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
@@ -77,11 +133,23 @@ void stepserve_rotary(float *x, int64_t stride, const int64_t *positions, const 
         const float *c = cos_table + positions[r] * head_dim;
         const float *s = sin_table + positions[r] * head_dim;
         for (int h = 0; h < heads; h++) {
-            float *v = x + r * stride + (int64_t)h * head_dim;
+            const int64_t v = r * stride + (int64_t)h * head_dim;
+            if (!bf16) {
+                float *p = (float *)x + v;
+                for (int i = 0; i < half; i++) {
+                    const float a = p[i], b = p[i + half];
+                    p[i] = a * c[i] + b * s[i];
+                    p[i + half] = b * c[i + half] + a * s[i + half];
+                }
+                continue;
+            }
             for (int i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] + b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
+                const float a = ld(x, v + i, 1), b = ld(x, v + i + half, 1);
+                const float lo = round_bf16(a * round_bf16(c[i])) + round_bf16(b * round_bf16(s[i]));
+                const float hi = round_bf16(b * round_bf16(c[i + half])) +
+                                 round_bf16(a * round_bf16(s[i + half]));
+                st(x, v + i, lo, 1);
+                st(x, v + i + half, hi, 1);
             }
         }
     }
