@@ -201,3 +201,17 @@ def test_fused_ops_in_bf16_round_where_torch_rounds(rows):
     expected = rotary.rotate(positions, qkv[:, :48].reshape(rows, 3, 16)).reshape(rows, 48)
     rotary.rotate_(positions, qkv, 3)
     assert torch.equal(qkv[:, :48], expected)
+
+
+def test_decode_batch_checks_once_what_the_unchecked_kernel_trusts():
+    """The layers call the kernel unchecked; the per-step metadata refuses a decode whose length
+    runs past its block table (the kernel would read outside the cache)."""
+    from replica.layers.attention import _decode_batch
+
+    table = torch.tensor([[3, 4], [5, 6]])
+    starts = torch.tensor([0, 1])
+    batch = _decode_batch([1, 1], [8, 5], table, 4, starts, "cpu")
+    assert batch.block_table.dtype == torch.int32 and batch.block_table.is_contiguous()
+    assert batch.seq_lens.tolist() == [8, 5] and batch.all_tokens
+    with pytest.raises(ValueError, match="longer than its block table"):
+        _decode_batch([1, 1], [9, 5], table, 4, starts, "cpu")

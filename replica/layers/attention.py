@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replica.layers.cpu_kernels import paged_decode
+from replica.layers.cpu_kernels import paged_decode_unchecked
 
 try:  # a paged varlen kernel for CUDA; the torch path below is used without it
     from flash_attn import flash_attn_varlen_func
@@ -138,7 +138,9 @@ class AttentionMetadata:
         decodes: list[DecodeGroup] = []
         decode_batch = None
         if native_decode:
-            decode_batch = _decode_batch(query_lens, seq_lens, block_table, q_starts, device)
+            decode_batch = _decode_batch(
+                query_lens, seq_lens, block_table, block_size, q_starts, device
+            )
         else:
             decodes = _decode_groups(
                 query_lens,
@@ -178,17 +180,26 @@ def _decode_batch(
     query_lens: list[int],
     seq_lens: list[int],
     block_table: torch.Tensor,
+    block_size: int,
     q_starts: torch.Tensor,
     device: torch.device | str,
 ) -> DecodeBatch | None:
+    """Checked here, once per step, what the kernel relies on (int32 contiguous tables, every
+    length within its table row); the layers then call it unchecked."""
     decode_reqs = [i for i, n in enumerate(query_lens) if n == 1]
     if not decode_reqs:
         return None
+    lens = [seq_lens[i] for i in decode_reqs]
+    if max(lens) > block_table.shape[1] * block_size:
+        raise ValueError(
+            f"a decode of {max(lens)} keys is longer than its block table "
+            f"({block_table.shape[1]} blocks of {block_size})"
+        )
     index = torch.tensor(decode_reqs, dtype=torch.long)
     return DecodeBatch(
         token_index=q_starts[index].to(device),
-        block_table=block_table[index].to(torch.int32).to(device),
-        seq_lens=torch.tensor([seq_lens[i] for i in decode_reqs], dtype=torch.int32).to(device),
+        block_table=block_table[index].to(torch.int32).contiguous().to(device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32).to(device),
         all_tokens=len(decode_reqs) == len(query_lens),
     )
 
@@ -300,12 +311,16 @@ class Attention(nn.Module):
 
         batch = meta.decode_batch
         if batch is not None and batch.all_tokens:  # a pure decode step: q is in stream order
-            out = paged_decode(q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale)
+            out = paged_decode_unchecked(
+                q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale
+            )
             return out.view(num_tokens, self.num_heads * d)
         out = torch.empty_like(q)
         if batch is not None:
             qd = q.index_select(0, batch.token_index)
-            od = paged_decode(qd, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale)
+            od = paged_decode_unchecked(
+                qd, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale
+            )
             out.index_copy_(0, batch.token_index, od)
         if meta.decodes:
             block_size = k_cache.shape[1]

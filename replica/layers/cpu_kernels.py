@@ -172,6 +172,26 @@ def paged_decode(
         raise ValueError("block_table and seq_lens need one row per query")
     if num_seqs and int(seq_lens.max()) > block_table.shape[1] * block_size:
         raise ValueError("a sequence is longer than its block table")
+    return paged_decode_unchecked(q, k_cache, v_cache, block_table, seq_lens, scale, num_threads)
+
+
+def paged_decode_unchecked(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """`paged_decode` for a caller that has checked its inputs (AttentionMetadata does, once per
+    step, for all layers): contiguous caches of q's dtype, int32 contiguous block_table and
+    seq_lens, every length within its table row. The kernel trusts these: a wrong length reads
+    outside the cache."""
+    fn = paged_decode_kernel()
+    q = q.contiguous()
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
     status = fn(
         q.data_ptr(),
