@@ -203,13 +203,21 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="30 pairs per mode, no files written")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the replica and the in-process engine (default: the cluster's "
+        "own choice, cores // replicas)",
+    )
+    p.add_argument("--out", default=None, help="JSON path (PNG beside it)")
     args = p.parse_args()
     if args.quick:
         args.num_requests = 30
     import torch
     from ray import serve
 
-    from cluster.app import cpu_threads_per_replica
+    from cluster.app import cpu_threads_per_replica as cluster_threads
     from replica.engine import AsyncEngine, Engine
 
     model = resolve_model(args.model)
@@ -220,7 +228,13 @@ def main() -> None:
             "num_cpus_per_replica": 0.5,
         }
     )
-    threads = cpu_threads_per_replica(config)
+    if args.threads:
+        # the replica's thread count is derived from the cores when the app is built (here, in
+        # this process): pin it for both paths
+        import cluster.app
+
+        cluster.app.cpu_threads_per_replica = lambda _config: args.threads
+    threads = cluster_threads(config) if not args.threads else args.threads
     torch.set_num_threads(threads)  # the replica sets the same count
     rng = random.Random(args.seed)
     n = args.num_requests + args.warmup
@@ -314,12 +328,12 @@ def main() -> None:
         "host": machine_info(),
         "modes": modes,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "http_overhead.json"
+    path = Path(args.out) if args.out else RESULTS / "http_overhead.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     from bench.plots import plot_overhead
 
-    png = plot_overhead(result, RESULTS / "http_overhead.png")
+    png = plot_overhead(result, path.with_suffix(".png"))
     print(f"wrote {path} and {png}")
 
 
