@@ -22,7 +22,6 @@ from replica.layers.cpu_kernels import (
     KERNEL_DTYPES,
     enable_fused_cpu_ops,
     native_library,
-    paged_decode_kernel,
 )
 from replica.layers.linear import TensorParallel, pack_linear_weights
 from replica.layers.sampler import Sampler
@@ -99,20 +98,21 @@ class ModelRunner:
         self.num_packed_layers = 0
         if self.device.type == "cpu" and config.pack_cpu_weights:
             self.num_packed_layers = pack_linear_weights(self.model)
-        self.num_fused_modules = 0
-        if (
+        # the native CPU kernels (decode attention, fused ops) take this model: CPU, fp32/bf16
+        native_cpu = (
             self.device.type == "cpu"
-            and config.cpu_fused_ops
             and self.dtype in KERNEL_DTYPES
             and native_library() is not None
-        ):
+        )
+        self.num_fused_modules = 0
+        if native_cpu and config.cpu_fused_ops:
             self.num_fused_modules = enable_fused_cpu_ops(self.model)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.num_kv_heads = num_kv_heads_per_rank(self.hf_config, tp_size)
         self.head_dim = head_dim_of(self.hf_config)
         self.use_paged_kernel = paged_kernel_available(self.device, self.block_size)
         self.decode_group_keys = self._decode_group_keys()
-        self.native_decode = self._use_native_decode()
+        self.native_decode = native_cpu and config.cpu_decode_attention == "native"
         self.step_times = StepTimes()  # of the latest execute()
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -202,13 +202,6 @@ class ModelRunner:
         outside_torch = total - free - torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
         return int(total * self.config.kv_cache_memory_fraction) - peak - max(outside_torch, 0)
-
-    def _use_native_decode(self) -> bool:
-        if self.device.type != "cpu" or self.config.cpu_decode_attention != "native":
-            return False
-        if self.dtype not in KERNEL_DTYPES:
-            return False
-        return paged_decode_kernel() is not None
 
     def _decode_group_keys(self) -> int | None:
         """Keys per decode attention group: on CPU as many as keep one group's gathered K

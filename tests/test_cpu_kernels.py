@@ -56,7 +56,8 @@ def case(seed, num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
 
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
-    [(9, 3, 64, 16), (4, 4, 32, 4), (8, 2, 24, 8), (2, 1, 80, 1)],
+    # 272: past the vector path's 256, so the portable per-sequence path runs too
+    [(9, 3, 64, 16), (4, 4, 32, 4), (8, 2, 24, 8), (2, 1, 80, 1), (2, 1, 272, 4)],
 )
 @pytest.mark.parametrize("threads", [1, 2, 64])
 def test_fp32_kernel_matches_sdpa_over_gathered_blocks(
@@ -124,7 +125,7 @@ def test_kernel_threads_come_from_torchs_openmp_runtime():
 # -- fused elementwise ops ----------------------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 5, 130])  # 130: split over threads
 def test_fused_norms_and_silu_match_torch(rows):
-    from replica.layers.cpu_kernels import add_rms_norm, rms_norm, silu_mul
+    from replica.layers.cpu_kernels import rms_norm, silu_mul
 
     gen = torch.Generator().manual_seed(rows)
     hidden = 72  # not a multiple of the 16 lanes
@@ -137,7 +138,7 @@ def test_fused_norms_and_silu_match_torch(rows):
 
     torch.testing.assert_close(rms_norm(x, weight, 1e-5), ref_norm(x), atol=1e-6, rtol=1e-5)
     expected_sum = residual + x
-    got = add_rms_norm(x, residual, weight, 1e-5)
+    got = rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(residual, expected_sum)  # the residual stream updated in place, exactly
     torch.testing.assert_close(got, ref_norm(expected_sum), atol=1e-6, rtol=1e-5)
 
@@ -175,7 +176,7 @@ def test_fused_rotary_is_bitwise_the_torch_rotation(rows):
 def test_fused_ops_in_bf16_round_where_torch_rounds(rows):
     """bf16: the residual sum, the rotary and SiLU*up are bitwise torch's bf16 ops; the norm
     (its fp32 reduction in another order) within one bf16 ulp."""
-    from replica.layers.cpu_kernels import add_rms_norm, silu_mul
+    from replica.layers.cpu_kernels import rms_norm, silu_mul
     from replica.layers.norm import RMSNorm
     from replica.layers.rotary import RotaryEmbedding
 
@@ -187,7 +188,7 @@ def test_fused_ops_in_bf16_round_where_torch_rounds(rows):
     x = torch.randn(rows, hidden, generator=gen).to(bf)
     residual = torch.randn(rows, hidden, generator=gen).to(bf)
     want, want_sum = norm(x, residual.clone())  # torch ops (fused_cpu_ops off)
-    got = add_rms_norm(x, residual, norm.weight, 1e-5)
+    got = rms_norm(x, norm.weight, 1e-5, residual)
     assert torch.equal(residual, want_sum)
     torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
 

@@ -101,7 +101,10 @@ def _build_with(compiler: str, extra: tuple[str, ...]) -> Path:
 
 def native_library() -> ctypes.CDLL | None:
     """The kernels' shared library, or None when native kernels are off or cannot be built
-    here (the reason is logged once)."""
+    here (the reason is logged once). Called per layer on the hot path: once decided, the
+    answer is read without the lock."""
+    if "lib" in _loaded:
+        return _loaded["lib"]
     with _lock:
         if "lib" in _loaded:
             return _loaded["lib"]
@@ -125,8 +128,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
         "stepserve_paged_decode": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32]),
-        "stepserve_rms_norm": (None, [ptr, ptr, ptr, i64, i32, f32, i32, i32]),
-        "stepserve_add_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i32, f32, i32, i32]),
+        "stepserve_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i32, f32, i32, i32]),
         "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32, i32]),
         "stepserve_rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]),
     }
@@ -256,36 +258,19 @@ def _norm_width(x: torch.Tensor, weight: torch.Tensor) -> int:
     return n
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x) over the last dimension."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension; with a residual, residual += x (in place)
+    first and the residual is normalized instead."""
     n = _norm_width(x, weight)
     rows = _rows(x, n, "x")
+    if residual is not None and _rows(residual, n, "residual", x.dtype) != rows:
+        raise ValueError(f"x has {rows} rows, residual {residual.numel() // n}")
     out = torch.empty_like(x)
     native_library().stepserve_rms_norm(
         x.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        rows,
-        n,
-        eps,
-        x.dtype == torch.bfloat16,
-        torch.get_num_threads(),
-    )
-    return out
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """residual += x (in place), then weight * residual / rms(residual)."""
-    n = _norm_width(x, weight)
-    rows = _rows(x, n, "x")
-    if _rows(residual, n, "residual", x.dtype) != rows:
-        raise ValueError(f"x has {rows} rows, residual {residual.numel() // n}")
-    out = torch.empty_like(x)
-    native_library().stepserve_add_rms_norm(
-        x.data_ptr(),
-        residual.data_ptr(),
+        None if residual is None else residual.data_ptr(),
         weight.data_ptr(),
         out.data_ptr(),
         rows,

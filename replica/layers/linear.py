@@ -126,13 +126,11 @@ class PackableLinear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
             rows = x.shape[0]
-            if rows < MIN_PACKED_ROWS:  # zero rows added, their outputs dropped
+            padded = rows < MIN_PACKED_ROWS  # zero rows added, their outputs dropped
+            if padded:
                 x = F.pad(x, (0, 0, 0, MIN_PACKED_ROWS - rows))
-                out = torch.ops.mkldnn._linear_pointwise(
-                    x, self.packed_weight, bias, "none", [], ""
-                )
-                return out[:rows]
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+            return out[:rows] if padded else out
         return F.linear(x, self.weight, bias)
 
 

@@ -6,12 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from replica.layers.cpu_kernels import (
-    MAX_NORM_WIDTH,
-    add_rms_norm,
-    fused_ops_available,
-    rms_norm,
-)
+from replica.layers.cpu_kernels import MAX_NORM_WIDTH, fused_ops_available, rms_norm
 from replica.layers.linear import default_weight_loader
 
 
@@ -38,7 +33,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps) if fused else self._norm(x)
         if fused:
-            return add_rms_norm(x, residual, self.weight, self.eps), residual
+            return rms_norm(x, self.weight, self.eps, residual), residual
         residual = residual + x
         return self._norm(residual), residual
 

@@ -73,25 +73,19 @@ static inline void norm_row(const float *h, const void *w, void *out, int64_t o,
     for (int i = 0; i < n; i++) st(out, o + i, ld(w, i, 1) * round_bf16(h[i] * inv), 1);
 }
 
-/* out = w * x / rms(x), row by row; x and out [rows, n] */
-void stepserve_rms_norm(const void *x, const void *w, void *out, int64_t rows, int n,
-                        float eps, int bf16, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float h[MAX_WIDTH];
-        for (int i = 0; i < n; i++) h[i] = ld(x, r * n + i, bf16);
-        norm_row(h, w, out, r * n, n, eps, bf16);
-    }
-}
-
-/* residual += x, then out = w * residual / rms(residual): the residual stream's update and the
- * next norm in one pass */
-void stepserve_add_rms_norm(const void *x, void *residual, const void *w, void *out,
-                            int64_t rows, int n, float eps, int bf16, int num_threads) {
+/* out = w * x / rms(x), row by row; x and out [rows, n]. With a residual (not NULL) it is
+ * updated first, residual += x, and normalized instead: the residual stream's update and the
+ * next norm in one pass. */
+void stepserve_rms_norm(const void *x, void *residual, const void *w, void *out, int64_t rows,
+                        int n, float eps, int bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float h[MAX_WIDTH];
         for (int i = 0; i < n; i++) {
+            if (!residual) {
+                h[i] = ld(x, r * n + i, bf16);
+                continue;
+            }
             const float sum = ld(residual, r * n + i, bf16) + ld(x, r * n + i, bf16);
             st(residual, r * n + i, sum, bf16);
             h[i] = bf16 ? round_bf16(sum) : sum;

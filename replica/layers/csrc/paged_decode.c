@@ -97,6 +97,20 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* softmax of each of `rows` rows of `len` scores, in place */
+static void softmax_rows(float *scores, int rows, int len) {
+    for (int r = 0; r < rows; r++) {
+        float *sc = scores + (int64_t)r * len, m = -FLT_MAX, sum = 0.0f;
+        for (int t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
+        for (int t = 0; t < len; t++) {
+            sc[t] = expf(sc[t] - m);
+            sum += sc[t];
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int t = 0; t < len; t++) sc[t] *= inv;
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -177,16 +191,7 @@ static inline __attribute__((always_inline)) void sequence_body(
         for (int qh = 0; qh < heads; qh++)
             _mm512_mask_storeu_ps(scores + (int64_t)qh * len + t0, keep, hsum16(parts + qh * 16));
     }
-    for (int qh = 0; qh < heads; qh++) {
-        float *sc = scores + (int64_t)qh * len, m = -FLT_MAX, sum = 0.0f;
-        for (int t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
-        for (int t = 0; t < len; t++) {
-            sc[t] = expf(sc[t] - m);
-            sum += sc[t];
-        }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        for (int t = 0; t < len; t++) sc[t] *= inv;
-    }
+    softmax_rows(scores, heads, len);
     /* out = p v, per KV head and per run of its query heads whose accumulators fit in
      * registers (GS heads x nch chunks <= 16 vectors) */
     const int gs_max = nch >= 16 ? 1 : 16 / nch;
@@ -239,10 +244,48 @@ static void sequence_avx512(const job_t *j, int64_t s, const float *qf, float *s
 }
 #endif
 
-static void *run(void *arg) {
-    job_t *j = (job_t *)arg;
+/* One sequence on the portable path (any head size): scores, softmax and p v into acc. */
+static void sequence_scalar(const job_t *j, int64_t s, const float *qf, float *scores,
+                            float *acc, float *row) {
     const int d = j->head_dim, heads = j->num_heads, group = heads / j->num_kv_heads;
     const int bs = j->block_size;
+    const int64_t kv_row = (int64_t)j->num_kv_heads * d;
+    const int len = j->seq_lens[s];
+    const int32_t *table = j->block_table + s * j->max_blocks;
+    /* scores = q k^T: one sequential pass over the sequence's blocks; every slot holds
+     * all KV heads back to back, so each key row is read once for all query heads */
+    for (int t0 = 0; t0 < len; t0 += bs) {
+        const int64_t base = (int64_t)table[t0 / bs] * bs * kv_row;
+        const int n = len - t0 < bs ? len - t0 : bs;
+        const int64_t next = t0 + bs < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
+        for (int o = 0; o < n; o++) {
+            const float *krow = slot_row(j->k, base, next, o, kv_row, j->bf16, row);
+            for (int qh = 0; qh < heads; qh++)
+                scores[(int64_t)qh * len + t0 + o] = dot(qf + qh * d, krow + (qh / group) * d, d);
+        }
+    }
+    softmax_rows(scores, heads, len);
+    /* out = p v: one sequential pass over the value blocks */
+    memset(acc, 0, sizeof(float) * (size_t)heads * d);
+    for (int t0 = 0; t0 < len; t0 += bs) {
+        const int64_t base = (int64_t)table[t0 / bs] * bs * kv_row;
+        const int n = len - t0 < bs ? len - t0 : bs;
+        const int64_t next = t0 + bs < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
+        for (int o = 0; o < n; o++) {
+            const float *vrow = slot_row(j->v, base, next, o, kv_row, j->bf16, row);
+            for (int qh = 0; qh < heads; qh++) {
+                const float p = scores[(int64_t)qh * len + t0 + o];
+                const float *vh = vrow + (qh / group) * d;
+                float *a = acc + qh * d;
+                for (int i = 0; i < d; i++) a[i] += p * vh[i];
+            }
+        }
+    }
+}
+
+static void *run(void *arg) {
+    job_t *j = (job_t *)arg;
+    const int d = j->head_dim, heads = j->num_heads;
     const int64_t kv_row = (int64_t)j->num_kv_heads * d; /* elements per cache slot */
     int max_len = 1;
     for (int64_t s = j->first_item; s < j->last_item; s++)
@@ -260,57 +303,15 @@ static void *run(void *arg) {
         return NULL;
     }
     for (int64_t s = j->first_item; s < j->last_item; s++) {
-        const int len = j->seq_lens[s];
-        const int32_t *table = j->block_table + s * j->max_blocks;
         const int64_t q0 = s * heads * d;
         row_f32(j->q, q0, heads * d, j->bf16, qf);
         for (int i = 0; i < heads * d; i++) qf[i] *= j->scale;
 #ifdef HAVE_AVX512
-        if (d <= 16 * MAX_CHUNKS) {
+        if (d <= 16 * MAX_CHUNKS)
             sequence_avx512(j, s, qf, scores, acc);
-            for (int i = 0; i < heads * d; i++) store(j->out, q0 + i, acc[i], j->bf16);
-            continue;
-        }
+        else
 #endif
-        /* scores = q k^T: one sequential pass over the sequence's blocks; every slot holds
-         * all KV heads back to back, so each key row is read once for all query heads */
-        for (int t0 = 0; t0 < len; t0 += bs) {
-            const int64_t base = (int64_t)table[t0 / bs] * bs * kv_row;
-            const int n = len - t0 < bs ? len - t0 : bs;
-            const int64_t next = t0 + bs < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
-            for (int o = 0; o < n; o++) {
-                const float *krow = slot_row(j->k, base, next, o, kv_row, j->bf16, row);
-                for (int qh = 0; qh < heads; qh++)
-                    scores[(int64_t)qh * len + t0 + o] = dot(qf + qh * d, krow + (qh / group) * d, d);
-            }
-        }
-        /* softmax per query head */
-        for (int qh = 0; qh < heads; qh++) {
-            float *sc = scores + (int64_t)qh * len, m = -FLT_MAX, sum = 0.0f;
-            for (int t = 0; t < len; t++) m = sc[t] > m ? sc[t] : m;
-            for (int t = 0; t < len; t++) {
-                sc[t] = expf(sc[t] - m);
-                sum += sc[t];
-            }
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            for (int t = 0; t < len; t++) sc[t] *= inv;
-        }
-        /* out = p v: one sequential pass over the value blocks */
-        memset(acc, 0, sizeof(float) * (size_t)heads * d);
-        for (int t0 = 0; t0 < len; t0 += bs) {
-            const int64_t base = (int64_t)table[t0 / bs] * bs * kv_row;
-            const int n = len - t0 < bs ? len - t0 : bs;
-            const int64_t next = t0 + bs < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
-            for (int o = 0; o < n; o++) {
-                const float *vrow = slot_row(j->v, base, next, o, kv_row, j->bf16, row);
-                for (int qh = 0; qh < heads; qh++) {
-                    const float p = scores[(int64_t)qh * len + t0 + o];
-                    const float *vh = vrow + (qh / group) * d;
-                    float *a = acc + qh * d;
-                    for (int i = 0; i < d; i++) a[i] += p * vh[i];
-                }
-            }
-        }
+            sequence_scalar(j, s, qf, scores, acc, row);
         for (int i = 0; i < heads * d; i++) store(j->out, q0 + i, acc[i], j->bf16);
     }
     free(scores); free(qf); free(acc); free(row); free(parts);
