@@ -217,7 +217,8 @@ def main() -> None:
     import torch
     from ray import serve
 
-    from cluster.app import cpu_threads_per_replica as cluster_threads
+    from cluster.app import thread_settings
+    from replica.deployment import resolve_cpu_threads
     from replica.engine import AsyncEngine, Engine
 
     model = resolve_model(args.model)
@@ -226,15 +227,10 @@ def main() -> None:
             "engine": {"model": str(model), "max_model_len": 1024, "num_kv_blocks": 256},
             "replicas": 1,
             "num_cpus_per_replica": 0.5,
+            "cpu_threads_per_replica": args.threads,
         }
     )
-    if args.threads:
-        # the replica's thread count is derived from the cores when the app is built (here, in
-        # this process): pin it for both paths
-        import cluster.app
-
-        cluster.app.cpu_threads_per_replica = lambda _config: args.threads
-    threads = cluster_threads(config) if not args.threads else args.threads
+    threads = resolve_cpu_threads(thread_settings(config))
     torch.set_num_threads(threads)  # the replica sets the same count
     rng = random.Random(args.seed)
     n = args.num_requests + args.warmup

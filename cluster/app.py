@@ -4,8 +4,6 @@ by the RayService (Ray validates the YAML `args:` into ClusterConfig)."""
 
 from __future__ import annotations
 
-import os
-
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -79,13 +77,24 @@ def replica_options(config: ClusterConfig) -> dict:
         }
     else:
         options["num_replicas"] = config.replicas
+    # The thread count travels in user_config, not in the constructor's arguments: Serve applies
+    # a user_config change to running replicas in place (reconfigure), so a replica-count change
+    # that moves the auto thread count does not replace every replica (and reload the model).
+    options["user_config"] = thread_settings(config)
     return options
 
 
-def cpu_threads_per_replica(config: ClusterConfig) -> int:
-    """Torch threads per CPU replica: share the machine's cores instead of oversubscribing."""
+def thread_settings(config: ClusterConfig) -> dict:
+    """The LLM deployment's user_config: what a CPU replica needs to pick its torch thread
+    count on its own machine (replica.deployment.resolve_cpu_threads): an explicit count, the
+    CPUs Ray reserves per replica, and how many replicas share one machine's cores (all of
+    them on one machine: `stepserve serve`, serve_config.yaml; the chart says per pod)."""
     replicas = config.autoscaling.max_replicas if config.autoscaling.enabled else config.replicas
-    return max(1, (os.cpu_count() or 1) // max(replicas, 1))
+    return {
+        "cpu_threads": config.cpu_threads_per_replica,
+        "num_cpus_per_replica": config.num_cpus_per_replica,
+        "replicas_per_machine": replicas,
+    }
 
 
 def ingress_settings(config: ClusterConfig) -> IngressSettings:
@@ -106,7 +115,7 @@ def ingress_settings(config: ClusterConfig) -> IngressSettings:
 def build_app(args: ClusterConfig) -> serve.Application:
     config = args if isinstance(args, ClusterConfig) else ClusterConfig.model_validate(args)
     llm = serve.deployment(LLMServer).options(**replica_options(config))
-    llm_app = llm.bind(config.engine.model_dump(), cpu_threads_per_replica(config))
+    llm_app = llm.bind(config.engine.model_dump())
     ingress = make_ingress_deployment().options(
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=config.http.max_pending_requests + 64,

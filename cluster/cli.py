@@ -82,6 +82,8 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         http["port"] = args.port
     if args.replicas is not None:
         data["replicas"] = args.replicas
+    if args.cpu_threads is not None:
+        data["cpu_threads_per_replica"] = args.cpu_threads
     scaling = data.setdefault("autoscaling", {})
     if args.min_replicas is not None or args.max_replicas is not None:
         scaling["enabled"] = True
@@ -197,6 +199,11 @@ def make_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve_p)
     serve_p.add_argument("--config", help="ClusterConfig YAML (or a Serve config file)")
     serve_p.add_argument("--replicas", type=int)
+    serve_p.add_argument(
+        "--cpu-threads",
+        type=int,
+        help="torch threads per CPU replica (default: the usable cores divided among replicas)",
+    )
     serve_p.add_argument("--host")
     serve_p.add_argument("--port", type=int)
     serve_p.add_argument("--address", help="join this Ray cluster instead of starting one")

@@ -73,6 +73,12 @@ class ClusterConfig(_Strict):
     http: HttpConfig = Field(default_factory=HttpConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     num_cpus_per_replica: float = Field(default=0.5, ge=0)
+    cpu_threads_per_replica: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch threads of a CPU replica; null: num_cpus_per_replica when >= 1, "
+        "else the usable cores divided among the replicas",
+    )
     max_ongoing_requests: int = Field(
         default=256, ge=1, description="Ray Serve's cap of requests in flight per replica"
     )

@@ -32,16 +32,58 @@ METRICS_PUSH_PERIOD_S = 1.0
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota (a
+    Kubernetes limit), which os.cpu_count() ignores."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cpus, quota) if quota else cpus)
+
+
+def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The cgroup's CPU limit in whole CPUs (rounded up), or None when there is none."""
+    try:  # cgroup v2: "<quota> <period>" or "max <period>"
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return max(1, -(-int(quota) // int(period)))
+        return None
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return max(1, -(-quota_us // period_us)) if quota_us > 0 and period_us > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_cpu_threads(settings: dict) -> int:
+    """Torch threads of a CPU replica from its user_config (cluster.app.thread_settings):
+    `cpu_threads` when set; else the CPUs Ray reserves per replica when at least one (the cores
+    the replica owns); else this machine's usable cores divided among the replicas sharing it."""
+    if settings.get("cpu_threads"):
+        return int(settings["cpu_threads"])
+    if settings.get("num_cpus_per_replica", 0) >= 1:
+        return int(settings["num_cpus_per_replica"])
+    return max(1, usable_cpus() // max(int(settings.get("replicas_per_machine") or 1), 1))
+
+
 class LLMServer:
     """Deployment class (wrapped with serve.deployment by cluster/app.py)."""
 
-    def __init__(self, engine_config: dict, cpu_threads: int | None = None) -> None:
+    def __init__(self, engine_config: dict) -> None:
         config = EngineConfig.model_validate(engine_config)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        if cpu_threads:
+        if config.resolved_device() != "cuda":
             import torch
 
-            torch.set_num_threads(cpu_threads)
+            # Loading and warm-up use every usable core (Ray sets OMP_NUM_THREADS=1 for an actor
+            # with fractional CPUs); the serving count arrives in reconfigure (user_config)
+            # before the first request and applies to the engine thread.
+            torch.set_num_threads(usable_cpus())
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (direct actor use in tests)
@@ -66,6 +108,23 @@ class LLMServer:
             self.engine.engine.num_kv_blocks,
             config.block_size,
         )
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve calls this after __init__ and, in place, whenever user_config changes (a
+        replica-count change moves the auto thread count): the torch threads of the engine."""
+        if self.config.resolved_device() == "cuda":
+            return
+        threads = resolve_cpu_threads(user_config)
+        if self.config.tensor_parallel_size > 1:
+            # the ranks split this process's threads when the group started; they keep it
+            logger.info(
+                "replica %s: tensor-parallel group keeps its startup thread split; "
+                "cpu_threads=%d not applied",
+                self.replica_id,
+                threads,
+            )
+            return
+        self.engine.set_num_threads(int(threads))
 
     async def generate(self, payload: dict) -> AsyncIterator[RequestOutput]:
         """payload: {"prompt_token_ids": [...], "sampling": {...SamplingParams fields},
@@ -120,6 +179,7 @@ class LLMServer:
             "num_kv_blocks": self.engine.engine.num_kv_blocks,
             "num_unfinished": self.engine.num_unfinished(),
             "num_request_states": self.engine.engine.num_request_states,
+            "cpu_threads": self.engine.num_threads,
             "ts": now,
         }
 

@@ -291,6 +291,7 @@ class AsyncEngine:
         self._draining = False
         self.error: BaseException | None = None
         self._stats = engine.stats()
+        self.num_threads = 0  # torch intra-op threads of the engine thread, once it runs
         self._thread = threading.Thread(target=self._run, name="stepserve-engine", daemon=True)
         self._thread.start()
 
@@ -318,6 +319,14 @@ class AsyncEngine:
 
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    def set_num_threads(self, num_threads: int) -> None:
+        """Torch intra-op threads for the engine's steps, applied before the next one. OpenMP
+        keeps the count per thread, so only the engine thread itself can change its own."""
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self._inbox.append(("threads", num_threads))
+        self._wake.set()
 
     async def generate(
         self,
@@ -410,11 +419,19 @@ class AsyncEngine:
                     engine.add_request(rid, ids, params, arrival)
                 except Exception as exc:  # surfaced to the caller, not fatal to the engine
                     self._deliver_error(rid, exc)
+            elif command[0] == "threads":
+                import torch
+
+                torch.set_num_threads(command[1])
+                self.num_threads = torch.get_num_threads()
             else:
                 engine.abort([command[1]])
 
     def _run(self) -> None:
+        import torch
+
         engine = self.engine
+        self.num_threads = torch.get_num_threads()
         try:
             while not self._stopped:
                 self._apply_inbox()

@@ -106,8 +106,14 @@ def serve_config(rayservice: dict) -> dict:
 
 
 def cluster_config(docs: list[dict]) -> ClusterConfig:
+    """The ClusterConfig the application runs with: its `args`, and the fixed replica count
+    from the LLMServer deployment's override."""
     (app,) = serve_config(only(docs, "RayService"))["applications"]
-    return ClusterConfig.model_validate(app["args"])
+    config = ClusterConfig.model_validate(app["args"])
+    (llm,) = app["deployments"]
+    if "num_replicas" in llm:
+        config = config.model_copy(update={"replicas": llm["num_replicas"]})
+    return config
 
 
 def head_spec(rayservice: dict) -> dict:
@@ -260,6 +266,44 @@ def test_serve_config_is_one_application_built_from_cluster_config(chart, values
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
 
 
+def test_replica_count_and_threads_change_in_place_not_by_rebuilding(chart):
+    """Serve rebuilds an application and replaces every replica (reloading the model) when its
+    code version moves: import path, runtime_env and `args`. A replica-count change must only
+    touch LLMServer's override (num_replicas, user_config), which Serve applies in place."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+    from cluster.app import thread_settings
+
+    def app_of(values: dict) -> dict:
+        config = serve_config(only(render(chart, values), "RayService"))
+        ServeDeploySchema.model_validate(config)  # what Ray itself accepts
+        (app,) = config["applications"]
+        return app
+
+    two, three = app_of({"replicas": 2}), app_of({"replicas": 3})
+    assert "replicas" not in two["args"]
+    version = get_app_code_version
+    assert version(ServeApplicationSchema.model_validate(two)) == version(
+        ServeApplicationSchema.model_validate(three)
+    )
+    assert (two["deployments"][0]["num_replicas"], three["deployments"][0]["num_replicas"]) == (
+        2,
+        3,
+    )
+    # the override's user_config has build_app's keys (it replaces build_app's as a whole),
+    # with the cores of a pod shared by the first group's replicasPerPod
+    per_pod = app_of(
+        {"workerGroups": [{"name": "g", "replicasPerPod": 4}], "num_cpus_per_replica": 2}
+    )
+    user = per_pod["deployments"][0]["user_config"]
+    assert set(user) == set(thread_settings(ClusterConfig()))
+    assert user == {"cpu_threads": None, "num_cpus_per_replica": 2, "replicas_per_machine": 4}
+    # autoscaling: Serve's controller owns the count, the override does not pin it
+    scaled = app_of({"autoscaling": {"enabled": True}})
+    assert "num_replicas" not in scaled["deployments"][0]
+
+
 def test_default_values_are_cluster_config_defaults(chart):
     # values.yaml spells out ClusterConfig's defaults; only the in-cluster address and the GPU
     # device differ on purpose.
@@ -297,11 +341,18 @@ def test_given_values_reach_cluster_config_unchanged(chart):
         "http": {"max_body_bytes": 1048576, "max_tokens_cap": 2048, "request_timeout_s": 30.5},
         "auth": {"api_keys_env": "LLM_KEYS"},
         "num_cpus_per_replica": 1.5,
+        "cpu_threads_per_replica": 3,
         "max_ongoing_requests": 64,
         "log_prompts": True,
     }
     config = cluster_config(render(chart, given))
+    # with autoscaling on, the replica count is the policy's to set: not pinned anywhere
+    (app,) = serve_config(only(render(chart, given), "RayService"))["applications"]
+    assert "replicas" not in app["args"] and "num_replicas" not in app["deployments"][0]
+    assert cluster_config(render(chart, {**given, "autoscaling": {"enabled": False}})).replicas == 3
     for key, value in given.items():
+        if key == "replicas":
+            continue
         if isinstance(value, dict):
             for field, expected in value.items():
                 assert getattr(getattr(config, key), field) == expected, f"{key}.{field}"
@@ -321,7 +372,14 @@ def test_chart_schema_mirrors_cluster_config_fields_and_limits(chart):
         "routing": (RoutingConfig, set()),
         "http": (HttpConfig, {"host", "port"}),
     }
-    scalars = {"name", "replicas", "num_cpus_per_replica", "max_ongoing_requests", "log_prompts"}
+    scalars = {
+        "name",
+        "replicas",
+        "num_cpus_per_replica",
+        "cpu_threads_per_replica",
+        "max_ongoing_requests",
+        "log_prompts",
+    }
     assert set(ClusterConfig.model_fields) == set(blocks) | scalars | {"auth"}, (
         "a top-level ClusterConfig field is not mapped by the chart"
     )

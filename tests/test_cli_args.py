@@ -25,3 +25,9 @@ def test_engine_flags_override_the_config_file(tmp_path):
     path.write_text("engine:\n  max_num_seqs: 8\n  cpu_decode_attention: torch\n")
     engine = parse("--config", str(path), "--max-num-seqs", "4").engine
     assert engine.max_num_seqs == 4 and engine.cpu_decode_attention == "torch"
+
+
+def test_cpu_threads_and_replicas_reach_the_cluster_config():
+    config = parse("--cpu-threads", "3", "--replicas", "2")
+    assert (config.cpu_threads_per_replica, config.replicas) == (3, 2)
+    assert parse().cpu_threads_per_replica is None  # auto: resolved on the replica's machine

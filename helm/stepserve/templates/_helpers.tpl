@@ -85,6 +85,9 @@ Name of the Secret holding the API keys; empty when the API is open.
 {{/*
 The ClusterConfig the application is built from (the `args` of the Serve application), as YAML.
 Every key is a ClusterConfig field: the test suite validates it with ClusterConfig.model_validate.
+The fixed replica count is not among them: Serve replaces every replica when `args` change, so
+it goes to the LLMServer deployment's override (stepserve.serveConfig), a change Serve applies
+in place.
 */}}
 {{- define "stepserve.clusterConfig" -}}
 {{- $engine := deepCopy .Values.engine }}
@@ -95,7 +98,7 @@ Every key is a ClusterConfig field: the test suite validates it with ClusterConf
 {{- $http := deepCopy .Values.http }}
 {{- $_ := set $http "host" "0.0.0.0" }}
 {{- $_ := set $http "port" 8000 }}
-{{- $config := pick .Values "name" "replicas" "autoscaling" "routing" "num_cpus_per_replica" "max_ongoing_requests" "log_prompts" }}
+{{- $config := pick .Values "name" "autoscaling" "routing" "num_cpus_per_replica" "cpu_threads_per_replica" "max_ongoing_requests" "log_prompts" }}
 {{- $_ := set $config "engine" $engine }}
 {{- $_ := set $config "http" $http }}
 {{- $_ := set $config "auth" (dict "api_keys_env" .Values.auth.api_keys_env) }}
@@ -106,7 +109,17 @@ Every key is a ClusterConfig field: the test suite validates it with ClusterConf
 serveConfigV2: one Serve application built by cluster.app:build_app from the ClusterConfig.
 */}}
 {{- define "stepserve.serveConfig" -}}
-{{- $app := dict "name" .Values.name "import_path" "cluster.app:build_app" "route_prefix" "/" "args" (include "stepserve.clusterConfig" . | fromYaml) }}
+{{- /* LLMServer's override: what may change without replacing replicas (and reloading the model).
+user_config is what a CPU replica picks its torch threads from (replica/deployment.py
+resolve_cpu_threads); the replicas sharing a pod's cores are the first group's replicasPerPod. */}}
+{{- $group := first .Values.workerGroups | default dict }}
+{{- $perPod := int (coalesce $group.replicasPerPod .Values.workerGroupDefaults.replicasPerPod 1) }}
+{{- $threads := dict "cpu_threads" .Values.cpu_threads_per_replica "num_cpus_per_replica" .Values.num_cpus_per_replica "replicas_per_machine" $perPod }}
+{{- $llm := dict "name" "LLMServer" "user_config" $threads }}
+{{- if not .Values.autoscaling.enabled }}
+{{- $_ := set $llm "num_replicas" (int .Values.replicas) }}
+{{- end }}
+{{- $app := dict "name" .Values.name "import_path" "cluster.app:build_app" "route_prefix" "/" "args" (include "stepserve.clusterConfig" . | fromYaml) "deployments" (list $llm) }}
 {{- toYaml (dict "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app)) }}
 {{- end }}
 

@@ -1,0 +1,237 @@
+"""Whole serving stacks side by side: `stepserve serve` and vLLM's OpenAI server (CPU build, its
+own virtual environment) on the same model, dtype and cores, each started in turn on
+127.0.0.1, warmed up, swept over request rates with bench/serving.py (the same requests at the
+same arrival times for every system) and stopped before the next one starts. With
+`--rounds N` the order rotates each round and every figure is the median over rounds.
+
+What a user choosing a stack sees: HTTP in, SSE out, tokenization, scheduling and the model,
+measured by one client. Writes bench/results/<out>.json and <out>_latency_vs_rate.png.
+
+Run (it starts Ray for stepserve): flock /tmp/stepserve-ray.lock .venv/bin/python \
+        bench/serving_vs_peer.py --systems stepserve,vllm,vllm-2cores --request-rate 1,2,3,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._models import model_dir as resolve_model  # noqa: E402
+from bench.serving import machine_info  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+
+
+def server_command(system: str, args, model: Path, port: int) -> tuple[list[str], dict]:
+    """argv and environment that start `system` on 127.0.0.1:port."""
+    env = dict(os.environ)
+    if system == "stepserve":
+        argv = [str(ROOT / ".venv" / "bin" / "stepserve"), "serve", "--model", str(model)]
+        argv += ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
+        argv += args.stepserve_args.split()
+        return argv, env
+    if system in ("vllm", "vllm-2cores"):
+        argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
+        argv += ["--model", str(model), "--served-model-name", "model"]
+        argv += ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
+        argv += args.vllm_args.split()
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_gib))
+        env["HF_HUB_OFFLINE"] = "1"
+        if system == "vllm-2cores":
+            # every core to vLLM's compute threads, as stepserve's replica gets them
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
+        else:
+            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own choice
+        return argv, env
+    raise SystemExit(f"unknown system {system!r}: stepserve, vllm or vllm-2cores")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {proc.returncode}; log:\n{log.read_text()[-4000:]}"
+            )
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(
+        f"server not healthy within {timeout_s:.0f} s; log:\n{log.read_text()[-4000:]}"
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group (stepserve shuts Serve and Ray down on it), then
+    SIGKILL whatever is left after a minute."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_serving(base_url: str, label: str, bench_args: list[str], result: Path | None) -> dict:
+    argv = [sys.executable, str(ROOT / "bench" / "serving.py"), "--base-url", base_url]
+    argv += ["--label", label, *bench_args]
+    if result is not None:
+        argv += ["--result-file", str(result)]
+    subprocess.run(argv, check=True)
+    return json.loads(result.read_text()) if result is not None else {}
+
+
+def median_runs(rounds: list[list[dict]]) -> list[dict]:
+    """Per request rate, the median over rounds of every number (nested dicts alike)."""
+
+    def merge(items: list):
+        first = items[0]
+        if isinstance(first, dict):
+            return {
+                k: merge([it[k] for it in items]) for k in first if all(k in it for it in items)
+            }
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return round(statistics.median(items), 3)
+        return first
+
+    by_rate: dict[float, list[dict]] = {}
+    for runs in rounds:
+        for run in runs:
+            by_rate.setdefault(run["request_rate"], []).append(run)
+    return [merge(runs) | {"rounds": len(runs)} for _, runs in sorted(by_rate.items())]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default="stepserve,vllm,vllm-2cores")
+    p.add_argument("--model", default="default", help="tiny, default, or a local HF model dir")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--request-rate", default="1,2,3,4")
+    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--dataset", default="long-tail")
+    p.add_argument("--goodput", default="ttft:1000 tpot:100")
+    p.add_argument("--bench-args", default="", help="more bench/serving.py flags")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--warmup-prompts", type=int, default=16)
+    p.add_argument("--stepserve-args", default="", help="more `stepserve serve` flags")
+    p.add_argument("--vllm-args", default="", help="more vLLM api_server flags")
+    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--port", type=int, default=8031)
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--out", default="serving_vs_peer")
+    args = p.parse_args()
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if any(s.startswith("vllm") for s in systems) and not Path(args.vllm_python).exists():
+        raise SystemExit(f"--vllm-python {args.vllm_python} does not exist (see bench/README.md)")
+    model = resolve_model(args.model)
+    base = f"http://127.0.0.1:{args.port}"
+    bench_args = ["--dataset", args.dataset, "--num-prompts", str(args.num_prompts)]
+    bench_args += ["--goodput", args.goodput, *args.bench_args.split()]
+    rounds: dict[str, list[list[dict]]] = {s: [] for s in systems}
+    settings: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            order = systems[r % len(systems) :] + systems[: r % len(systems)]
+            for system in order:
+                argv, env = server_command(system, args, model, args.port)
+                log = Path(tmp) / f"{system}-{r}.log"
+                print(f"== round {r + 1}/{args.rounds}: {system}: {' '.join(argv)}", flush=True)
+                with open(log, "w") as fh:
+                    proc = subprocess.Popen(
+                        argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                try:
+                    started = time.time()
+                    wait_healthy(base, proc, args.startup_timeout_s, log)
+                    startup_s = time.time() - started
+                    warm = ["--dataset", args.dataset, "--num-prompts", str(args.warmup_prompts)]
+                    run_serving(base, f"{system} warm-up", [*warm, "--request-rate", "inf"], None)
+                    result = Path(tmp) / f"{system}-{r}.json"
+                    data = run_serving(
+                        base, system, [*bench_args, "--request-rate", args.request_rate], result
+                    )
+                finally:
+                    stop(proc)
+                rounds[system].append(data["runs"])
+                settings.setdefault(system, {"argv": argv, "startup_s": []})
+                settings[system]["startup_s"].append(round(startup_s, 1))
+                if system.startswith("vllm"):
+                    settings[system]["VLLM_CPU_OMP_THREADS_BIND"] = env.get(
+                        "VLLM_CPU_OMP_THREADS_BIND", "auto"
+                    )
+                    settings[system]["VLLM_CPU_KVCACHE_SPACE"] = env["VLLM_CPU_KVCACHE_SPACE"]
+                time.sleep(3)  # let the stopped server's processes leave the cores
+
+    merged = {s: median_runs(runs) for s, runs in rounds.items()}
+    out = {
+        "benchmark": "serving_vs_peer",
+        "title": (
+            f"Serving stacks side by side: {model.name}, {args.dtype}, {args.dataset} dataset, "
+            f"{args.num_prompts} requests per rate, median of {args.rounds} round(s)"
+        ),
+        "model": str(model.name),
+        "dtype": args.dtype,
+        "bench_args": bench_args,
+        "rounds": args.rounds,
+        "systems": settings,
+        "host": machine_info(),
+        "sweep": {"systems": merged},
+        "per_round": rounds,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{args.out}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    print_table(merged)
+    from bench.plots import plot_latency_vs_rate
+
+    out["sweep"]["title"] = out["title"]
+    print(
+        f"wrote {plot_latency_vs_rate(out['sweep'], RESULTS / f'{args.out}_latency_vs_rate.png')}"
+    )
+
+
+def print_table(merged: dict[str, list[dict]]) -> None:
+    print(
+        f"{'system':<14} {'req/s':>6} {'done/s':>7} {'out tok/s':>9} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'e2e p50':>8} {'e2e p99':>8} {'good/s':>7}"
+    )
+    for system, runs in merged.items():
+        for run in runs:
+            good = run.get("goodput", {}).get("request_goodput", float("nan"))
+            print(
+                f"{system:<14} {run['request_rate']:>6g} {run['request_throughput']:>7.2f} "
+                f"{run['output_throughput']:>9.1f} {run['ttft_ms']['median']:>9.1f} "
+                f"{run['ttft_ms']['p99']:>9.1f} {run['tpot_ms']['median']:>9.1f} "
+                f"{run['tpot_ms']['p99']:>9.1f} {run['e2el_ms']['median']:>8.0f} "
+                f"{run['e2el_ms']['p99']:>8.0f} {good:>7.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
