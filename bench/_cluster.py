@@ -5,6 +5,7 @@ uses it in `flock /tmp/stepserve-ray.lock ...`."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -30,15 +31,24 @@ class LocalCluster:
         import ray
         from ray import serve
 
+        from cluster.cli import EMBEDDED_RAY_SERVE_ENV
+
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        ray.init(
-            num_cpus=num_cpus,
-            object_store_memory=256 * 1024 * 1024,
-            include_dashboard=False,
-            logging_level="ERROR",
-            log_to_driver=False,
-        )
+        # the Ray Serve mode `stepserve serve` runs in, unless the environment says otherwise
+        added = [key for key in EMBEDDED_RAY_SERVE_ENV if key not in os.environ]
+        os.environ.update({key: EMBEDDED_RAY_SERVE_ENV[key] for key in added})
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                object_store_memory=256 * 1024 * 1024,
+                include_dashboard=False,
+                logging_level="ERROR",
+                log_to_driver=False,
+            )
+        finally:
+            for key in added:
+                os.environ.pop(key, None)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
 
     def config_http(self, config: ClusterConfig) -> ClusterConfig:

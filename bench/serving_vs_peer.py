@@ -38,9 +38,21 @@ DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 def server_command(system: str, args, model: Path, port: int) -> tuple[list[str], dict]:
     """argv and environment that start `system` on 127.0.0.1:port."""
     env = dict(os.environ)
-    if system == "stepserve":
+    if system.endswith("+tput"):  # Ray Serve's throughput-optimized mode (Ray >= 2.56)
+        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+        env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+        system = system.removesuffix("+tput")
+    elif system.endswith("+grpc"):  # the same without direct ingress (stepserve serve's default)
+        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+        env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0"
+        system = system.removesuffix("+grpc")
+    elif system.startswith("stepserve"):  # Ray Serve's defaults
+        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "0"
+    if system == "stepserve" or system.startswith("stepserve-t"):
         argv = [str(ROOT / ".venv" / "bin" / "stepserve"), "serve", "--model", str(model)]
         argv += ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
+        if system != "stepserve":  # stepserve-tN: N torch threads per replica
+            argv += ["--cpu-threads", system.removeprefix("stepserve-t")]
         argv += args.stepserve_args.split()
         return argv, env
     if system in ("vllm", "vllm-2cores"):
@@ -56,7 +68,7 @@ def server_command(system: str, args, model: Path, port: int) -> tuple[list[str]
         else:
             env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own choice
         return argv, env
-    raise SystemExit(f"unknown system {system!r}: stepserve, vllm or vllm-2cores")
+    raise SystemExit(f"unknown system {system!r}: stepserve, stepserve-tN, vllm or vllm-2cores")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
@@ -126,7 +138,14 @@ def median_runs(rounds: list[list[dict]]) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default="stepserve,vllm,vllm-2cores")
+    p.add_argument(
+        "--systems",
+        default="stepserve,vllm,vllm-2cores",
+        help="stepserve (auto threads), stepserve-tN (N torch threads), vllm (its own CPU "
+        "binding), vllm-2cores (compute threads on every core); a stepserve system runs with "
+        "Ray Serve's defaults, with the suffix +tput in its throughput-optimized mode "
+        "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1), +grpc in that mode without direct ingress",
+    )
     p.add_argument("--model", default="default", help="tiny, default, or a local HF model dir")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--request-rate", default="1,2,3,4")
@@ -180,6 +199,9 @@ def main() -> None:
                 rounds[system].append(data["runs"])
                 settings.setdefault(system, {"argv": argv, "startup_s": []})
                 settings[system]["startup_s"].append(round(startup_s, 1))
+                for key in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_DIRECT_INGRESS"):
+                    if key in env:
+                        settings[system][key] = env[key]
                 if system.startswith("vllm"):
                     settings[system]["VLLM_CPU_OMP_THREADS_BIND"] = env.get(
                         "VLLM_CPU_OMP_THREADS_BIND", "auto"

@@ -112,6 +112,17 @@ def _resolve_default_model(config: ClusterConfig) -> ClusterConfig:
     return config.model_copy(update={"engine": engine})
 
 
+# Ray Serve's throughput-optimized mode (Ray >= 2.56) for the embedded cluster: gRPC between
+# deployments, user code and routers on each replica's main event loop, buffered request logs.
+# On 2 cores it cut TTFT p50 by ~15% and TPOT p50 by ~9% at 3-4 req/s (bench/README.md,
+# serving_ray_modes). Direct ingress, part of that mode, stays off: it holds every shutdown
+# for a 30 s drain meant for external load balancers. A value already in the environment wins.
+EMBEDDED_RAY_SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+}
+
+
 def start(config: ClusterConfig, address: str | None = None):
     """Start (or join) Ray, deploy the app; returns the URL. Used by `serve` and by tests."""
     import ray
@@ -123,12 +134,19 @@ def start(config: ClusterConfig, address: str | None = None):
         if address:
             ray.init(address=address, logging_level="WARNING")
         else:
-            ray.init(
-                num_cpus=os.cpu_count(),
-                object_store_memory=256 * 1024 * 1024,
-                include_dashboard=False,
-                logging_level="WARNING",
-            )
+            # Ray's processes inherit the environment at ray.init; this process keeps its own
+            added = [key for key in EMBEDDED_RAY_SERVE_ENV if key not in os.environ]
+            os.environ.update({key: EMBEDDED_RAY_SERVE_ENV[key] for key in added})
+            try:
+                ray.init(
+                    num_cpus=os.cpu_count(),
+                    object_store_memory=256 * 1024 * 1024,
+                    include_dashboard=False,
+                    logging_level="WARNING",
+                )
+            finally:
+                for key in added:
+                    os.environ.pop(key, None)
     serve.start(http_options={"host": config.http.host, "port": config.http.port})
     serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
     host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host

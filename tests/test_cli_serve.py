@@ -22,8 +22,9 @@ def test_serve_default_model_answers_and_shuts_down(default_model_dir, tmp_path)
     port = free_port()
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.time() + 240
         while "ready at" not in log.read_text():
@@ -77,3 +78,6 @@ def test_serve_default_model_answers_and_shuts_down(default_model_dir, tmp_path)
     assert code == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "draining in-flight requests" in text and "shutting down" in text
+    # the embedded cluster runs Ray Serve's throughput-optimized mode without direct ingress
+    assert "Throughput optimized Ray Serve enabled" in text, text[-3000:]
+    assert "Direct ingress enabled" not in text

@@ -11,9 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replica.layers.cpu_kernels import _compiler, paged_decode, paged_decode_kernel
+from replica.layers.cpu_kernels import DISABLE_ENV, _compiler, paged_decode, paged_decode_kernel
 
-pytestmark = pytest.mark.skipif(_compiler() is None, reason="no C compiler on this machine")
+# Where the native kernels can run: a C compiler, and not turned off for the process.
+NATIVE_POSSIBLE = _compiler() is not None and os.environ.get(DISABLE_ENV, "1") != "0"
+needs_native = pytest.mark.skipif(
+    not NATIVE_POSSIBLE, reason=f"no C compiler on this machine, or {DISABLE_ENV}=0"
+)
+pytestmark = needs_native
 
 
 def reference(q, k_cache, v_cache, block_table, seq_lens, scale):

@@ -15,11 +15,11 @@ import torch
 
 from replica.config import EngineConfig
 from replica.layers.attention import AttentionMetadata
-from replica.layers.cpu_kernels import _compiler
 from replica.layers.linear import TensorParallel
 from replica.loader import build_model, load_hf_config, load_weights, safetensors_files
 from replica.request import SamplingParams
 from replica.runner import ModelRunner
+from tests.test_cpu_kernels import NATIVE_POSSIBLE, needs_native
 
 
 @functools.cache
@@ -121,7 +121,7 @@ def test_cpu_weights_are_packed_once_and_the_row_major_copies_released(
     )
 
 
-@pytest.mark.skipif(_compiler() is None, reason="no C compiler on this machine")
+@needs_native
 def test_cpu_runs_use_the_fused_ops_in_fp32_and_bf16(tiny_llama_dir, run_generation):
     """The parity tests above run with the defaults: the fused C ops on in every norm, attention
     (rotary) and MLP module. In bf16 they round where torch's ops round, so greedy tokens equal
@@ -251,7 +251,7 @@ def test_default_model_matches_transformers(default_model_dir, run_generation):
     runner = run.runner
     assert (runner.num_kv_heads, runner.head_dim, runner.vocab_size) == (3, 64, 49152)
     # the native decode kernel ran these steps wherever a C compiler could build it
-    assert runner.native_decode or _compiler() is None
+    assert runner.native_decode or not NATIVE_POSSIBLE
 
 
 def _reference_varlen_kernel(
