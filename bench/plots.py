@@ -238,6 +238,9 @@ def redraw_all() -> list[Path]:
             drawn += plot_routing(data, path.stem)
         elif kind == "batching":
             drawn.append(plot_batch_occupancy(data, RESULTS / "batch_occupancy.png"))
+        elif kind == "serving_vs_peer":
+            sweep = {"title": data["title"], "systems": data["sweep"]["systems"]}
+            drawn.append(plot_latency_vs_rate(sweep, RESULTS / f"{path.stem}_latency_vs_rate.png"))
         elif kind == "http_overhead":
             drawn.append(plot_overhead(data, RESULTS / "http_overhead.png"))
     if serving:
