@@ -97,12 +97,13 @@ class EngineMetrics:
             self._arrival.pop(rid, None)
             self._last_token.pop(rid, None)
         self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
+        started = now - step_time  # the step (and its schedule) began here; `now` is its end
         for sched in scheduler_output.scheduled:
             request = sched.request
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
+                request.first_scheduled_time = started
                 self._arrival[request.request_id] = request.arrival_time
-                self.queue_time.observe(now - request.arrival_time)
+                self.queue_time.observe(max(0.0, started - request.arrival_time))
         for out in outputs:
             rid = out.request_id
             n = len(out.new_token_ids)

@@ -81,3 +81,35 @@ def test_merge_keeps_one_family_and_every_replica():
         s for s in families["stepserve:generation_tokens"].samples if s.name.endswith("_total")
     ]
     assert {s.labels["replica"]: s.value for s in samples} == {"a": 3.0, "b": 4.0}
+
+
+def test_queue_time_ends_when_the_first_step_starts_and_ttft_when_it_ends(tiny_llama_dir):
+    """vLLM's request_queue_time: arrival to the start of the first step that schedules the
+    request; the first token comes at that step's end (TTFT), one step later."""
+    import time
+
+    from replica.config import EngineConfig
+    from replica.engine import Engine
+    from replica.request import SamplingParams
+
+    engine = Engine(
+        EngineConfig(model=str(tiny_llama_dir), device="cpu", block_size=4, num_kv_blocks=32)
+    )
+    metrics = EngineMetrics(engine, "m", "r0")
+    steps: list[float] = []
+    engine.step_listeners.append(lambda _e, _s, _o, elapsed: steps.append(elapsed))
+    waited = 0.25
+    engine.add_request(
+        "q", [5, 6, 7, 8], SamplingParams(max_tokens=2), arrival_time=time.monotonic() - waited
+    )
+    while engine.has_unfinished():
+        engine.step()
+    engine.shutdown()
+    labels = {"model_name": "m", "replica": "r0"}
+
+    def total(name: str) -> float:
+        return metrics.registry.get_sample_value(f"stepserve:{name}_sum", labels)
+
+    queue, ttft = total("request_queue_time_seconds"), total("time_to_first_token_seconds")
+    assert waited <= queue < ttft
+    assert abs((ttft - queue) - steps[0]) < 0.005  # the first step's own duration
