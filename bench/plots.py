@@ -28,11 +28,14 @@ def _color(name: str, i: int) -> str:
 
 
 def _plain_log_ticks(axis) -> None:
-    """Label a log axis 20, 50, 100, 200 ... instead of 2x10^1."""
+    """Label a log axis 20, 50, 100, 200 ... instead of 2x10^1; every tick (20, 30, 40 ...) when
+    the axis spans less than a decade, where 1-2-5 would leave one label or none."""
 
     def label(value: float, _pos) -> str:
+        low, high = axis.get_view_interval()
+        shown = (1, 2, 5) if low <= 0 or high / low >= 10 else range(1, 10)
         mantissa = value / 10 ** np.floor(np.log10(value)) if value > 0 else 0
-        return f"{value:g}" if round(mantissa) in (1, 2, 5) else ""
+        return f"{value:g}" if round(mantissa) in shown else ""
 
     axis.set_major_formatter(matplotlib.ticker.FuncFormatter(label))
     axis.set_minor_formatter(matplotlib.ticker.FuncFormatter(label))
