@@ -117,6 +117,7 @@ def build_app(args: ClusterConfig) -> serve.Application:
     llm = serve.deployment(LLMServer).options(**replica_options(config))
     llm_app = llm.bind(config.engine.model_dump())
     ingress = make_ingress_deployment().options(
+        num_replicas=config.http.ingress_replicas,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=config.http.max_pending_requests + 64,
         graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,

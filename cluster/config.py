@@ -54,6 +54,12 @@ class HttpConfig(_Strict):
         default=1024, ge=1, description="requests in flight at the ingress before 429"
     )
     request_timeout_s: float = Field(default=600.0, gt=0)
+    ingress_replicas: int = Field(
+        default=1,
+        ge=1,
+        description="HTTP ingress replicas (validation, tokenization, SSE); each applies "
+        "max_pending_requests on its own",
+    )
 
 
 class AuthConfig(_Strict):

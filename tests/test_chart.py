@@ -110,10 +110,12 @@ def cluster_config(docs: list[dict]) -> ClusterConfig:
     from the LLMServer deployment's override."""
     (app,) = serve_config(only(docs, "RayService"))["applications"]
     config = ClusterConfig.model_validate(app["args"])
-    (llm,) = app["deployments"]
+    llm, ingress = app["deployments"]
+    assert (llm["name"], ingress["name"]) == ("LLMServer", "Ingress")
     if "num_replicas" in llm:
         config = config.model_copy(update={"replicas": llm["num_replicas"]})
-    return config
+    http = config.http.model_copy(update={"ingress_replicas": ingress["num_replicas"]})
+    return config.model_copy(update={"http": http})
 
 
 def head_spec(rayservice: dict) -> dict:
@@ -283,6 +285,13 @@ def test_replica_count_and_threads_change_in_place_not_by_rebuilding(chart):
 
     two, three = app_of({"replicas": 2}), app_of({"replicas": 3})
     assert "replicas" not in two["args"]
+    # the ingress replica count is an override too
+    wide = app_of({"replicas": 2, "http": {"ingress_replicas": 3}})
+    assert "ingress_replicas" not in wide["args"]["http"]
+    assert wide["deployments"][1] == {"name": "Ingress", "num_replicas": 3}
+    assert get_app_code_version(
+        ServeApplicationSchema.model_validate(wide)
+    ) == get_app_code_version(ServeApplicationSchema.model_validate(two))
     version = get_app_code_version
     assert version(ServeApplicationSchema.model_validate(two)) == version(
         ServeApplicationSchema.model_validate(three)
@@ -338,7 +347,12 @@ def test_given_values_reach_cluster_config_unchanged(chart):
             "downscale_delay_s": 300.0,
         },
         "routing": {"policy": "pow2", "prefix_affinity": True, "weight_kv_usage": 2.5},
-        "http": {"max_body_bytes": 1048576, "max_tokens_cap": 2048, "request_timeout_s": 30.5},
+        "http": {
+            "max_body_bytes": 1048576,
+            "max_tokens_cap": 2048,
+            "request_timeout_s": 30.5,
+            "ingress_replicas": 2,
+        },
         "auth": {"api_keys_env": "LLM_KEYS"},
         "num_cpus_per_replica": 1.5,
         "cpu_threads_per_replica": 3,

@@ -307,3 +307,40 @@ def test_metrics_counts_are_true(cluster):
         if line.startswith("stepserve:num_requests_running{")
     }
     assert len(replicas) == 2
+
+
+def test_two_ingress_replicas_serve_concurrent_requests(cluster, tiny_llama_dir, offline):
+    """http.ingress_replicas: the HTTP ingress (validation, tokenization, SSE) scales apart from
+    the engines; every request is answered whichever ingress replica the proxy picks."""
+    app = "wide-ingress"
+    config = ClusterConfig.model_validate(
+        {
+            "name": app,
+            "engine": engine_fields(tiny_llama_dir),
+            "replicas": 1,
+            "num_cpus_per_replica": 0.5,
+            "http": {**cluster["config"].http.model_dump(), "ingress_replicas": 2},
+        }
+    )
+    serve.run(build_app(config), name=app, route_prefix="/wide")
+    try:
+        ingress = serve.status().applications[app].deployments["Ingress"]
+        assert dict(ingress.replica_states) == {"RUNNING": 2}
+        prompts = [[5 + i, 6, 7, 8] for i in range(8)]
+
+        async def one(client: httpx.AsyncClient, ids: list[int]) -> list[int]:
+            r = await client.post(
+                f"{cluster['url']}/wide/v1/completions",
+                json={"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        async def all_of_them() -> list[str]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(one(client, ids) for ids in prompts))
+
+        texts = asyncio.run(all_of_them())
+        assert texts == [greedy_offline(offline, ids, 6)[1] for ids in prompts]
+    finally:
+        serve.delete(app)

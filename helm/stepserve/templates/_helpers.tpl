@@ -98,6 +98,7 @@ in place.
 {{- $http := deepCopy .Values.http }}
 {{- $_ := set $http "host" "0.0.0.0" }}
 {{- $_ := set $http "port" 8000 }}
+{{- $_ := unset $http "ingress_replicas" }}
 {{- $config := pick .Values "name" "autoscaling" "routing" "num_cpus_per_replica" "cpu_threads_per_replica" "max_ongoing_requests" "log_prompts" }}
 {{- $_ := set $config "engine" $engine }}
 {{- $_ := set $config "http" $http }}
@@ -119,7 +120,8 @@ resolve_cpu_threads); the replicas sharing a pod's cores are the first group's r
 {{- if not .Values.autoscaling.enabled }}
 {{- $_ := set $llm "num_replicas" (int .Values.replicas) }}
 {{- end }}
-{{- $app := dict "name" .Values.name "import_path" "cluster.app:build_app" "route_prefix" "/" "args" (include "stepserve.clusterConfig" . | fromYaml) "deployments" (list $llm) }}
+{{- $ingress := dict "name" "Ingress" "num_replicas" (int (default 1 .Values.http.ingress_replicas)) }}
+{{- $app := dict "name" .Values.name "import_path" "cluster.app:build_app" "route_prefix" "/" "args" (include "stepserve.clusterConfig" . | fromYaml) "deployments" (list $llm $ingress) }}
 {{- toYaml (dict "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app)) }}
 {{- end }}
 
