@@ -5,7 +5,6 @@ uses it in `flock /tmp/stepserve-ray.lock ...`."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import httpx
@@ -28,27 +27,14 @@ class LocalCluster:
     """Starts Ray + Serve on 127.0.0.1 once; `deploy` adds an application under a prefix."""
 
     def __init__(self, num_cpus: int = 2, port: int | None = None) -> None:
-        import ray
         from ray import serve
 
-        from cluster.cli import EMBEDDED_RAY_SERVE_ENV
+        from cluster.cli import init_embedded_ray
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # the Ray Serve mode `stepserve serve` runs in, unless the environment says otherwise
-        added = [key for key in EMBEDDED_RAY_SERVE_ENV if key not in os.environ]
-        os.environ.update({key: EMBEDDED_RAY_SERVE_ENV[key] for key in added})
-        try:
-            ray.init(
-                num_cpus=num_cpus,
-                object_store_memory=256 * 1024 * 1024,
-                include_dashboard=False,
-                logging_level="ERROR",
-                log_to_driver=False,
-            )
-        finally:
-            for key in added:
-                os.environ.pop(key, None)
+        init_embedded_ray(num_cpus=num_cpus, logging_level="ERROR", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
 
     def config_http(self, config: ClusterConfig) -> ClusterConfig:

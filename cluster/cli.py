@@ -123,6 +123,23 @@ EMBEDDED_RAY_SERVE_ENV = {
 }
 
 
+def init_embedded_ray(**ray_init_kwargs) -> None:
+    """ray.init for a cluster of our own on this machine, in EMBEDDED_RAY_SERVE_ENV's Ray Serve
+    mode: Ray's processes inherit the environment at ray.init, this process keeps its own."""
+    import ray
+
+    added = [key for key in EMBEDDED_RAY_SERVE_ENV if key not in os.environ]
+    os.environ.update({key: EMBEDDED_RAY_SERVE_ENV[key] for key in added})
+    try:
+        ray.init(
+            **{"object_store_memory": 256 * 1024 * 1024, "include_dashboard": False}
+            | ray_init_kwargs
+        )
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 def start(config: ClusterConfig, address: str | None = None):
     """Start (or join) Ray, deploy the app; returns the URL. Used by `serve` and by tests."""
     import ray
@@ -134,19 +151,7 @@ def start(config: ClusterConfig, address: str | None = None):
         if address:
             ray.init(address=address, logging_level="WARNING")
         else:
-            # Ray's processes inherit the environment at ray.init; this process keeps its own
-            added = [key for key in EMBEDDED_RAY_SERVE_ENV if key not in os.environ]
-            os.environ.update({key: EMBEDDED_RAY_SERVE_ENV[key] for key in added})
-            try:
-                ray.init(
-                    num_cpus=os.cpu_count(),
-                    object_store_memory=256 * 1024 * 1024,
-                    include_dashboard=False,
-                    logging_level="WARNING",
-                )
-            finally:
-                for key in added:
-                    os.environ.pop(key, None)
+            init_embedded_ray(num_cpus=os.cpu_count(), logging_level="WARNING")
     serve.start(http_options={"host": config.http.host, "port": config.http.port})
     serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
     host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host

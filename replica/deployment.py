@@ -124,7 +124,7 @@ class LLMServer:
                 threads,
             )
             return
-        self.engine.set_num_threads(int(threads))
+        self.engine.set_num_threads(threads)
 
     async def generate(self, payload: dict) -> AsyncIterator[RequestOutput]:
         """payload: {"prompt_token_ids": [...], "sampling": {...SamplingParams fields},
