@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from cluster.config import ClusterConfig
@@ -112,15 +114,40 @@ def _resolve_default_model(config: ClusterConfig) -> ClusterConfig:
     return config.model_copy(update={"engine": engine})
 
 
-# Ray Serve's throughput-optimized mode (Ray >= 2.56) for the embedded cluster: gRPC between
-# deployments, user code and routers on each replica's main event loop, buffered request logs.
-# On 2 cores it cut TTFT p50 by ~15% and TPOT p50 by ~9% at 3-4 req/s (bench/README.md,
-# serving_ray_modes). Direct ingress, part of that mode, stays off: it holds every shutdown
-# for a 30 s drain meant for external load balancers. A value already in the environment wins.
+# The embedded cluster's Ray Serve mode. Throughput-optimized (Ray >= 2.56): gRPC between
+# deployments, user code and routers on each replica's main event loop, buffered request logs;
+# on 2 cores it cut TTFT p50 by ~15% and TPOT p50 by ~9% at 3-4 req/s (bench/README.md,
+# serving_ray_modes). Its direct ingress (the ingress replicas serve HTTP themselves) with
+# HAProxy in front of them in place of Ray's Python proxy: one Python hop less per request,
+# half of Ray Serve's floor here (bench/README.md, http_overhead). Nobody but the controller
+# routes to the replicas, so a replica being stopped waits 1 s for HAProxy to drop it, not the
+# 30 s meant for external load balancers. A value already in the environment wins.
 EMBEDDED_RAY_SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
 }
+# HAProxy's stats page and Prometheus exporter listen on every interface, on fixed ports by
+# default (8404, 9101): the embedded cluster takes free ones instead.
+_HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def embedded_ray_serve_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The Ray Serve settings `init_embedded_ray` adds to `environ` (those it lacks)."""
+    added = {key: value for key, value in EMBEDDED_RAY_SERVE_ENV.items() if key not in environ}
+    if (environ.get("RAY_SERVE_ENABLE_HA_PROXY") or added.get("RAY_SERVE_ENABLE_HA_PROXY")) == "1":
+        added |= {
+            key: str(free_port("0.0.0.0")) for key in _HAPROXY_PORT_VARS if key not in environ
+        }
+    return added
 
 
 def init_embedded_ray(**ray_init_kwargs) -> None:
@@ -128,8 +155,8 @@ def init_embedded_ray(**ray_init_kwargs) -> None:
     mode: Ray's processes inherit the environment at ray.init, this process keeps its own."""
     import ray
 
-    added = [key for key in EMBEDDED_RAY_SERVE_ENV if key not in os.environ]
-    os.environ.update({key: EMBEDDED_RAY_SERVE_ENV[key] for key in added})
+    added = embedded_ray_serve_env(os.environ)
+    os.environ.update(added)
     try:
         ray.init(
             **{"object_store_memory": 256 * 1024 * 1024, "include_dashboard": False}

@@ -175,6 +175,7 @@ class LLMServer:
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
             "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "num_free_blocks": self.engine.engine.scheduler.kv.pool.num_free_blocks,
             "num_kv_blocks": self.engine.engine.num_kv_blocks,
             "num_unfinished": self.engine.num_unfinished(),

@@ -29,7 +29,13 @@ from replica.request import (
     RequestRejected,
     SamplingParams,
 )
-from router.policy import Policy, RoutingConfig
+from router.policy import (
+    Policy,
+    RoutingConfig,
+    inflight_state,
+    note_finished,
+    note_first_token,
+)
 from router.protocol import (
     SSE_DONE,
     ChatChoiceLogprobs,
@@ -276,13 +282,23 @@ class IngressCore:
             "sampling": params.__dict__,
             "request_id": uuid.uuid4().hex,
             "prefix_key": self.policy.prefix_key(prompt_ids, self.settings.engine.block_size),
+            # this ingress tells the router the request's first token and its end
+            "reports_progress": True,
         }
 
     async def _one_stream(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        async for out in self.stream_handle.generate.remote(self._payload(prompt_ids, params)):
-            yield out
+        payload = self._payload(prompt_ids, params)
+        first = True
+        try:
+            async for out in self.stream_handle.generate.remote(payload):
+                if first:  # prefill is over: tell the router (it weighs prefill still ahead)
+                    first = False
+                    note_first_token(payload["request_id"])
+                yield out
+        finally:
+            note_finished(payload["request_id"])
 
     async def complete_all(
         self, jobs: list[tuple[int, list[int], SamplingParams]]
@@ -294,7 +310,11 @@ class IngressCore:
         async def one(index: int, ids: list[int], params: SamplingParams):
             if len(jobs) > 1:
                 _own_serve_request_id()  # this task's context only
-            out = await self.handle.generate_all.remote(self._payload(ids, params))
+            payload = self._payload(ids, params)
+            try:
+                out = await self.handle.generate_all.remote(payload)
+            finally:
+                note_finished(payload["request_id"])
             return index, out
 
         if len(jobs) == 1:
@@ -665,8 +685,9 @@ class Ingress:
         self.core = IngressCore(llm_handle, settings)
 
     def stats(self) -> dict:
-        """Requests this ingress holds now (a handle call; used by tests and the soak)."""
-        return {"inflight": self.core.inflight}
+        """Requests this ingress holds now and its routers' view of them (a handle call; used
+        by tests and the soak)."""
+        return {"inflight": self.core.inflight, "routers": inflight_state()}
 
     @fastapi_app.post("/v1/completions", openapi_extra=request_body_spec(CompletionRequest))
     async def completions(self, request: Request) -> Response:

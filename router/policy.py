@@ -13,7 +13,9 @@ Score (lower is better), in units of "queued requests":
     size     = request_tokens / mean_tokens       (1 when either is unknown)
     sized    = queue + max(0, size * inflight_tokens / mean_tokens - mine) / 2
     kv       = u / (1 - min(u, 0.99)) with u = kv_usage clamped to [0, 1]
+    prefill  = prefill_tokens / max_num_batched_tokens (0 when the budget is unknown)
     score    = weight_queue * (sized + overflow)
+             + weight_prefill * prefill
              + weight_kv_usage * kv * min(1, size)      (fresh stats only)
              + weight_preemptions * preemptions_per_s   (fresh stats only)
 
@@ -34,6 +36,16 @@ seat, a lot when a long request would meet long requests. For the same reason th
 weighted by the request's size (at most 1): a chat turn barely moves a cache's usage, a
 1k-token prompt can tip it into preemptions.
 
+A count does not tell a request still in prefill from one decoding, and for the next request's
+first token that is the difference that matters: a replica's scheduler runs its requests' prefill
+chunks before admitting a newcomer, so a request that lands beside a 1k-token prompt still in
+prefill waits for every remaining chunk, while one that lands beside decodes is scheduled in the
+next step. `prefill_tokens` is this router's estimate of the prompt tokens its requests on the
+replica have yet to prefill: a request counts its whole prompt until the ingress reports its
+first token (`InflightLoad.first_token`), less the tokens the replicas' observed prefill rate
+(prompt tokens per second to a first token, learned from those reports) says it has done since
+it was routed. Divided by the step's token budget it counts the heavy steps ahead of a newcomer.
+
 The KV term is about u at low usage and grows without bound near a full cache (0.5 -> 1,
 0.9 -> 9, 0.99 -> 99), where a new request would force preemptions. Stale stats drop to
 Ray's count and our own tally rather than steer by numbers that may be seconds old.
@@ -45,6 +57,9 @@ import hashlib
 import math
 import random
 import struct
+import threading
+import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +83,9 @@ class RoutingConfig(BaseModel):
     )
     weight_queue: float = Field(default=1.0, ge=0)
     weight_kv_usage: float = Field(default=4.0, ge=0)
+    weight_prefill: float = Field(
+        default=1.0, ge=0, description="per step's token budget of prefill still ahead"
+    )
     weight_preemptions: float = Field(default=2.0, ge=0)
     stats_period_s: float = Field(default=1.0, gt=0)
     stale_stats_periods: float = Field(
@@ -94,6 +112,8 @@ class ReplicaStats:
     inflight_requests: int = 0  # its requests in flight on the replica with a known size
     inflight_tokens: int = 0  # their prompt + max_tokens, summed
     completed_since_stats: int = 0  # its requests there that finished after the stats were taken
+    prefill_tokens: float = 0.0  # prompt tokens of its requests there not yet prefilled (estimate)
+    max_num_batched_tokens: int = 0  # the replica's token budget per step; 0: unknown
 
 
 def stats_are_fresh(stats: ReplicaStats, cfg: RoutingConfig) -> bool:
@@ -146,12 +166,20 @@ def mean_request_tokens(replicas: Sequence[ReplicaStats]) -> float:
     return sum(r.inflight_tokens for r in replicas) / count if count else 0.0
 
 
+def prefill_steps(stats: ReplicaStats) -> float:
+    """Steps of the replica's token budget that prefill still ahead fills (0: budget unknown)."""
+    if stats.max_num_batched_tokens <= 0:
+        return 0.0
+    return max(stats.prefill_tokens, 0.0) / stats.max_num_batched_tokens
+
+
 def score(stats: ReplicaStats, cfg: RoutingConfig, size: RequestSize = RequestSize()) -> float:
     """Load score of one replica for a request of `size`, lower is better; the formula is in
     the module docstring. The default size knows nothing of tokens: counts and reports only."""
     queue = effective_queue(stats, cfg)
     overflow = max(0, queue - stats.max_num_seqs) if stats.max_num_seqs > 0 else 0
     total = cfg.weight_queue * (sized_queue(stats, cfg, size) + overflow)
+    total += cfg.weight_prefill * prefill_steps(stats)
     if stats_are_fresh(stats, cfg):
         kv_weight = cfg.weight_kv_usage * min(1.0, size.relative)
         total += kv_weight * kv_pressure(stats.kv_usage)
@@ -314,48 +342,144 @@ class Policy:
 
 class InflightLoad:
     """A router's own, always-current tally per replica: how many of its requests are in flight
-    there and their KV footprint (prompt + max_tokens), and when its requests there finished
-    (to discount them from the replica's last stats report). Feed it `routed` and `completed`.
+    there and their KV footprint (prompt + max_tokens), when its requests there finished (to
+    discount them from the replica's last stats report), and which are still in prefill.
 
-    `completed` may arrive before `routed` for a request that finishes at once; such ids are
-    remembered (a bounded number) so the late `routed` does not leave a phantom entry behind.
-    A completion on another replica (a request the replica rejected, then sent elsewhere) does
+    Two kinds of request. One whose sender reports its progress (the ingress; `routed` with a
+    `key`, the payload's own request id) leaves the tally at the sender's `finished(key)`, which
+    comes after `routed` (Ray hands the sender its response only once routed), and
+    its prefill ends at `first_token(key)`; Ray's completion hook is ignored for it, because Ray
+    2.60 fires `on_request_completed` for a streaming call as soon as the replica accepts it,
+    before `on_request_routed` even (tests/test_routing.py shows it). Any other request leaves
+    at Ray's `completed(request_id)`; one that Ray completes before `routed` (it finished at
+    once) is remembered, a bounded number, so the late `routed` leaves no phantom behind. A
+    completion on another replica (a request the replica rejected, then sent elsewhere) does
     not cancel the `routed` that follows.
+
+    Prefill: a request routed with `prompt_tokens` and a `key` counts as prefilling until its
+    first token; the prompt tokens per second from routing to first token, averaged over recent
+    requests (`prefill_rate`), discount what it has done since. The ingress reports from its own
+    thread, the router's hooks run on the router's: every method takes the lock.
     """
 
-    def __init__(self, completion_window_s: float = 60.0, max_early: int = 10_000) -> None:
+    def __init__(
+        self, completion_window_s: float = 60.0, max_early: int = 10_000, rate_alpha: float = 0.2
+    ) -> None:
         self.completion_window_s = completion_window_s
-        self._requests: dict[str, tuple[str, int]] = {}  # request id -> (replica id, tokens)
+        self._lock = threading.Lock()
+        # entry id (the key, else Ray's request id) -> (replica id, tokens, Ray's request id)
+        self._requests: dict[str, tuple[str, int, str]] = {}
         self._tokens: dict[str, int] = {}
         self._counts: dict[str, int] = {}
         self._completions: dict[str, deque[float]] = {}
-        self._finished_early: OrderedDict[str, str] = OrderedDict()  # request id -> replica id
+        self._finished_early: OrderedDict[str, str] = OrderedDict()  # Ray's id -> replica id
         self._max_early = max_early
+        self._reported: set[str] = set()  # Ray's ids of in-flight requests with a key
+        self._prefilling: dict[str, tuple[str, int, float]] = {}  # key -> (replica, prompt, t)
+        self._rate_alpha = rate_alpha
+        self.prefill_rate = 0.0  # prompt tokens/s, routed -> first token; 0: none seen yet
 
-    def routed(self, request_id: str, replica_id: str, tokens: int) -> None:
-        if self._finished_early.get(request_id) == replica_id:  # it has finished already
-            del self._finished_early[request_id]
-            return
-        if request_id in self._requests:
-            return
-        self._requests[request_id] = (replica_id, tokens)
+    def routed(
+        self,
+        request_id: str,
+        replica_id: str,
+        tokens: int,
+        prompt_tokens: int = 0,
+        key: str | None = None,
+        now: float = 0.0,
+    ) -> None:
+        with self._lock:
+            if key is None:
+                if self._finished_early.get(request_id) == replica_id:  # it has finished
+                    del self._finished_early[request_id]
+                    return
+                if request_id not in self._requests:
+                    self._add(request_id, replica_id, tokens, request_id)
+                return
+            self._finished_early.pop(request_id, None)  # Ray's early completion: not the end
+            if key in self._requests:
+                return
+            self._add(key, replica_id, tokens, request_id)
+            self._reported.add(request_id)
+            if prompt_tokens > 0:
+                self._prefilling[key] = (replica_id, prompt_tokens, now)
+
+    def _add(self, entry: str, replica_id: str, tokens: int, request_id: str) -> None:
+        self._requests[entry] = (replica_id, tokens, request_id)
         self._tokens[replica_id] = self._tokens.get(replica_id, 0) + tokens
         self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
 
-    def completed(self, request_id: str, replica_id: str, now: float) -> None:
-        entry = self._requests.get(request_id)
-        if entry is None or entry[0] != replica_id:
-            self._finished_early[request_id] = replica_id
-            while len(self._finished_early) > self._max_early:
-                self._finished_early.popitem(last=False)
-            return
-        del self._requests[request_id]
-        self._tokens[replica_id] -= entry[1]
+    def _remove(self, entry: str, now: float) -> None:
+        replica_id, tokens, request_id = self._requests.pop(entry)
+        self._reported.discard(request_id)
+        self._prefilling.pop(entry, None)
+        self._tokens[replica_id] -= tokens
         self._counts[replica_id] -= 1
         times = self._completions.setdefault(replica_id, deque())
         times.append(now)
         while times and now - times[0] > self.completion_window_s:
             times.popleft()
+
+    def first_token(self, key: str, now: float) -> None:
+        """The sender's request `key` has its first token: its prefill is done."""
+        with self._lock:
+            entry = self._prefilling.pop(key, None)
+            if entry is None:
+                return
+            _, prompt, routed_at = entry
+            if now > routed_at:
+                sample = prompt / (now - routed_at)
+                a = self._rate_alpha
+                self.prefill_rate = (
+                    sample if self.prefill_rate <= 0 else a * sample + (1 - a) * self.prefill_rate
+                )
+
+    def finished(self, key: str, now: float) -> None:
+        """The sender's request `key` is over (answered, failed or cancelled)."""
+        with self._lock:
+            if key in self._requests:  # (a key of another router's request is not here)
+                self._remove(key, now)
+
+    def completed(self, request_id: str, replica_id: str, now: float) -> None:
+        """Ray's completion hook (ignored for requests whose sender reports their end)."""
+        with self._lock:
+            if request_id in self._reported:
+                return
+            entry = self._requests.get(request_id)
+            if entry is None or entry[0] != replica_id:
+                self._finished_early[request_id] = replica_id
+                while len(self._finished_early) > self._max_early:
+                    self._finished_early.popitem(last=False)
+                return
+            self._remove(request_id, now)
+
+    def prefill_tokens(self, replica_id: str, now: float) -> float:
+        """Prompt tokens of this router's requests on `replica_id` still to prefill: whole
+        prompts until their first token, less `prefill_rate` times the time since routing."""
+        with self._lock:
+            total = 0.0
+            for rid, prompt, routed_at in self._prefilling.values():
+                if rid == replica_id:
+                    done = self.prefill_rate * max(now - routed_at, 0.0)
+                    total += max(prompt - done, 0.0)
+            return total
+
+    def snapshot(self, now: float) -> dict:
+        """This tally as plain data (for the ingress's stats): per replica, requests in flight,
+        their tokens and the prefill estimate; the learned prefill rate."""
+        with self._lock:
+            replicas = {rid: n for rid, n in self._counts.items() if n}
+        return {
+            "prefill_rate": self.prefill_rate,
+            "replicas": {
+                rid: {
+                    "requests": n,
+                    "tokens": self.tokens(rid),
+                    "prefill_tokens": self.prefill_tokens(rid, now),
+                }
+                for rid, n in replicas.items()
+            },
+        }
 
     def requests(self, replica_id: str) -> int:
         return self._counts.get(replica_id, 0)
@@ -365,29 +489,72 @@ class InflightLoad:
 
     def completed_since(self, replica_id: str, since: float) -> int:
         """This router's requests on `replica_id` that finished after time `since`."""
-        count = 0
-        for t in reversed(self._completions.get(replica_id, ())):  # newest first
-            if t <= since:
-                break
-            count += 1
-        return count
+        with self._lock:
+            count = 0
+            for t in reversed(self._completions.get(replica_id, ())):  # newest first
+                if t <= since:
+                    break
+                count += 1
+            return count
 
     def forget_missing(self, replica_ids: Sequence[str]) -> None:
         """Drop the tallies of replicas that are gone (their requests will never complete)."""
         alive = set(replica_ids)
-        for rid in [r for r in self._counts if r not in alive]:
-            self._counts.pop(rid, None)
-            self._tokens.pop(rid, None)
-            self._completions.pop(rid, None)
-        for request_id in [q for q, (r, _) in self._requests.items() if r not in alive]:
-            del self._requests[request_id]
+        with self._lock:
+            for rid in [r for r in self._counts if r not in alive]:
+                self._counts.pop(rid, None)
+                self._tokens.pop(rid, None)
+                self._completions.pop(rid, None)
+            for entry in [e for e, (r, _, _) in self._requests.items() if r not in alive]:
+                _, _, request_id = self._requests.pop(entry)
+                self._reported.discard(request_id)
+                self._prefilling.pop(entry, None)
+
+
+# This process's routers' tallies: the ingress reports first tokens here (the routers are Ray's
+# objects, out of its reach). Kept in this module, which Ray imports by reference.
+_INFLIGHT_LOADS: weakref.WeakSet[InflightLoad] = weakref.WeakSet()
+
+
+def register_inflight(load: InflightLoad) -> None:
+    """Let `note_first_token` reach `load` (a router's tally, dropped with the router)."""
+    _INFLIGHT_LOADS.add(load)
+
+
+def note_first_token(request_id: str) -> None:
+    """The ingress got the first token of its request `request_id` (the payload's id): the
+    router that sent it stops counting its prompt as prefill still ahead on that replica."""
+    now = time.time()
+    for load in list(_INFLIGHT_LOADS):
+        load.first_token(request_id, now)
+
+
+def note_finished(request_id: str) -> None:
+    """The ingress's request `request_id` (the payload's id) is over: the router that sent it
+    takes it off its replica's tally."""
+    now = time.time()
+    for load in list(_INFLIGHT_LOADS):
+        load.finished(request_id, now)
+
+
+def inflight_state() -> list[dict]:
+    """What each of this process's routers knows of its requests in flight (`snapshot`), for
+    the ingress's stats."""
+    now = time.time()
+    return [load.snapshot(now) for load in list(_INFLIGHT_LOADS)]
 
 
 def request_tokens(payload: object) -> int:
     """The KV footprint a request can reach: prompt tokens + max_tokens (0 if unknown)."""
     if not isinstance(payload, dict):
         return 0
-    prompt = payload.get("prompt_token_ids") or ()
     sampling = payload.get("sampling") or {}
     max_tokens = sampling.get("max_tokens", 0) if isinstance(sampling, dict) else 0
-    return len(prompt) + int(max_tokens or 0)
+    return prompt_tokens(payload) + int(max_tokens or 0)
+
+
+def prompt_tokens(payload: object) -> int:
+    """The request's prompt length in tokens (0 if unknown)."""
+    if not isinstance(payload, dict):
+        return 0
+    return len(payload.get("prompt_token_ids") or ())

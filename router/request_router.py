@@ -1,8 +1,16 @@
 """LoadAwareRouter: plugs router/policy.py into Ray Serve as a custom RequestRouter. Signals:
 Ray's own fresh per-replica in-flight count, this router's own tally of the tokens it has in
-flight on each replica (fed by Ray's on_request_routed / on_request_completed hooks), plus the
+flight on each replica and of which of them are still in prefill (fed by Ray's
+on_request_routed hook, and by the ingress's `note_first_token` and `note_finished`, or by Ray's
+on_request_completed for requests the ingress did not send), plus the
 stats each replica records about once a second (waiting, running, KV usage, recent
-preemptions)."""
+preemptions, token budget).
+
+Ray builds the router inside the process that holds the deployment handle, the ingress replica,
+and gives user code no reference to it: each router registers its tally with router/policy.py
+(`register_inflight`), where the ingress's notes reach it. Not in
+this module: Ray pickles the router's module by value, so every router class it unpickles has
+its own copy of this module's globals."""
 
 from __future__ import annotations
 
@@ -11,7 +19,15 @@ import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from router.policy import InflightLoad, Policy, ReplicaStats, RoutingConfig, request_tokens
+from router.policy import (
+    InflightLoad,
+    Policy,
+    ReplicaStats,
+    RoutingConfig,
+    prompt_tokens,
+    register_inflight,
+    request_tokens,
+)
 
 
 def _payload(pending_request: PendingRequest | None) -> object:
@@ -26,6 +42,7 @@ class LoadAwareRouter(RequestRouter):
         self.policy = Policy(self.routing_config)
         self.inflight = InflightLoad()
         self._rng = random.Random()
+        register_inflight(self.inflight)
 
     def _stats_of(self, replica: RunningReplica, now: float) -> ReplicaStats:
         rid = replica.replica_id.unique_id
@@ -44,6 +61,8 @@ class LoadAwareRouter(RequestRouter):
             inflight_requests=self.inflight.requests(rid),
             inflight_tokens=self.inflight.tokens(rid),
             completed_since_stats=self.inflight.completed_since(rid, ts) if ts else 0,
+            prefill_tokens=self.inflight.prefill_tokens(rid, now),
+            max_num_batched_tokens=int(recorded.get("max_num_batched_tokens", 0)),
         )
 
     async def choose_replicas(
@@ -74,10 +93,17 @@ class LoadAwareRouter(RequestRouter):
         self.inflight.forget_missing([r.replica_id.unique_id for r in replicas])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        tokens = request_tokens(_payload(pending_request))
+        payload = _payload(pending_request)
+        tokens = request_tokens(payload)
         if tokens:
             self.inflight.routed(
-                pending_request.metadata.internal_request_id, replica_id.unique_id, tokens
+                pending_request.metadata.internal_request_id,
+                replica_id.unique_id,
+                tokens,
+                prompt_tokens=prompt_tokens(payload),
+                # the ingress reports this request's first token and its end (policy.py)
+                key=payload.get("request_id") if payload.get("reports_progress") else None,
+                now=time.time(),
             )
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:

@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
+
+from cluster.cli import free_port  # noqa: F401  (re-exported for the tests)
 
 if TYPE_CHECKING:
     import httpx
 
 RAY_OBJECT_STORE_BYTES = 128 * 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -419,6 +419,100 @@ def test_inflight_load_prunes_old_completions_and_gone_replicas() -> None:
     assert load.tokens("gone") == 0
 
 
+# --- prefill still ahead (phase) -------------------------------------------------------------
+
+
+def test_a_new_request_avoids_a_replica_still_prefilling_a_long_prompt() -> None:
+    # both replicas hold one long request of ours (same footprint, same count); on "prefilling"
+    # 1024 prompt tokens are still to be prefilled in 256-token steps, "decoding" is past it
+    replicas = [
+        fresh(
+            "prefilling",
+            1,
+            inflight_requests=1,
+            inflight_tokens=1280,
+            max_num_batched_tokens=256,
+            prefill_tokens=1024,
+        ),
+        fresh("decoding", 1, inflight_requests=1, inflight_tokens=1280, max_num_batched_tokens=256),
+    ]
+    for tokens in (48, 1280):
+        assert (
+            first_choice(rank_replicas(replicas, LOAD_AWARE, request_tokens=tokens)) == "decoding"
+        )
+    assert score(replicas[0], LOAD_AWARE) - score(replicas[1], LOAD_AWARE) == pytest.approx(4.0)
+    # a short request still prefers a long prompt's last chunk to three more requests ahead
+    nearly = fresh(
+        "nearly",
+        1,
+        inflight_requests=1,
+        inflight_tokens=1280,
+        max_num_batched_tokens=256,
+        prefill_tokens=200,
+    )
+    busy = fresh("busy", 4, inflight_requests=4, inflight_tokens=192, max_num_batched_tokens=256)
+    assert first_choice(rank_replicas([nearly, busy], LOAD_AWARE, request_tokens=48)) == "nearly"
+    # the term is off with weight 0 and when the replica's budget is unknown
+    no_phase = RoutingConfig(weight_prefill=0.0)
+    assert score(replicas[0], no_phase) == score(replicas[1], no_phase)
+    unknown = fresh("u", 1, inflight_requests=1, inflight_tokens=1280, prefill_tokens=1024)
+    assert score(unknown, LOAD_AWARE) == score(replicas[1], LOAD_AWARE)
+
+
+def test_inflight_load_counts_prefill_until_the_first_token() -> None:
+    load = InflightLoad(rate_alpha=0.5)
+    load.routed("r1", "a", 1280, prompt_tokens=1024, key="k1", now=0.0)
+    load.routed("r2", "a", 48, prompt_tokens=32, key="k2", now=0.0)
+    load.routed("r3", "b", 48)  # no key (a call without our payload): never counted as prefill
+    assert load.prefill_tokens("a", now=5.0) == 1056  # no rate learned yet: whole prompts
+    assert load.prefill_tokens("b", now=5.0) == 0
+    load.first_token("k2", now=0.1)  # 32 tokens in 0.1 s: 320 tokens/s
+    assert load.prefill_rate == pytest.approx(320.0)
+    assert load.prefill_tokens("a", now=1.0) == pytest.approx(1024 - 320)  # discounted
+    assert load.prefill_tokens("a", now=4.0) == 0  # the estimate says it must be done
+    load.first_token("k2", now=9.0)  # a repeated or unknown key changes nothing
+    load.first_token("nope", now=9.0)
+    assert load.prefill_rate == pytest.approx(320.0)
+    load.first_token("k1", now=1.024)  # 1000 tokens/s, averaged in with alpha 0.5
+    assert load.prefill_rate == pytest.approx(660.0)
+    assert load.prefill_tokens("a", now=1.1) == 0
+    # a request that ends before its first token (aborted, failed) leaves no prefill behind
+    load.routed("r4", "b", 600, prompt_tokens=512, key="k4", now=2.0)
+    assert load.prefill_tokens("b", now=2.0) == 512
+    load.finished("k4", now=2.1)
+    assert load.prefill_tokens("b", now=2.1) == 0
+    load.routed("r5", "gone", 600, prompt_tokens=512, key="k5", now=3.0)
+    load.forget_missing(["a", "b"])
+    assert load.prefill_tokens("gone", now=3.0) == 0 and not load._prefilling
+
+
+def test_inflight_load_keyed_requests_end_when_their_sender_says() -> None:
+    load = InflightLoad()
+    # Ray 2.60 completes a stream as the replica accepts it, before on_request_routed: for a
+    # request whose sender reports its end, neither that nor a later Ray completion counts
+    load.completed("ray-1", "a", now=1.0)
+    load.routed("ray-1", "a", 300, prompt_tokens=256, key="k1", now=1.0)
+    load.completed("ray-1", "a", now=1.5)
+    assert (load.requests("a"), load.tokens("a")) == (1, 300)
+    assert load.completed_since("a", 0.0) == 0
+    load.finished("k1", now=2.0)
+    assert (load.requests("a"), load.tokens("a")) == (0, 0)
+    assert load.completed_since("a", 1.9) == 1
+    load.finished("k1", now=3.0)  # repeated, or another router's key: nothing happens
+    load.finished("unknown", now=3.0)
+    assert (load.requests("a"), load.completed_since("a", 1.9)) == (0, 1)
+    # unkeyed requests (senders that report nothing) still end at Ray's completion
+    load.routed("ray-2", "a", 40)
+    load.completed("ray-2", "a", now=4.0)
+    assert (load.requests("a"), load.tokens("a")) == (0, 0)
+    # a replica that goes away takes its keyed requests with it
+    load.routed("ray-3", "gone", 300, prompt_tokens=256, key="k3", now=5.0)
+    load.forget_missing(["a"])
+    assert (load.requests("gone"), load.prefill_tokens("gone", 5.0)) == (0, 0)
+    load.finished("k3", now=6.0)
+    assert load.tokens("gone") == 0
+
+
 def test_request_tokens_reads_the_ingress_payload() -> None:
     payload = {"prompt_token_ids": [1] * 30, "sampling": {"max_tokens": 16}, "prefix_key": None}
     assert request_tokens(payload) == 46

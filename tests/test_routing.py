@@ -130,3 +130,45 @@ def test_new_requests_avoid_the_busy_replica(tiny_llama_dir):
         on_idle = sum(v - before.get(k, 0) for k, v in after.items() if k != busy_id)
         assert on_busy + on_idle >= 12
         assert on_idle >= 11, f"idle replica got {on_idle} of 12 short requests, busy {on_busy}"
+
+
+def test_router_counts_prefill_until_the_ingress_sees_the_first_token(tiny_llama_dir):
+    """The ingress tells the router that routed a stream when its first token arrives; until
+    then (or until the learned prefill rate says it must be done) its prompt counts as prefill
+    still ahead on its replica, which the load-aware score weighs. The ingress also reports the
+    end: Ray's own completion hook fires as the replica accepts a stream, which used to take
+    every stream off the router's tally at once (the mid-stream count below was 0)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = _config(tiny_llama_dir, port)
+    config = config.model_copy(
+        update={"autoscaling": config.autoscaling.model_copy(update={"enabled": False})}
+    )
+    prompt = [11] * 24
+    with loopback_serve(port):
+        serve.run(build_app(config), name=APP, route_prefix="/")
+        llm = serve.get_deployment_handle("LLMServer", app_name=APP)
+        replica = llm.stats.remote().result(timeout_s=30)
+        assert replica["max_num_batched_tokens"] == 64  # the step budget the score divides by
+        ingress = serve.get_deployment_handle("Ingress", app_name=APP)
+        body = {
+            "prompt": prompt,
+            "max_tokens": 480,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            (router,) = ingress.stats.remote().result(timeout_s=30)["routers"]
+            drained = [line for line in lines if line.startswith("data: ")]
+        assert drained[-1] == "data: [DONE]"
+        # mid-stream: one request of ours on the replica, no prefill ahead, a rate learned
+        # from its first token (without the ingress's report it would count all 24 tokens)
+        assert router["replicas"][replica["replica_id"]]["requests"] == 1, router
+        assert router["replicas"][replica["replica_id"]]["prefill_tokens"] == 0, router
+        assert router["prefill_rate"] > 0, router
+        (router,) = ingress.stats.remote().result(timeout_s=30)["routers"]
+        assert not router["replicas"], router  # finished: nothing left in the tally
