@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -56,7 +57,11 @@ SHORT, LONG = (32, 16), (1024, 256)  # (input, output) token means, +-25%
 
 
 def router_config(router: str, model: Path, args: argparse.Namespace) -> ClusterConfig:
+    """`policy[+prefix][/field=value[;field=value]]`: a RoutingConfig, e.g.
+    `load_aware/weight_prefill=0` (load_aware without the prefill term)."""
+    router, _, fields = router.partition("/")
     policy, _, affinity = router.partition("+")
+    overrides = dict(item.split("=", 1) for item in fields.split(";") if item)
     return ClusterConfig.model_validate(
         {
             "engine": {
@@ -69,13 +74,13 @@ def router_config(router: str, model: Path, args: argparse.Namespace) -> Cluster
             },
             "replicas": args.replicas,
             "num_cpus_per_replica": args.num_cpus_per_replica,
-            "routing": {"policy": policy, "prefix_affinity": affinity == "prefix"},
+            "routing": {"policy": policy, "prefix_affinity": affinity == "prefix"} | overrides,
         }
     )
 
 
 def app_name(router: str) -> str:
-    return router.replace("_", "-").replace("+", "-")
+    return re.sub(r"[^a-z0-9]+", "-", router.lower()).strip("-")
 
 
 @dataclass
@@ -262,7 +267,11 @@ def print_tables(comparison: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny", help="tiny, default, or a local HF model dir")
-    p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument(
+        "--routers",
+        default=",".join(ROUTERS),
+        help="comma list; each policy[+prefix][/field=value;...] (RoutingConfig fields)",
+    )
     p.add_argument("--workloads", default=f"{HET},{PREFIX}")
     p.add_argument("--rates", default="6", help="heterogeneous request rates (comma list)")
     p.add_argument("--prefix-rate", type=float, default=8.0)
