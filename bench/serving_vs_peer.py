@@ -38,16 +38,19 @@ DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 def server_command(system: str, args, model: Path, port: int) -> tuple[list[str], dict]:
     """argv and environment that start `system` on 127.0.0.1:port."""
     env = dict(os.environ)
-    if system.endswith("+tput"):  # Ray Serve's throughput-optimized mode (Ray >= 2.56)
-        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
-        env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
-        system = system.removesuffix("+tput")
-    elif system.endswith("+grpc"):  # the same without direct ingress (stepserve serve's default)
-        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
-        env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "0"
-        system = system.removesuffix("+grpc")
-    elif system.startswith("stepserve"):  # Ray Serve's defaults
-        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "0"
+    # Ray Serve modes: (throughput-optimized, direct ingress, HAProxy) per suffix; no suffix is
+    # Ray Serve's defaults. +haproxy is what `stepserve serve` runs (cluster/cli.py).
+    modes = {"+haproxy": "111", "+tput": "110", "+grpc": "100"}
+    suffix = next((m for m in modes if system.endswith(m)), None)
+    if system.startswith("stepserve"):
+        flags = modes[suffix] if suffix else "000"
+        names = (
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED",
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS",
+            "RAY_SERVE_ENABLE_HA_PROXY",
+        )
+        env |= dict(zip(names, flags, strict=True))
+        system = system.removesuffix(suffix or "")
     if system == "stepserve" or system.startswith("stepserve-t"):
         argv = [str(ROOT / ".venv" / "bin" / "stepserve"), "serve", "--model", str(model)]
         argv += ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
@@ -144,7 +147,9 @@ def main() -> None:
         help="stepserve (auto threads), stepserve-tN (N torch threads), vllm (its own CPU "
         "binding), vllm-2cores (compute threads on every core); a stepserve system runs with "
         "Ray Serve's defaults, with the suffix +tput in its throughput-optimized mode "
-        "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1), +grpc in that mode without direct ingress",
+        "(RAY_SERVE_THROUGHPUT_OPTIMIZED=1, direct ingress, Ray's Python proxy on the port), "
+        "+grpc in that mode without direct ingress, +haproxy with direct ingress behind "
+        "HAProxy (what stepserve serve runs)",
     )
     p.add_argument("--model", default="default", help="tiny, default, or a local HF model dir")
     p.add_argument("--dtype", default="float32")
