@@ -1,7 +1,7 @@
 """What the HTTP + routing path adds per request over calling the engine directly, side by side
 in one run: the same requests (token-id prompts, `ignore_eos`, greedy) go one at a time, in
 rotating order, to (a) an in-process AsyncEngine, (b) a 1-replica stepserve cluster over HTTP
-(proxy -> ingress -> LoadAwareRouter -> replica actor -> SSE back), built from the same
+(HAProxy or Serve proxy -> ingress -> LoadAwareRouter -> replica -> SSE back), built from the same
 EngineConfig and torch thread count, and (c) that replica through a deployment handle from
 this process (router + actor + Ray streaming, no proxy or ingress), which splits (b)'s cost,
 and (d) Ray Serve's own floor: an application of the same shape on the same cluster (FastAPI

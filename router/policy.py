@@ -357,8 +357,9 @@ class InflightLoad:
     not cancel the `routed` that follows.
 
     Prefill: a request routed with `prompt_tokens` and a `key` counts as prefilling until its
-    first token; the prompt tokens per second from routing to first token, averaged over recent
-    requests (`prefill_rate`), discount what it has done since. The ingress reports from its own
+    first token; the prompt tokens per second from routing to first token over recent requests
+    (`prefill_rate`: moving averages of prompt tokens and of seconds, divided) discount what it
+    has done since. The ingress reports from its own
     thread, the router's hooks run on the router's: every method takes the lock.
     """
 
@@ -377,6 +378,7 @@ class InflightLoad:
         self._reported: set[str] = set()  # Ray's ids of in-flight requests with a key
         self._prefilling: dict[str, tuple[str, int, float]] = {}  # key -> (replica, prompt, t)
         self._rate_alpha = rate_alpha
+        self._rate_tokens = self._rate_seconds = 0.0  # moving averages per request
         self.prefill_rate = 0.0  # prompt tokens/s, routed -> first token; 0: none seen yet
 
     def routed(
@@ -427,12 +429,11 @@ class InflightLoad:
             if entry is None:
                 return
             _, prompt, routed_at = entry
-            if now > routed_at:
-                sample = prompt / (now - routed_at)
-                a = self._rate_alpha
-                self.prefill_rate = (
-                    sample if self.prefill_rate <= 0 else a * sample + (1 - a) * self.prefill_rate
-                )
+            if now > routed_at:  # tokens and seconds averaged apart: long prompts weigh more
+                a = 1.0 if self._rate_seconds <= 0 else self._rate_alpha
+                self._rate_tokens = a * prompt + (1 - a) * self._rate_tokens
+                self._rate_seconds = a * (now - routed_at) + (1 - a) * self._rate_seconds
+                self.prefill_rate = self._rate_tokens / self._rate_seconds
 
     def finished(self, key: str, now: float) -> None:
         """The sender's request `key` is over (answered, failed or cancelled)."""

@@ -473,8 +473,8 @@ def test_inflight_load_counts_prefill_until_the_first_token() -> None:
     load.first_token("k2", now=9.0)  # a repeated or unknown key changes nothing
     load.first_token("nope", now=9.0)
     assert load.prefill_rate == pytest.approx(320.0)
-    load.first_token("k1", now=1.024)  # 1000 tokens/s, averaged in with alpha 0.5
-    assert load.prefill_rate == pytest.approx(660.0)
+    load.first_token("k1", now=1.024)  # tokens and seconds averaged apart, alpha 0.5
+    assert load.prefill_rate == pytest.approx((1024 + 32) / (1.024 + 0.1))
     assert load.prefill_tokens("a", now=1.1) == 0
     # a request that ends before its first token (aborted, failed) leaves no prefill behind
     load.routed("r4", "b", 600, prompt_tokens=512, key="k4", now=2.0)
