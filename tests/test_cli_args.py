@@ -31,3 +31,43 @@ def test_cpu_threads_and_replicas_reach_the_cluster_config():
     config = parse("--cpu-threads", "3", "--replicas", "2")
     assert (config.cpu_threads_per_replica, config.replicas) == (3, 2)
     assert parse().cpu_threads_per_replica is None  # auto: resolved on the replica's machine
+
+
+def test_embedded_ray_serve_mode_haproxy_when_a_binary_is_there():
+    from cluster.cli import embedded_ray_serve_env
+
+    env = embedded_ray_serve_env({}, haproxy=True)
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "1"
+    # HAProxy's stats and metrics listeners get free ports, not Ray's fixed 8404 / 9101
+    ports = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
+    assert len(ports) == 2 and not ports & {8404, 9101}
+    # without a binary the ingress stays behind Ray's proxy (no direct ingress, no HAProxy ports)
+    env = embedded_ray_serve_env({}, haproxy=False)
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == env["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert "RAY_SERVE_HAPROXY_STATS_PORT" not in env
+    # the environment wins, and only what it lacks is added
+    env = embedded_ray_serve_env(
+        {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}, haproxy=True
+    )
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in env and "RAY_SERVE_THROUGHPUT_OPTIMIZED" not in env
+    assert "RAY_SERVE_HAPROXY_STATS_PORT" not in env
+    env = embedded_ray_serve_env({"RAY_SERVE_HAPROXY_STATS_PORT": "9999"}, haproxy=True)
+    assert "RAY_SERVE_HAPROXY_STATS_PORT" not in env and "RAY_SERVE_HAPROXY_METRICS_PORT" in env
+
+
+def test_haproxy_binary_lookup(monkeypatch):
+    import importlib.util
+    import shutil
+
+    from cluster.cli import haproxy_available
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert not haproxy_available({})  # no package, nothing on the PATH: Ray's proxy stays
+    assert haproxy_available({"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"})
+    monkeypatch.setattr(
+        shutil, "which", lambda name: "/usr/sbin/haproxy" if name == "haproxy" else None
+    )
+    assert haproxy_available({})
