@@ -454,29 +454,34 @@ class InflightLoad:
                 return
             self._remove(request_id, now)
 
-    def prefill_tokens(self, replica_id: str, now: float) -> float:
-        """Prompt tokens of this router's requests on `replica_id` still to prefill: whole
-        prompts until their first token, less `prefill_rate` times the time since routing."""
+    def prefill_by_replica(self, now: float) -> dict[str, float]:
+        """Per replica, prompt tokens of this router's requests there still to prefill: whole
+        prompts until their first token, less `prefill_rate` times the time since routing. One
+        pass for every replica (a routing decision needs them all)."""
+        totals: dict[str, float] = {}
         with self._lock:
-            total = 0.0
             for rid, prompt, routed_at in self._prefilling.values():
-                if rid == replica_id:
-                    done = self.prefill_rate * max(now - routed_at, 0.0)
-                    total += max(prompt - done, 0.0)
-            return total
+                done = self.prefill_rate * max(now - routed_at, 0.0)
+                totals[rid] = totals.get(rid, 0.0) + max(prompt - done, 0.0)
+        return totals
+
+    def prefill_tokens(self, replica_id: str, now: float) -> float:
+        """`prefill_by_replica` for one replica."""
+        return self.prefill_by_replica(now).get(replica_id, 0.0)
 
     def snapshot(self, now: float) -> dict:
         """This tally as plain data (for the ingress's stats): per replica, requests in flight,
         their tokens and the prefill estimate; the learned prefill rate."""
         with self._lock:
             replicas = {rid: n for rid, n in self._counts.items() if n}
+        prefill = self.prefill_by_replica(now)
         return {
             "prefill_rate": self.prefill_rate,
             "replicas": {
                 rid: {
                     "requests": n,
                     "tokens": self.tokens(rid),
-                    "prefill_tokens": self.prefill_tokens(rid, now),
+                    "prefill_tokens": prefill.get(rid, 0.0),
                 }
                 for rid, n in replicas.items()
             },

@@ -44,7 +44,9 @@ class LoadAwareRouter(RequestRouter):
         self._rng = random.Random()
         register_inflight(self.inflight)
 
-    def _stats_of(self, replica: RunningReplica, now: float) -> ReplicaStats:
+    def _stats_of(
+        self, replica: RunningReplica, now: float, prefill: dict[str, float]
+    ) -> ReplicaStats:
         rid = replica.replica_id.unique_id
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
         recorded = replica.routing_stats or {}
@@ -61,7 +63,7 @@ class LoadAwareRouter(RequestRouter):
             inflight_requests=self.inflight.requests(rid),
             inflight_tokens=self.inflight.tokens(rid),
             completed_since_stats=self.inflight.completed_since(rid, ts) if ts else 0,
-            prefill_tokens=self.inflight.prefill_tokens(rid, now),
+            prefill_tokens=prefill.get(rid, 0.0),
             max_num_batched_tokens=int(recorded.get("max_num_batched_tokens", 0)),
         )
 
@@ -74,7 +76,8 @@ class LoadAwareRouter(RequestRouter):
             return []
         now = time.time()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        stats = [self._stats_of(r, now) for r in candidate_replicas]
+        prefill = self.inflight.prefill_by_replica(now)
+        stats = [self._stats_of(r, now, prefill) for r in candidate_replicas]
         payload = _payload(pending_request)
         prefix = payload.get("prefix_key") if isinstance(payload, dict) else None
         tiers = self.policy.rank(stats, prefix, request_tokens(payload))
