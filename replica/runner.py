@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from replica.config import EngineConfig
+from replica.layers import cpu_isa
 from replica.layers.attention import (
     DECODE_GROUP_BYTES,
     AttentionMetadata,
@@ -96,6 +97,11 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len()
         self.model = load_model(model_dir, self.hf_config, self.tp, self.device, self.dtype)
         self.num_packed_layers = 0
+        # the instruction-set level (CPU features capped by STEPSERVE_CPU_ISA) decides which
+        # weights oneDNN packs and which build of the native kernels runs
+        self.cpu_isa = cpu_isa.active_level() if self.device.type == "cpu" else None
+        if self.cpu_isa is not None:
+            cpu_isa.log_choice(self.cpu_isa)
         if self.device.type == "cpu" and config.pack_cpu_weights:
             self.num_packed_layers = pack_linear_weights(self.model)
         # the native CPU kernels (decode attention, fused ops) take this model: CPU, fp32/bf16

@@ -244,3 +244,20 @@ def generate_with_runner(
 @pytest.fixture(scope="session")
 def run_generation() -> Callable[..., GenerationRun]:
     return generate_with_runner
+
+
+def _isa_levels() -> list[str]:
+    from replica.layers.cpu_isa import runnable_levels
+
+    return list(runnable_levels())
+
+
+@pytest.fixture(params=_isa_levels())
+def cpu_isa_level(request):
+    """Each instruction-set level this CPU can execute (portable, avx2, avx512, avx512_bf16 on
+    x86-64; cpu_isa.py): the native kernels and oneDNN packing run as they would on a CPU whose
+    best level that is. The test body runs inside the level."""
+    from replica.layers.cpu_isa import use_level
+
+    with use_level(request.param):
+        yield request.param

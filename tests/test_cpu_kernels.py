@@ -21,6 +21,12 @@ needs_native = pytest.mark.skipif(
 pytestmark = needs_native
 
 
+@pytest.fixture(autouse=True)
+def every_level(cpu_isa_level):
+    """Every test here runs once per instruction-set level this CPU can execute."""
+    return cpu_isa_level
+
+
 def reference(q, k_cache, v_cache, block_table, seq_lens, scale):
     block_size = k_cache.shape[1]
     out = torch.empty_like(q, dtype=torch.float32)

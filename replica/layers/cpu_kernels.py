@@ -1,8 +1,10 @@
 """Native CPU kernels: C sources in csrc/, compiled on first use with the system C compiler into
 the stepserve cache (keyed by source, flags and CPU) and called through ctypes, which releases
 the GIL for the call: paged decode attention and the fused elementwise steps of a decoder layer
-(RMSNorm with the residual add, rotary, SiLU * up). Without a compiler (or when a build fails)
-`native_library()` is None and every caller uses its torch path; the reason is logged once."""
+(RMSNorm with the residual add, rotary, SiLU * up). One library per instruction-set level
+(cpu_isa.py): the active level's is used, and a test can load any level the CPU runs. Without a
+compiler (or when a build fails) `native_library()` is None and every caller uses its torch
+path; the reason is logged once."""
 
 from __future__ import annotations
 
@@ -19,17 +21,19 @@ from pathlib import Path
 
 import torch
 
+from replica.layers import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # source -> its own extra compile flags. fused_ops.c without contraction: its rotary then
 # rounds every product and sum as torch does (bitwise equal).
 SOURCES = {"paged_decode.c": (), "fused_ops.c": ("-ffp-contract=off",)}
-# -march=native: the library is built for this CPU (the cache key includes its flags).
-# -ffast-math lets the compiler vectorize the reductions and expf (libmvec). It is given to the
+# -march comes from the instruction-set level (cpu_isa.march_flags): the AVX-512 paths compile
+# at avx512 and above, the rest vectorize for the level's widest registers. -ffast-math lets the compiler vectorize the reductions and expf (libmvec). It is given to the
 # compile step only: linking with it would add crtfastmath, whose constructor sets flush-to-zero
 # for the whole process when the library loads, changing every float op of torch and Python.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c11", "-fPIC")
+CFLAGS = ("-O3", "-ffast-math", "-std=c11", "-fPIC")
 LDFLAGS = ("-shared", "-pthread")
 # OpenMP first: the kernels then run on torch's thread pool (libgomp.so.1 resolves to the copy
 # torch has loaded); a compiler without it builds the pthread variant.
@@ -38,7 +42,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 DISABLE_ENV = "STEPSERVE_NATIVE_KERNELS"  # "0": never build or use the native kernels
 
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}
+_loaded: dict[str, ctypes.CDLL | None] = {}  # level -> library
 
 
 def _cpu_signature() -> str:
@@ -55,18 +59,19 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, level: str) -> Path:
+    march = cpu_isa.march_flags(level)
     try:
-        return _build_with(compiler, OPENMP)
+        return _build_with(compiler, OPENMP, march)
     except RuntimeError as exc:
         logger.info("OpenMP build failed (%s); building with pthreads", str(exc)[-300:])
-        return _build_with(compiler, ())
+        return _build_with(compiler, (), march)
 
 
-def _build_with(compiler: str, extra: tuple[str, ...]) -> Path:
+def _build_with(compiler: str, extra: tuple[str, ...], march: tuple[str, ...]) -> Path:
     from replica.default_model import cache_root
 
-    cflags, ldflags = CFLAGS + extra, LDFLAGS + extra
+    cflags, ldflags = CFLAGS + march + extra, LDFLAGS + extra
     parts = [_cpu_signature().encode(), " ".join(cflags + ldflags).encode()]
     for name, flags in SOURCES.items():
         parts += [name.encode(), " ".join(flags).encode(), (CSRC / name).read_bytes()]
@@ -99,29 +104,40 @@ def _build_with(compiler: str, extra: tuple[str, ...]) -> Path:
     return target
 
 
-def native_library() -> ctypes.CDLL | None:
-    """The kernels' shared library, or None when native kernels are off or cannot be built
-    here (the reason is logged once). Called per layer on the hot path: once decided, the
-    answer is read without the lock."""
-    if "lib" in _loaded:
-        return _loaded["lib"]
+def native_library(level: str | None = None) -> ctypes.CDLL | None:
+    """The kernels' shared library built for `level` (None: the active level, cpu_isa), or
+    None when native kernels are off or cannot be built here (the reason is logged once).
+    Called per layer on the hot path: once decided, the answer is read without the lock."""
+    if level is None:
+        level = cpu_isa.active_level()
+    lib = _loaded.get(level, _MISSING)
+    if lib is not _MISSING:
+        return lib
     with _lock:
-        if "lib" in _loaded:
-            return _loaded["lib"]
+        if level in _loaded:
+            return _loaded[level]
         lib = None
         if os.environ.get(DISABLE_ENV, "1") == "0":
             logger.info("native kernels off (%s=0): torch paths", DISABLE_ENV)
         elif (compiler := _compiler()) is None:
             logger.warning("no C compiler found (set CC): native CPU kernels off, torch paths")
+        elif missing := cpu_isa.missing_flags(level):
+            raise ValueError(
+                f"native kernels for level {level!r} need {', '.join(missing)}, "
+                "which this CPU lacks"
+            )
         else:
             try:
-                lib = ctypes.CDLL(str(_build(compiler)))
+                lib = ctypes.CDLL(str(_build(compiler, level)))
                 _declare(lib)
             except Exception as exc:  # a broken toolchain must not take the engine down
                 logger.warning("native CPU kernels unavailable (%s): torch paths", exc)
                 lib = None
-        _loaded["lib"] = lib
+        _loaded[level] = lib
         return lib
+
+
+_MISSING = object()
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -89,10 +89,17 @@ def default_weight_loader(param: nn.Parameter, loaded: Any) -> None:
 
 def onednn_available(weight: torch.Tensor) -> bool:
     """Whether oneDNN can run y = x W^T from a pre-packed W: a CPU build with mkldnn, and a
-    dtype its matmul takes."""
+    dtype its matmul takes at the active instruction-set level (bf16 packing needs AVX-512
+    BW/VL/DQ or AVX-NE-CONVERT: decided from the CPU's features, cpu_isa.py, not from a failed
+    call)."""
+    from replica.layers import cpu_isa
+
     return (
         weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        and (
+            weight.dtype == torch.float32
+            or (weight.dtype == torch.bfloat16 and cpu_isa.onednn_bf16_packing())
+        )
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )

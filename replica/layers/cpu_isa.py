@@ -1,0 +1,191 @@
+"""Which x86-64 instruction sets the CPU code paths may use, decided from the CPU's features.
+
+Levels, lowest first (each includes the ones before it):
+  portable     x86-64 baseline (SSE2): runs on any x86-64 CPU
+  avx2         x86-64-v3: AVX2, FMA, F16C (Haswell / Zen and later)
+  avx512       x86-64-v4: AVX-512 F/BW/VL/DQ/CD (Skylake-SP / Zen 4 and later)
+  avx512_bf16  avx512 plus AVX512_BF16 (Cooper Lake / Sapphire Rapids / Zen 4)
+
+The level in use is the CPU's own, capped by `STEPSERVE_CPU_ISA` (one of the names above, or
+`auto`) so that every path can be run on a host that has a higher one: the native kernels are
+compiled for that level (`-march=x86-64-v3` and so on) and oneDNN's bf16 weight packing is used
+only where the level (or the CPU's AVX-NE-CONVERT) allows it. On other architectures there is
+one level, `native`. The choice is logged once per process and level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ISA_ENV = "STEPSERVE_CPU_ISA"
+X86_LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
+NATIVE = "native"  # the one level of a non-x86 CPU
+# /proc/cpuinfo flags each level needs beyond the one below it
+_LEVEL_FLAGS = {
+    "portable": frozenset(),
+    "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi2"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    "avx512_bf16": frozenset({"avx512_bf16"}),
+}
+# compiler flags per level; -mtune=native keeps the scheduling model of this CPU
+_MARCH = {
+    "portable": ("-march=x86-64", "-mtune=generic"),
+    "avx2": ("-march=x86-64-v3", "-mtune=native"),
+    "avx512": ("-march=x86-64-v4", "-mtune=native"),
+    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mtune=native"),
+    NATIVE: ("-O3",),  # no -march: the architecture's baseline (NEON on aarch64)
+}
+# oneDNN refuses to pack bf16 weights below this unless the CPU has AVX-NE-CONVERT
+_BF16_PACKING_LEVEL = "avx512"
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def detected_level(flags: frozenset[str] | None = None) -> str:
+    """The highest level this CPU (or the given flag set) can execute."""
+    if not is_x86():
+        return NATIVE
+    flags = cpu_flags() if flags is None else flags
+    best = "portable"
+    for level in X86_LEVELS[1:]:
+        if not _LEVEL_FLAGS[level] <= flags:
+            break
+        best = level
+    return best
+
+
+def levels() -> tuple[str, ...]:
+    """Every level name of this architecture, lowest first."""
+    return X86_LEVELS if is_x86() else (NATIVE,)
+
+
+def runnable_levels() -> tuple[str, ...]:
+    """The levels this CPU can execute, lowest first: the paths a test can run here."""
+    if not is_x86():
+        return (NATIVE,)
+    return X86_LEVELS[: X86_LEVELS.index(detected_level()) + 1]
+
+
+def missing_flags(level: str, flags: frozenset[str] | None = None) -> list[str]:
+    """The instruction-set flags the CPU lacks for `level` (empty when it can run it)."""
+    if level == NATIVE or not is_x86():
+        return []
+    flags = cpu_flags() if flags is None else flags
+    needed: set[str] = set()
+    for name in X86_LEVELS[: X86_LEVELS.index(level) + 1]:
+        needed |= _LEVEL_FLAGS[name]
+    return sorted(needed - flags)
+
+
+def parse_cap(value: str | None) -> str | None:
+    """A cap as written in STEPSERVE_CPU_ISA: None for unset/`auto`; ValueError naming the bad
+    value and the allowed ones otherwise."""
+    if value is None or value.strip().lower() in ("", "auto"):
+        return None
+    name = value.strip().lower()
+    allowed = levels()
+    if name not in allowed:
+        raise ValueError(f"{ISA_ENV}={value!r} is not one of: auto, {', '.join(allowed)}")
+    return name
+
+
+_override: list[str] = []  # a level set by `use_level` (tests), innermost last
+_logged: set[str] = set()
+
+
+def active_level() -> str:
+    """The level the CPU code paths use now: the CPU's own, capped by STEPSERVE_CPU_ISA (or a
+    `use_level` override). A cap above the CPU's level is the CPU's level."""
+    if _override:
+        return _override[-1]
+    return _effective(parse_cap(os.environ.get(ISA_ENV)))
+
+
+def _effective(cap: str | None) -> str:
+    detected = detected_level()
+    if cap is None or detected == NATIVE:
+        return detected
+    return X86_LEVELS[min(X86_LEVELS.index(cap), X86_LEVELS.index(detected))]
+
+
+class use_level:
+    """Context manager: run the CPU code paths at `level` (must be runnable here). For tests
+    and benchmarks in one process; a server sets STEPSERVE_CPU_ISA instead."""
+
+    def __init__(self, level: str) -> None:
+        if level not in runnable_levels():
+            raise ValueError(
+                f"this CPU cannot run level {level!r}: it lacks {', '.join(missing_flags(level))}"
+            )
+        self.level = level
+
+    def __enter__(self) -> str:
+        _override.append(self.level)
+        return self.level
+
+    def __exit__(self, *exc) -> None:
+        _override.pop()
+
+
+def march_flags(level: str) -> tuple[str, ...]:
+    """Compiler flags that target `level`."""
+    return _MARCH[level]
+
+
+def onednn_bf16_packing(level: str | None = None, flags: frozenset[str] | None = None) -> bool:
+    """Whether oneDNN may pack bf16 linear weights at this level: it needs AVX-512 BW/VL/DQ (or
+    AVX-NE-CONVERT), else it raises from deep inside the reorder."""
+    level = active_level() if level is None else level
+    if level == NATIVE:
+        return False  # oneDNN's bf16 reorder is x86-only
+    flags = cpu_flags() if flags is None else flags
+    at_least = X86_LEVELS.index(level) >= X86_LEVELS.index(_BF16_PACKING_LEVEL)
+    return at_least or ("avx_ne_convert" in flags and level != "portable")
+
+
+def describe(level: str | None = None) -> str:
+    """One line: the level, what the CPU has, the cap and what follows from them."""
+    level = active_level() if level is None else level
+    detected = detected_level()
+    cap = os.environ.get(ISA_ENV)
+    bf16_pack = onednn_bf16_packing(level)
+    parts = [
+        f"CPU instruction set level {level!r}",
+        f"(CPU: {detected}"
+        + (f", capped by {ISA_ENV}={cap}" if cap and level != detected else "")
+        + ")",
+        f"native kernels built with {' '.join(march_flags(level))}",
+        "oneDNN weight packing: fp32 and bf16"
+        if bf16_pack
+        else "oneDNN weight packing: fp32 only (bf16 weights stay row-major: packing them needs "
+        "AVX-512 BW/VL/DQ or AVX-NE-CONVERT)",
+    ]
+    return ", ".join(parts)
+
+
+def log_choice(level: str | None = None) -> None:
+    """Log `describe` once per process and level."""
+    level = active_level() if level is None else level
+    if level not in _logged:
+        _logged.add(level)
+        logger.info("%s", describe(level))
