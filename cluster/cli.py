@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from cluster.config import ClusterConfig
+from cluster.processes import PortTakenError, check_port_free
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -130,6 +132,18 @@ EMBEDDED_RAY_SERVE_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
 }
+# For a busy host. Ray starts its workers (Serve's controller, proxies, every replica) at nice
+# 15, below the raylet: beside any process at the default nice 0 they get a few percent of a
+# core (CFS weights 36 vs 1024), and on a host whose cores were both loaded Ray's proxy did not
+# report ready in serve.start's fixed 60 s. The embedded cluster is the user's own workload:
+# its workers run at nice 0. Its proxies also get 60 s, not 5 s, for the controller's ready
+# check (a proxy that misses it is killed and restarted), and HAProxy 90 s to come up.
+BUSY_HOST_RAY_ENV = {
+    "RAY_worker_niceness": "0",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+    "RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S": "90",
+}
 # HAProxy's stats page and Prometheus exporter listen on every interface, on fixed ports by
 # default (8404, 9101): the embedded cluster takes free ones instead.
 _HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
@@ -156,8 +170,9 @@ def embedded_ray_serve_env(
     environ: Mapping[str, str], haproxy: bool | None = None
 ) -> dict[str, str]:
     """The Ray Serve settings `init_embedded_ray` adds to `environ` (those it lacks). Without
-    an HAProxy binary (`haproxy`; None: look for one) the ingress stays behind Ray's proxy."""
-    wanted = dict(EMBEDDED_RAY_SERVE_ENV)
+    an HAProxy binary (`haproxy`; None: look for one) the ingress stays behind Ray's proxy.
+    With one, Ray starts it through `processes.haproxy_wrapper`, so it dies with its actor."""
+    wanted = dict(EMBEDDED_RAY_SERVE_ENV) | BUSY_HOST_RAY_ENV
     if not (haproxy_available(environ) if haproxy is None else haproxy):
         wanted |= {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}
     added = {key: value for key, value in wanted.items() if key not in environ}
@@ -165,7 +180,27 @@ def embedded_ray_serve_env(
         added |= {
             key: str(free_port("0.0.0.0")) for key in _HAPROXY_PORT_VARS if key not in environ
         }
+        added |= _haproxy_binary_env(environ)
     return added
+
+
+def _haproxy_binary_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """RAY_SERVE_HAPROXY_BINARY_PATH pointing at the wrapper that ties HAProxy's life to its
+    parent's (Linux); nothing where that cannot be had (Ray then starts the binary itself)."""
+    from cluster.processes import haproxy_wrapper, real_haproxy_binary
+
+    real = real_haproxy_binary(dict(environ))
+    if real is None:
+        return {}
+    try:
+        return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(haproxy_wrapper(real))}
+    except OSError as exc:
+        logging.getLogger(__name__).warning(
+            "HAProxy is not tied to this server's life (%s): after a crash, a stale one may "
+            "hold the port until ended",
+            exc,
+        )
+        return {"RAY_SERVE_HAPROXY_BINARY_PATH": real}
 
 
 def init_embedded_ray(**ray_init_kwargs) -> None:
@@ -185,22 +220,111 @@ def init_embedded_ray(**ray_init_kwargs) -> None:
             os.environ.pop(key, None)
 
 
+class StartupError(RuntimeError):
+    """The embedded cluster could not start; the message says what failed and what to try."""
+
+
+def _proxy_failure(exc: BaseException) -> bool:
+    """Whether a start-up error came from Ray Serve's ingress proxy (HAProxy's manager or Ray's
+    own proxy actor), not from our application."""
+    text = f"{type(exc).__name__} {exc}"
+    return any(word in text for word in ("HAProxy", "ProxyActor", "proxy"))
+
+
 def start(config: ClusterConfig, address: str | None = None):
-    """Start (or join) Ray, deploy the app; returns the URL. Used by `serve` and by tests."""
+    """Start (or join) Ray, deploy the app; returns the URL. Used by `serve` and by tests.
+
+    On the embedded cluster, a proxy that fails to start in HAProxy mode (a busy host can make
+    it miss even the lengthened ready check) is retried once behind Ray's own Python proxy,
+    with a log line; a second failure raises StartupError naming the cause."""
     import ray
+
+    if ray.is_initialized() or address:
+        if not ray.is_initialized():
+            ray.init(address=address, logging_level="WARNING")
+        return _deploy(config)
+    # the serving port is ours to take: a clear error now, not HAProxy's or uvicorn's from
+    # inside an actor later (a stale HAProxy of an earlier server is ended)
+    check_port_free(config.http.host, config.http.port)
+    init_embedded_ray(num_cpus=os.cpu_count(), logging_level="WARNING")
+    try:
+        return _deploy(config)
+    except Exception as exc:
+        haproxy_mode = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "0" and haproxy_available(
+            os.environ
+        )
+        if not (_proxy_failure(exc) and haproxy_mode):
+            _stop_embedded()
+            raise StartupError(_startup_advice(exc)) from exc
+        first = exc
+    print(
+        f"stepserve: the HAProxy ingress did not start ({_first_line(first)}); "
+        "retrying behind Ray Serve's own proxy",
+        file=sys.stderr,
+        flush=True,
+    )
+    _stop_embedded()
+    check_port_free(config.http.host, config.http.port)
+    saved = {key: os.environ.get(key) for key in _PYTHON_PROXY_ENV}
+    os.environ.update(_PYTHON_PROXY_ENV)
+    try:
+        init_embedded_ray(num_cpus=os.cpu_count(), logging_level="WARNING")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        return _deploy(config)
+    except Exception as exc:
+        _stop_embedded()
+        raise StartupError(_startup_advice(exc)) from exc
+
+
+_PYTHON_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+
+
+def _deploy(config: ClusterConfig) -> str:
     from ray import serve
 
     from cluster.app import build_app
 
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, logging_level="WARNING")
-        else:
-            init_embedded_ray(num_cpus=os.cpu_count(), logging_level="WARNING")
     serve.start(http_options={"host": config.http.host, "port": config.http.port})
     serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
     host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
     return f"http://{host}:{config.http.port}"
+
+
+def _stop_embedded() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    except Exception:  # Serve may never have come up
+        pass
+    ray.shutdown()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+def _startup_advice(exc: BaseException) -> str:
+    cause = _first_line(exc)
+    if _proxy_failure(exc):
+        return (
+            f"Ray Serve's HTTP proxy did not start ({cause}). On a busy host, give it longer "
+            "(RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, now "
+            f"{os.environ.get('RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S', '60')} s) or try again "
+            "when the load is lower; the Ray logs are under /tmp/ray/session_latest/logs"
+        )
+    return (
+        f"the application did not deploy ({cause}); the Ray logs are under "
+        "/tmp/ray/session_latest/logs"
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -297,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, PortTakenError, StartupError) as exc:
         print(f"stepserve: error: {exc}", file=sys.stderr)
         return 2
 

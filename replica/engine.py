@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -219,13 +220,26 @@ class CompletionOutput:
 
 
 class LLM:
-    """Offline batch generation, as in vLLM: `LLM(model=DIR, **engine_fields).generate(...)`."""
+    """Offline batch generation, as in vLLM: `LLM(model=DIR, **engine_fields).generate(...)`.
+
+    Its resources (the tensor-parallel group and its worker processes, the weights, the KV
+    cache) are released by `shutdown()`, at the end of a `with LLM(...) as llm:` block, or when
+    the object is garbage-collected (`del llm`), whichever comes first; a second LLM, of any
+    tensor-parallel size, can then be built in the same process."""
 
     def __init__(self, model: str | Path | None = None, **engine_fields) -> None:
         config = EngineConfig(model=str(model) if model is not None else None, **engine_fields)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # holds the engine, not self: runs once, on shutdown(), on collection or at exit
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def generate(
         self,
@@ -242,6 +256,8 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
             )
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM has been shut down; build a new one to generate")
         engine = self.engine
         prompt_ids: dict[str, list[int]] = {}  # in submission order
         merged: dict[str, RequestOutput] = {}
@@ -270,7 +286,8 @@ class LLM:
         ]
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Release the engine's resources now (idempotent)."""
+        self._finalizer()
 
 
 class AsyncEngine:

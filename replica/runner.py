@@ -339,3 +339,4 @@ class ModelRunner:
         """Release the KV cache and weights (the runner is unusable afterwards)."""
         self.kv_caches = []
         self.generators.clear()
+        self.model = None

@@ -27,8 +27,12 @@ def loopback_serve(
     import ray
     from ray import serve
 
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
+    from cluster.cli import BUSY_HOST_RAY_ENV
+
+    # worker niceness and Serve's start-up timeouts as the embedded cluster sets them (a busy host)
+    env = {k: v for k, v in BUSY_HOST_RAY_ENV.items() if k not in os.environ} | (env or {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         ray.init(
             **{

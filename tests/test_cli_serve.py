@@ -99,3 +99,135 @@ def test_serve_default_model_answers_and_shuts_down(default_model_dir, tmp_path)
     assert "Direct ingress enabled" in text, text[-3000:]
     # the SIGTERM drain does not wait out the 30 s meant for external load balancers
     assert drain_s < 25, drain_s
+
+
+def _listening_pids(port: int) -> list[int]:
+    from cluster.processes import find_listeners
+
+    return [listener.pid for listener in find_listeners(port)]
+
+
+def _start_serve(port: int, log: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    with open(log, "w") as out:
+        # a session of its own: the test kills the whole group, as a crash or OOM kill would
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while "ready at" not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, "server did not become ready: " + log.read_text()[-3000:]
+        time.sleep(1)
+
+
+def _answer(port: int) -> str:
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_sigkilled_serve_leaves_nothing_on_its_port_and_starts_again(default_model_dir, tmp_path):
+    """kill -9 of the server's whole process group (a crash, an OOM kill): nothing it started
+    keeps the port (HAProxy dies with its Ray actor), and a new server on the same port comes
+    up and answers."""
+    port = free_port()
+    proc = _start_serve(port, tmp_path / "first.log")
+    try:
+        _wait_ready(proc, tmp_path / "first.log")
+        first = _answer(port)
+        holders = _listening_pids(port)
+        assert holders, "nothing listens on the serving port"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    deadline = time.time() + 60
+    while _listening_pids(port):
+        assert time.time() < deadline, f"port {port} still held by {_listening_pids(port)}"
+        time.sleep(0.5)
+    second = _start_serve(port, tmp_path / "second.log")
+    try:
+        _wait_ready(second, tmp_path / "second.log")
+        assert _answer(port) == first
+    finally:
+        second.send_signal(signal.SIGINT)
+        try:
+            second.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(second.pid, signal.SIGKILL)
+            raise
+
+
+def test_a_taken_port_is_a_clear_error_naming_its_holder(tmp_path):
+    """Before Ray starts: the port and the process holding it, exit code 2."""
+    import socket
+
+    port = free_port()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, sys, time\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
+            "print('ok', flush=True); time.sleep(120)",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        with socket.socket() as probe:  # the port really is taken
+            assert probe.connect_ex(("127.0.0.1", port)) == 0
+        log = tmp_path / "serve.log"
+        proc = _start_serve(port, log, "--host", "127.0.0.1")
+        code = proc.wait(timeout=120)
+        text = log.read_text()
+        assert code == 2, text
+        assert f"port {port} on 127.0.0.1 is already in use by pid {holder.pid}" in text, text
+        assert "--port" in text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_stale_haproxy_of_an_earlier_server_is_ended_with_a_log_line(tmp_path):
+    """A stale HAProxy (as one left by a crashed server before HAProxy was tied to its parent:
+    a Ray session's config, no Ray actor above it) holding the port is ended at start-up, with
+    a line saying so; the port is then free."""
+    from cluster.processes import check_port_free, real_haproxy_binary
+
+    binary = real_haproxy_binary({})
+    if binary is None:
+        pytest.skip("no HAProxy binary")
+    port = free_port()
+    session = tmp_path / "session_2026-01-01_00-00-00_000000_1"
+    session.mkdir()
+    config = session / "haproxy.cfg"
+    config.write_text(
+        "global\n  maxconn 16\ndefaults\n  mode http\n  timeout connect 1s\n"
+        "  timeout client 5s\n  timeout server 5s\n"
+        f"frontend f\n  bind 127.0.0.1:{port}\n  http-request return status 200\n"
+    )
+    stale = subprocess.Popen([binary, "-db", "-f", str(config)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 30
+        while stale.pid not in _listening_pids(port):
+            assert stale.poll() is None, stale.stderr.read()
+            assert time.time() < deadline, "haproxy did not listen"
+            time.sleep(0.1)
+        check_port_free("127.0.0.1", port)
+        assert stale.wait(timeout=10) == -signal.SIGKILL
+        assert not _listening_pids(port)
+    finally:
+        if stale.poll() is None:
+            stale.kill()
+            stale.wait()

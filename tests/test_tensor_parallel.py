@@ -375,3 +375,38 @@ def test_nccl_worker_death_fails_the_step(tiny_qwen2_dir, run_generation):
     finally:
         runner.shutdown()
     assert not is_running(pid)
+
+
+@pytest.mark.timeout(180)
+def test_llm_tp2_dropped_and_rebuilt_in_one_process(tiny_llama_dir):
+    """As in a notebook: `del llm` releases the TP group and its workers (no shutdown call), so
+    a second tp=2 LLM can be built in the same process; `with` releases it at the block's end;
+    a shut-down LLM refuses to generate with a clear error."""
+    import torch.distributed as dist
+
+    fields = {"device": "cpu", "block_size": 4, "num_kv_blocks": 64}
+    prompts = ["The key and value", "12, 345"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **fields)
+    first = [o.text for o in llm.generate(prompts, params)]
+    workers = llm.engine.runner.workers
+    pids = list(workers.pids.values())
+    del llm  # no gc.collect(): the last reference going is enough
+    assert not dist.is_initialized()
+    assert all(proc.poll() is not None for proc in workers.procs.values()), pids
+
+    with LLM(tiny_llama_dir, tensor_parallel_size=2, **fields) as llm:
+        assert [o.text for o in llm.generate(prompts, params)] == first
+        workers = llm.engine.runner.workers
+    assert not dist.is_initialized()
+    assert all(proc.poll() is not None for proc in workers.procs.values())
+    with pytest.raises(RuntimeError, match="this LLM has been shut down"):
+        llm.generate(prompts, params)
+    llm.shutdown()  # idempotent
+
+    again = LLM(tiny_llama_dir, tensor_parallel_size=2, **fields)
+    try:
+        assert [o.text for o in again.generate(prompts, params)] == first
+    finally:
+        again.shutdown()
