@@ -62,20 +62,32 @@ class EngineConfig(BaseModel):
         "SiLU * up run as single C kernels (built like the native decode kernel) instead of "
         "several torch ops each.",
     )
+    cpu_isa: Literal["auto", "portable", "avx2", "avx512", "avx512_bf16"] = Field(
+        default="auto",
+        description="CPU: cap of the x86-64 instruction-set level the native kernels and "
+        "oneDNN's weight packing may use; auto: the CPU's own, capped by STEPSERVE_CPU_ISA. A "
+        "cap above the CPU's level is the CPU's level.",
+    )
     max_queue_len: int = Field(
         default=1024, ge=1, description="Waiting requests beyond which the replica refuses more."
     )
 
     @model_validator(mode="after")
     def _check_budgets(self) -> EngineConfig:
-        if self.max_model_len is not None and not self.enable_chunked_prefill:
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                    f"max_model_len ({self.max_model_len}) when chunked prefill is disabled, "
-                    "or a long prompt could never be scheduled"
-                )
+        if self.max_model_len is not None:
+            self.check_prefill_budget(self.max_model_len)
         return self
+
+    def check_prefill_budget(self, max_model_len: int) -> None:
+        """Raise ValueError when a prompt of up to max_model_len tokens could not be scheduled:
+        without chunked prefill it runs in one step. The scheduler calls this with the model's
+        own limit when max_model_len is None here."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({max_model_len}) when chunked prefill is disabled, "
+                "or a long prompt could never be scheduled"
+            )
 
     def resolved_device(self) -> str:
         if self.device != "auto":

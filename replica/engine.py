@@ -27,6 +27,7 @@ from replica.request import (
     RequestStatus,
     SamplingParams,
 )
+from replica.runner_protocol import Runner
 from replica.scheduler import Scheduler, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def load_eos_token_ids(model_dir: str | Path, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def make_runner(config: EngineConfig, model_dir: str | Path):
+def make_runner(config: EngineConfig, model_dir: str | Path) -> Runner:
     """The model runner for this config: in-process for tp=1, an SPMD group otherwise."""
     if config.tensor_parallel_size > 1:
         from replica.parallel import TensorParallelRunner
@@ -77,9 +78,10 @@ class _RequestState:
 
 
 class Engine:
-    """One replica's engine: scheduler + model runner + detokenizer, stepped synchronously."""
+    """One replica's engine: scheduler + Runner (runner_protocol.py) + detokenizer, stepped
+    synchronously."""
 
-    def __init__(self, config: EngineConfig, runner=None, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, runner: Runner | None = None, tokenizer=None) -> None:
         self.config = config
         if config.model is None:
             from replica.default_model import default_model_dir
@@ -98,7 +100,7 @@ class Engine:
         self.eos_token_ids = load_eos_token_ids(self.model_dir, tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.max_model_len)
         self._states: dict[str, _RequestState] = {}
-        self.vocab_size = int(getattr(self.runner, "vocab_size", 0) or len(tokenizer))
+        self.vocab_size = self.runner.vocab_size
         self.step_listeners: list = []  # callables(engine, scheduler_output, outputs, step_time)
         # wall seconds the latest step spent in schedule(); the runner times its own phases
         # (runner.step_times), the rest of step_time is update_from_output and detokenizing
@@ -107,6 +109,10 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         return self.scheduler.kv.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv.pool.num_free_blocks
 
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise RequestRejected (a user error) for a request that can never be served."""
@@ -199,14 +205,12 @@ class Engine:
         return outputs
 
     def shutdown(self) -> None:
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.runner.shutdown()
 
 
 @dataclass
 class CompletionOutput:
-    """One finished request of `LLM.generate`."""
+    """One finished request: made by LLM.generate from its merged RequestOutputs, for the caller."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -326,9 +330,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop died: {self.error!r}") from self.error
         if not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
-        runner_health = getattr(self.engine.runner, "check_health", None)
-        if runner_health is not None:  # a tensor-parallel group fails here when a rank dies
-            runner_health()
+        self.engine.runner.check_health()  # a tensor-parallel group fails here when a rank dies
 
     def stats(self) -> SchedulerStats:
         """Counters as of the end of the last step (never blocks on the engine thread)."""

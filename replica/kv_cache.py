@@ -124,14 +124,6 @@ class BlockPool:
         # first writer wins: an identical block already cached stays the canonical one
         self.cached.setdefault(block_hash, block)
 
-    def reset_prefix_cache(self) -> bool:
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        self.cached.clear()
-        for block in self.blocks:
-            block.block_hash = None
-        return True
-
 
 class KVCacheManager:
     """Which blocks each request holds. `allocate_slots` returns new blocks or None; the

@@ -1,4 +1,5 @@
-"""Per-request state the scheduler and runner share: SamplingParams, Request, StepOutput."""
+"""Per-request state the scheduler and runner share (SamplingParams, Request) and what one step
+yields per request (StepOutput from the scheduler, RequestOutput from the engine)."""
 
 from __future__ import annotations
 
@@ -153,10 +154,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int, block_size: int) -> None:
-        self.all_token_ids.append(token_id)
-        self.update_block_hashes(block_size)
-
     def update_block_hashes(self, block_size: int) -> None:
         """Hash every newly completed full block, chained on its parent's hash."""
         hashes = self.block_hashes
@@ -176,7 +173,7 @@ class Request:
 
 @dataclass
 class StepOutput:
-    """What one engine step produced for one request."""
+    """A request's new tokens and finish state: made by Scheduler.update_from_output, for Engine."""
 
     request_id: str
     new_token_ids: list[int]
@@ -192,7 +189,7 @@ class StepOutput:
 
 @dataclass
 class RequestOutput:
-    """What a caller sees of one request after one engine step: the new tokens and text."""
+    """A request's delta after a step, text included: made by Engine.step, streamed to callers."""
 
     request_id: str
     new_token_ids: list[int]

@@ -3,6 +3,7 @@ the paged KV cache, then samples the requests whose computed tokens reach their 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -14,10 +15,13 @@ import torch
 from replica.config import EngineConfig
 from replica.layers import cpu_isa
 from replica.layers.attention import (
-    DECODE_GROUP_BYTES,
     AttentionMetadata,
+    AttentionSpec,
+    FlashAttnBackend,
     KVCache,
-    paged_kernel_available,
+    NativeDecodeBackend,
+    select_attention_backend,
+    set_attention_backend,
 )
 from replica.layers.cpu_kernels import (
     KERNEL_DTYPES,
@@ -28,7 +32,10 @@ from replica.layers.linear import TensorParallel, pack_linear_weights
 from replica.layers.sampler import Sampler
 from replica.loader import load_hf_config, load_model
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
+from replica.runner_protocol import RunnerOutput
 from replica.scheduler import ScheduledRequest, SchedulerOutput
+
+__all__ = ["ModelRunner", "RunnerOutput", "StepBatch", "StepTimes", "model_max_len"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +63,6 @@ class StepTimes:
     sample: float = 0.0  # sampling and the tokens back to Python
 
 
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int]
-    # per sampled request that asked for logprobs: (sampled token's logprob, top-k dict)
-    logprobs: dict[str, tuple[float, dict[int, float]]] | None = None
-
-
 def model_max_len(hf_config: Any) -> int:
     """The longest context the checkpoint supports (a sliding window caps it, since attention
     here is always full)."""
@@ -74,7 +74,8 @@ def model_max_len(hf_config: Any) -> int:
 
 
 class ModelRunner:
-    """One tensor-parallel rank's model, KV cache and (on rank 0) sampler."""
+    """One tensor-parallel rank's model, KV cache and (on rank 0) sampler; a tp=1 engine's
+    Runner (runner_protocol.py), and each rank's forward under TensorParallelRunner."""
 
     def __init__(
         self,
@@ -97,14 +98,48 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len()
         self.model = load_model(model_dir, self.hf_config, self.tp, self.device, self.dtype)
         self.num_packed_layers = 0
-        # the instruction-set level (CPU features capped by STEPSERVE_CPU_ISA) decides which
-        # weights oneDNN packs and which build of the native kernels runs
-        self.cpu_isa = cpu_isa.active_level() if self.device.type == "cpu" else None
+        # the instruction-set level (the CPU's, capped by config.cpu_isa or STEPSERVE_CPU_ISA)
+        # decides which weights oneDNN packs and which build of the native kernels runs; the
+        # runner holds it while it builds and around every forward (cpu_isa.use_level)
+        self.cpu_isa = cpu_isa.level_for(config.cpu_isa) if self.device.type == "cpu" else None
+        self._isa_scope = (
+            contextlib.nullcontext() if self.cpu_isa is None else cpu_isa.use_level(self.cpu_isa)
+        )
+        with self._isa_scope:
+            self._choose_kernels(config)
+        self.num_layers = int(self.hf_config.num_hidden_layers)
+        self.step_times = StepTimes()  # of the latest execute()
+        self.sampler = Sampler()
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.generators: dict[str, torch.Generator] = {}
+        self.num_kv_blocks = self._resolve_num_kv_blocks()
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        logger.info(
+            "model %s on %s (%s, %d linear layers packed for oneDNN, %s attention, "
+            "%d modules on fused C ops), tp rank %d/%d: %d KV blocks of %d tokens, "
+            "max_model_len %d",
+            Path(model_dir).name,
+            self.device,
+            self.dtype,
+            self.num_packed_layers,
+            self.attn_backend.name,
+            self.num_fused_modules,
+            tp_rank,
+            tp_size,
+            self.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+        )
+
+    def _choose_kernels(self, config: EngineConfig) -> None:
+        """Weight packing, fused ops and the attention backend: what the device, dtype, config
+        and instruction-set level decide."""
         if self.cpu_isa is not None:
             cpu_isa.log_choice(self.cpu_isa)
         if self.device.type == "cpu" and config.pack_cpu_weights:
             self.num_packed_layers = pack_linear_weights(self.model)
-        # the native CPU kernels (decode attention, fused ops) take this model: CPU, fp32/bf16
+        # the native CPU kernels (fused ops here, decode attention as the backend below) take
+        # this model: CPU, fp32/bf16
         native_cpu = (
             self.device.type == "cpu"
             and self.dtype in KERNEL_DTYPES
@@ -113,34 +148,31 @@ class ModelRunner:
         self.num_fused_modules = 0
         if native_cpu and config.cpu_fused_ops:
             self.num_fused_modules = enable_fused_cpu_ops(self.model)
-        self.num_layers = int(self.hf_config.num_hidden_layers)
-        self.num_kv_heads = num_kv_heads_per_rank(self.hf_config, tp_size)
+        self.num_kv_heads = num_kv_heads_per_rank(self.hf_config, self.tp.size)
         self.head_dim = head_dim_of(self.hf_config)
-        self.use_paged_kernel = paged_kernel_available(self.device, self.block_size)
-        self.decode_group_keys = self._decode_group_keys()
-        self.native_decode = native_cpu and config.cpu_decode_attention == "native"
-        self.step_times = StepTimes()  # of the latest execute()
-        self.sampler = Sampler()
-        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.generators: dict[str, torch.Generator] = {}
-        self.num_kv_blocks = self._resolve_num_kv_blocks()
-        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
-        logger.info(
-            "model %s on %s (%s, %d linear layers packed for oneDNN, %s decode attention, "
-            "%d modules on fused C ops), tp rank %d/%d: %d KV blocks of %d tokens, "
-            "max_model_len %d",
-            Path(model_dir).name,
+        # the attention backend, chosen once: its builder makes each step's metadata, every
+        # layer runs its impl
+        spec = AttentionSpec(
             self.device,
             self.dtype,
-            self.num_packed_layers,
-            "native" if self.native_decode else "torch",
-            self.num_fused_modules,
-            tp_rank,
-            tp_size,
-            self.num_kv_blocks,
             self.block_size,
-            self.max_model_len,
+            self.num_kv_heads,
+            self.head_dim,
+            config.cpu_decode_attention,
         )
+        self.attn_backend = select_attention_backend(spec)
+        set_attention_backend(self.model, self.attn_backend)
+        self.attn_builder = self.attn_backend.make_builder(spec)
+
+    @property
+    def use_paged_kernel(self) -> bool:
+        """Attention runs flash-attn's paged varlen kernel (CUDA)."""
+        return self.attn_backend is FlashAttnBackend
+
+    @property
+    def native_decode(self) -> bool:
+        """Decode attention runs the native C kernel (CPU)."""
+        return self.attn_backend is NativeDecodeBackend
 
     # -- sizing ---------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -209,15 +241,15 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(total * self.config.kv_cache_memory_fraction) - peak - max(outside_torch, 0)
 
-    def _decode_group_keys(self) -> int | None:
-        """Keys per decode attention group: on CPU as many as keep one group's gathered K
-        within DECODE_GROUP_BYTES; on CUDA one group (many small kernels would cost more)."""
-        if self.device.type == "cuda":
-            return None
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return max(
-            self.block_size, DECODE_GROUP_BYTES // (self.num_kv_heads * self.head_dim * element)
-        )
+    def shrink_kv_cache(self, num_blocks: int) -> None:
+        """Keep only KV blocks 0..num_blocks-1 (a tensor-parallel group uses the smallest
+        rank's pool on every rank)."""
+        if not 1 <= num_blocks <= self.num_kv_blocks:
+            raise ValueError(
+                f"cannot shrink a KV cache of {self.num_kv_blocks} blocks to {num_blocks}"
+            )
+        self.kv_caches = [(k[:num_blocks], v[:num_blocks]) for k, v in self.kv_caches]
+        self.num_kv_blocks = num_blocks
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -249,16 +281,7 @@ class ModelRunner:
         query_lens: list[int],
         block_ids: list[list[int]],
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        meta, positions = AttentionMetadata.build(
-            starts,
-            query_lens,
-            block_ids,
-            self.block_size,
-            self.device,
-            self.use_paged_kernel,
-            self.decode_group_keys,
-            self.native_decode,
-        )
+        meta, positions = self.attn_builder.build(starts, query_lens, block_ids)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return ids, positions, meta
 
@@ -308,16 +331,19 @@ class ModelRunner:
         """The forward pass of one step on this rank; the logits of the sampled rows (full
         vocabulary after the TP gather), or None when no row is sampled. Times its phases in
         `step_times` (prepare: the input tensors; forward: the model and the LM head)."""
-        start = time.perf_counter()
-        ids, positions, meta = self._prepare_inputs(
-            batch.input_ids, batch.starts, batch.query_lens, batch.block_ids
-        )
-        rows = None
-        if batch.sample_rows:
-            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        forward_start = time.perf_counter()
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-        logits = None if rows is None else self.model.compute_logits(hidden.index_select(0, rows))
+        with self._isa_scope:  # this runner's instruction-set level (native kernels' build)
+            start = time.perf_counter()
+            ids, positions, meta = self._prepare_inputs(
+                batch.input_ids, batch.starts, batch.query_lens, batch.block_ids
+            )
+            rows = None
+            if batch.sample_rows:
+                rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+            forward_start = time.perf_counter()
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            logits = (
+                None if rows is None else self.model.compute_logits(hidden.index_select(0, rows))
+            )
         self.step_times = StepTimes(
             prepare=forward_start - start, forward=time.perf_counter() - forward_start
         )
@@ -334,6 +360,9 @@ class ModelRunner:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
             self.generators[s.request_id] = generator
         return generator
+
+    def check_health(self) -> None:
+        """Nothing to check: this runner has no peer to lose, its failures raise from execute."""
 
     def shutdown(self) -> None:
         """Release the KV cache and weights (the runner is unusable afterwards)."""

@@ -61,13 +61,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
-        # EngineConfig checks this only when it knows max_model_len; here it is always known
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({max_model_len}) when chunked prefill is disabled, "
-                "or a long prompt could never be scheduled"
-            )
+        # EngineConfig checks this itself only when it is given max_model_len; here it is known
+        config.check_prefill_budget(max_model_len)
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
@@ -112,21 +107,13 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort_requests(self, request_ids) -> list[Request]:
-        aborted = []
-        for rid in request_ids:
-            request = self.requests.get(rid)
-            if request is None or request.is_finished:
-                continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
-            aborted.append(request)
-        return aborted
+        """End requests their caller gave up on; returns those that were still unfinished."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, request_ids, status: RequestStatus) -> None:
-        """End requests for a reason decided outside (e.g. a stop string found by the detokenizer)."""
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """End requests for a reason decided outside (an abort, a stop string found by the
+        detokenizer); returns those that were still unfinished."""
+        ended = []
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
@@ -136,6 +123,8 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
+            ended.append(request)
+        return ended
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -1,4 +1,5 @@
-"""A deterministic stand-in for the model runner, for scheduler tests.
+"""A deterministic stand-in for the model runner (a Runner, runner_protocol.py), for scheduler
+and engine tests.
 
 It keeps a simulated KV cache (one fingerprint of the token prefix per slot), checks every
 step's token ranges and block tables against it, and samples a token that depends only on the
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from replica.request import SamplingParams
+from replica.request import EngineDeadError, SamplingParams
+from replica.runner_protocol import RunnerOutput
 from replica.scheduler import SchedulerOutput
 
 _MODULUS = (1 << 61) - 1
@@ -49,9 +51,14 @@ class FakeRunner:
         block_size: int,
         vocab_size: int = 1000,
         forced_tokens: dict[str, list[int]] | None = None,
+        num_kv_blocks: int = 1024,
+        max_model_len: int = 4096,
     ) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+        self.is_shut_down = False
         self.forced_tokens = forced_tokens or {}
         self.kv_slots: dict[int, list[int | None]] = {}
         self.num_computed: dict[str, int] = {}
@@ -65,8 +72,16 @@ class FakeRunner:
             return forced[num_output_tokens]
         return token_after(fingerprint, self.vocab_size)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        """Run one step; return {request_id: sampled token} for chunks that reach the end."""
+    def check_health(self) -> None:
+        if self.is_shut_down:
+            raise EngineDeadError("the fake runner is shut down")
+
+    def shutdown(self) -> None:
+        self.is_shut_down = True
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step; sample a token for each chunk that reaches the end."""
+        self.check_health()
         for rid in scheduler_output.finished_request_ids:
             self.num_computed.pop(rid, None)
             self._fingerprints.pop(rid, None)
@@ -128,7 +143,7 @@ class FakeRunner:
             )
         self.num_steps += 1
         self.num_tokens_run += total
-        return sampled
+        return RunnerOutput(sampled)
 
     def generate_alone(
         self,

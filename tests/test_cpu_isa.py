@@ -45,19 +45,32 @@ def test_bf16_packing_needs_avx512_or_avx_ne_convert():
     assert not cpu_isa.onednn_bf16_packing("avx2", AVX512_FLAGS)
 
 
-def test_the_cap_lowers_the_level_and_names_a_bad_value(monkeypatch):
+def test_the_cap_lowers_the_level_and_names_a_bad_value():
     detected = cpu_isa.detected_level()
-    monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
-    assert cpu_isa.active_level() == detected
-    monkeypatch.setenv(cpu_isa.ISA_ENV, "portable")
-    assert cpu_isa.active_level() == "portable"
-    monkeypatch.setenv(cpu_isa.ISA_ENV, "AVX512_BF16")  # a cap above the CPU is the CPU
-    assert cpu_isa.active_level() == detected
-    monkeypatch.setenv(cpu_isa.ISA_ENV, "auto")
-    assert cpu_isa.active_level() == detected
-    monkeypatch.setenv(cpu_isa.ISA_ENV, "avx3")
+    env = cpu_isa.ISA_ENV
+    assert cpu_isa.level_from_env({}) == detected
+    assert cpu_isa.level_from_env({env: "portable"}) == "portable"
+    # a cap above the CPU is the CPU
+    assert cpu_isa.level_from_env({env: "AVX512_BF16"}) == detected
+    assert cpu_isa.level_from_env({env: "auto"}) == detected
     with pytest.raises(ValueError, match=r"STEPSERVE_CPU_ISA='avx3' is not one of: auto, portable"):
-        cpu_isa.active_level()
+        cpu_isa.level_from_env({env: "avx3"})
+
+
+def test_use_level_is_per_thread_and_nests():
+    import threading
+
+    outside = cpu_isa.active_level()
+    seen = {}
+    with cpu_isa.use_level("portable"):
+        thread = threading.Thread(target=lambda: seen.setdefault("other", cpu_isa.active_level()))
+        thread.start()
+        thread.join()
+        with cpu_isa.use_level(cpu_isa.detected_level()):
+            assert cpu_isa.active_level() == cpu_isa.detected_level()
+        assert cpu_isa.active_level() == "portable"
+    assert cpu_isa.active_level() == outside
+    assert seen["other"] == outside  # another thread keeps the process's level
 
 
 def test_use_level_refuses_a_level_the_cpu_cannot_run():
@@ -104,3 +117,29 @@ def test_every_level_compiles_here_and_runnable_ones_load():
     for level in set(cpu_isa.levels()) - set(cpu_isa.runnable_levels()):
         with pytest.raises(ValueError, match="which this CPU lacks"):
             cpu_kernels.native_library(level)
+
+
+def test_an_engine_field_caps_the_level_of_its_runner(tiny_llama_dir, run_generation, monkeypatch):
+    """EngineConfig.cpu_isa caps one engine's level (the same job as STEPSERVE_CPU_ISA, per
+    engine): every native kernel call of its forward runs at it, the caller's level is left
+    alone, and its greedy tokens are those of the CPU's own level."""
+    from tests.test_model_parity import greedy_params, mixed_prompts
+
+    seen = []
+    real = cpu_kernels.native_library
+
+    def recording(level=None):
+        seen.append(cpu_isa.active_level() if level is None else level)
+        return real(level)
+
+    monkeypatch.setattr(cpu_kernels, "native_library", recording)
+    prompts = mixed_prompts(3, [5, 17, 33])
+    capped = run_generation(
+        tiny_llama_dir, prompts, greedy_params(8), block_size=4, cpu_isa="portable"
+    )
+    assert capped.runner.cpu_isa == "portable"
+    assert seen and set(seen) == {"portable"}
+    assert cpu_isa.active_level() == cpu_isa.level_from_env()  # the caller's level is untouched
+    own = run_generation(tiny_llama_dir, prompts, greedy_params(8), block_size=4)
+    assert own.runner.cpu_isa == cpu_isa.active_level()
+    assert capped.outputs == own.outputs

@@ -218,7 +218,7 @@ def test_fused_ops_in_bf16_round_where_torch_rounds(rows):
 def test_decode_batch_checks_once_what_the_unchecked_kernel_trusts():
     """The layers call the kernel unchecked; the per-step metadata refuses a decode whose length
     runs past its block table (the kernel would read outside the cache)."""
-    from replica.layers.attention import _decode_batch
+    from replica.layers.attention.native_decode import _decode_batch
 
     table = torch.tensor([[3, 4], [5, 6]])
     starts = torch.tensor([0, 1])

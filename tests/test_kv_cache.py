@@ -25,6 +25,12 @@ def make_request(rid: str, tokens: list[int], block_size: int) -> Request:
     return request
 
 
+def append_token(request: Request, token: int) -> None:
+    """A sampled token, as Scheduler.update_from_output appends it (block size 4)."""
+    request.all_token_ids.append(token)
+    request.update_block_hashes(4)
+
+
 # -- FreeBlockQueue ---------------------------------------------------------------------------
 def test_free_queue_keeps_insertion_order_and_pops_from_the_head():
     blocks = make_blocks(4)
@@ -188,18 +194,6 @@ def test_pool_cache_block_is_a_no_op_without_prefix_caching():
     assert pool.get_cached_block(5) is None
 
 
-def test_pool_reset_prefix_cache_refuses_while_blocks_are_in_use():
-    pool = BlockPool(2)
-    (block,) = pool.get_new_blocks(1)
-    pool.cache_block(block, 5)
-    assert pool.reset_prefix_cache() is False
-    assert pool.get_cached_block(5) is block
-    pool.free_blocks([block])
-    assert pool.reset_prefix_cache() is True
-    assert pool.get_cached_block(5) is None
-    assert block.block_hash is None
-
-
 # -- KVCacheManager ----------------------------------------------------------------------------
 def test_manager_allocates_exactly_the_blocks_the_tokens_need():
     kv = KVCacheManager(num_blocks=8, block_size=4)
@@ -243,13 +237,13 @@ def test_manager_decode_step_that_fills_a_block_caches_it():
     request = make_request("a", [1, 2, 3], 4)
     assert len(kv.allocate_slots(request, 3)) == 1
     request.num_computed_tokens = 3
-    request.append_output_token(4, 4)  # 4 tokens: block 0's hash is now known
+    append_token(request, 4)  # 4 tokens: block 0's hash is now known
     assert kv.allocate_slots(request, 1) == []
     (block,) = kv.req_to_blocks["a"]
     assert block.block_hash == request.block_hashes[0]
     assert kv.pool.get_cached_block(request.block_hashes[0]) is block
     request.num_computed_tokens = 4
-    request.append_output_token(5, 4)
+    append_token(request, 5)
     assert [b.block_id for b in kv.allocate_slots(request, 1)] == [1]
     kv.check_invariants()
 

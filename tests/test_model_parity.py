@@ -294,11 +294,10 @@ def test_paged_kernel_path_feeds_the_kernel_what_it_expects(
     tiny_llama_dir, run_generation, monkeypatch
 ):
     """The CUDA varlen/paged-kernel branch, with a reference kernel standing in for flash-attn."""
-    import replica.layers.attention as attention
-    import replica.runner as runner_module
+    import replica.layers.attention.flash_attn as flash_attn
 
-    monkeypatch.setattr(attention, "flash_attn_varlen_func", _reference_varlen_kernel)
-    monkeypatch.setattr(runner_module, "paged_kernel_available", lambda device, bs: True)
+    monkeypatch.setattr(flash_attn, "flash_attn_varlen_func", _reference_varlen_kernel)
+    monkeypatch.setattr(flash_attn, "paged_kernel_available", lambda device, bs: True)
     prompts = mixed_prompts(7, PROMPT_LENGTHS)
     run = run_generation(
         tiny_llama_dir,
@@ -325,6 +324,19 @@ def test_kv_blocks_sized_from_bytes(tiny_llama_dir):
     assert runner.num_kv_blocks == 10
     assert runner.kv_caches[0][0].shape == (10, 16, 2, 16)
     assert runner.max_model_len == 512
+
+
+def test_kv_cache_shrinks_to_its_first_blocks(tiny_llama_dir):
+    """A tensor-parallel group shrinks rank 0's pool to the smallest rank's."""
+    config = EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=10)
+    runner = ModelRunner(config, tiny_llama_dir)
+    k0 = runner.kv_caches[0][0]
+    runner.shrink_kv_cache(6)
+    assert runner.num_kv_blocks == 6
+    assert runner.kv_caches[0][0].shape == (6, 16, 2, 16)
+    assert runner.kv_caches[0][0].data_ptr() == k0.data_ptr()
+    with pytest.raises(ValueError, match="cannot shrink"):
+        runner.shrink_kv_cache(7)
 
 
 # -- tensor parallelism, simulated with threads ------------------------------------------------

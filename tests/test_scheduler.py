@@ -35,7 +35,7 @@ def chunks(out: SchedulerOutput) -> list[tuple[str, int, int]]:
 def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[StepOutput]]:
     out = sched.schedule()
     sched.kv.check_invariants()
-    outputs = sched.update_from_output(out, runner.execute(out))
+    outputs = sched.update_from_output(out, runner.execute(out).sampled)
     sched.kv.check_invariants()
     return out, outputs
 
@@ -390,7 +390,7 @@ def test_abort_between_schedule_and_update_drops_the_sampled_token():
     sched.add_request(make_request("A", prompt(3, 0)))
     sched.add_request(make_request("B", prompt(3, 1)))
     out = sched.schedule()
-    sampled = runner.execute(out)
+    sampled = runner.execute(out).sampled
     sched.abort_requests(["A"])
     outputs = sched.update_from_output(out, sampled)
     assert [o.request_id for o in outputs] == ["B"]
@@ -595,6 +595,6 @@ def test_fake_runner_rejects_a_prefix_hit_on_a_block_with_other_contents():
 def test_fake_runner_samples_only_chunks_that_reach_the_end():
     runner = FakeRunner(block_size=4, forced_tokens={"A": [42]})
     request = make_request("A", prompt(6, 0))
-    assert runner.execute(SchedulerOutput([ScheduledRequest(request, 0, 4, [0])], 4)) == {}
-    sampled = runner.execute(SchedulerOutput([ScheduledRequest(request, 4, 2, [0, 1])], 2))
+    assert runner.execute(SchedulerOutput([ScheduledRequest(request, 0, 4, [0])], 4)).sampled == {}
+    sampled = runner.execute(SchedulerOutput([ScheduledRequest(request, 4, 2, [0, 1])], 2)).sampled
     assert sampled == {"A": 42}

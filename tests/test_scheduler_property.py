@@ -162,7 +162,7 @@ def test_random_workloads_keep_invariants_and_match_solo_outputs(w: Workload):
         assert out.total_num_scheduled_tokens <= budget
         assert len(out.scheduled) <= seats
         assert not had_work or out.scheduled, "requests wait but nothing was scheduled"
-        step_outputs = sched.update_from_output(out, runner.execute(out))
+        step_outputs = sched.update_from_output(out, runner.execute(out).sampled)
         check_step_invariants(sched, w)
         for o in step_outputs:
             assert len(o.new_token_ids) == 1

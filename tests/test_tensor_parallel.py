@@ -24,6 +24,7 @@ from replica.loader import CheckpointError
 from replica.parallel import TensorParallelError, TensorParallelRunner
 from replica.request import EngineDeadError, SamplingParams
 from replica.runner import StepBatch
+from replica.runner_protocol import Runner
 from tests.test_model_parity import (
     MAX_TOKENS,
     PROMPT_LENGTHS,
@@ -94,6 +95,11 @@ class TestParity:
         single = run_generation(model_dir, prompts, params, **fields)
         assert sharded.outputs == single.outputs
         assert sharded.outputs == expected_outputs(model_dir, prompts, MAX_TOKENS)
+
+    def test_tp_runner_is_a_runner(self, tp2):
+        _, runner = tp2
+        assert isinstance(runner, Runner)
+        runner.check_health()
 
     @pytest.mark.timeout(120)
     def test_tp2_preemption_keeps_outputs_identical(self, tp2, run_generation):

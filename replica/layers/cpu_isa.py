@@ -7,7 +7,7 @@ Levels, lowest first (each includes the ones before it):
   avx512_bf16  avx512 plus AVX512_BF16 (Cooper Lake / Sapphire Rapids / Zen 4)
 
 The level in use is the CPU's own, capped by `STEPSERVE_CPU_ISA` (one of the names above, or
-`auto`) so that every path can be run on a host that has a higher one: the native kernels are
+`auto`; read once per process) so that every path can be run on a host that has a higher one: the native kernels are
 compiled for that level (`-march=x86-64-v3` and so on) and oneDNN's bf16 weight packing is used
 only where the level (or the CPU's AVX-NE-CONVERT) allows it. On other architectures there is
 one level, `native`. The choice is logged once per process and level.
@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import threading
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
@@ -109,16 +111,40 @@ def parse_cap(value: str | None) -> str | None:
     return name
 
 
-_override: list[str] = []  # a level set by `use_level` (tests), innermost last
+class _ThreadLevel(threading.local):
+    level: str | None = None  # set by `use_level` in this thread
+
+
+_thread = _ThreadLevel()
+_process_level: str | None = None  # level_from_env(), read once
 _logged: set[str] = set()
 
 
 def active_level() -> str:
-    """The level the CPU code paths use now: the CPU's own, capped by STEPSERVE_CPU_ISA (or a
-    `use_level` override). A cap above the CPU's level is the CPU's level."""
-    if _override:
-        return _override[-1]
-    return _effective(parse_cap(os.environ.get(ISA_ENV)))
+    """The level the CPU code paths use now: a `use_level` of this thread, else the process's
+    (the CPU's own capped by STEPSERVE_CPU_ISA, read once). Called per native-kernel call."""
+    level = _thread.level
+    if level is not None:
+        return level
+    global _process_level
+    if _process_level is None:
+        _process_level = level_from_env()
+    return _process_level
+
+
+def level_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """The CPU's own level capped by STEPSERVE_CPU_ISA in `environ` (default: this process's);
+    a cap above the CPU's level is the CPU's level."""
+    environ = os.environ if environ is None else environ
+    return _effective(parse_cap(environ.get(ISA_ENV)))
+
+
+def level_for(cap: str) -> str:
+    """The level an engine whose `cpu_isa` is `cap` runs at: auto is the process's level
+    (`active_level`), any other cap lowers the CPU's own level (never raises it)."""
+    if cap == "auto":
+        return active_level()
+    return _effective(parse_cap(cap))
 
 
 def _effective(cap: str | None) -> str:
@@ -128,23 +154,31 @@ def _effective(cap: str | None) -> str:
     return X86_LEVELS[min(X86_LEVELS.index(cap), X86_LEVELS.index(detected))]
 
 
+def check_runnable(level: str) -> str:
+    """`level` if this CPU can execute it, else ValueError naming what it lacks."""
+    if level not in runnable_levels():
+        raise ValueError(
+            f"this CPU cannot run level {level!r}: it lacks {', '.join(missing_flags(level))}"
+        )
+    return level
+
+
 class use_level:
-    """Context manager: run the CPU code paths at `level` (must be runnable here). For tests
-    and benchmarks in one process; a server sets STEPSERVE_CPU_ISA instead."""
+    """Context manager: run the CPU code paths of this thread at `level` (must be runnable
+    here): what a runner does around its steps for its engine's `cpu_isa`, and what tests do
+    to run every path. Nests; other threads keep theirs."""
 
     def __init__(self, level: str) -> None:
-        if level not in runnable_levels():
-            raise ValueError(
-                f"this CPU cannot run level {level!r}: it lacks {', '.join(missing_flags(level))}"
-            )
-        self.level = level
+        self.level = check_runnable(level)
+        self._saved: str | None = None
 
     def __enter__(self) -> str:
-        _override.append(self.level)
+        self._saved = _thread.level
+        _thread.level = self.level
         return self.level
 
     def __exit__(self, *exc) -> None:
-        _override.pop()
+        _thread.level = self._saved
 
 
 def march_flags(level: str) -> tuple[str, ...]:

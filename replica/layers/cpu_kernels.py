@@ -109,7 +109,7 @@ def native_library(level: str | None = None) -> ctypes.CDLL | None:
     None when native kernels are off or cannot be built here (the reason is logged once).
     Called per layer on the hot path: once decided, the answer is read without the lock."""
     if level is None:
-        level = cpu_isa.active_level()
+        level = cpu_isa._thread.level or cpu_isa._process_level or cpu_isa.active_level()
     lib = _loaded.get(level, _MISSING)
     if lib is not _MISSING:
         return lib
@@ -202,8 +202,8 @@ def paged_decode_unchecked(
     scale: float,
     num_threads: int | None = None,
 ) -> torch.Tensor:
-    """`paged_decode` for a caller that has checked its inputs (AttentionMetadata does, once per
-    step, for all layers): contiguous caches of q's dtype, int32 contiguous block_table and
+    """`paged_decode` for a caller that has checked its inputs (the native decode backend's
+    metadata builder does, once per step, for all layers): contiguous caches of q's dtype, int32 contiguous block_table and
     seq_lens, every length within its table row. The kernel trusts these: a wrong length reads
     outside the cache."""
     fn = paged_decode_kernel()

@@ -1,0 +1,56 @@
+"""The attention layer the models build: it writes the step's K/V to the cache, then runs the
+impl of the backend the runner chose."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replica.layers.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from replica.layers.attention.torch_sdpa import TorchSDPABackend
+
+
+class Attention(nn.Module):
+    """Attention of this rank's heads; q/k/v come in flat [T, heads * head_dim]. Writes the new
+    K/V to their cache slots, then runs the backend's impl: torch SDPA until `use_backend` picks
+    another; the step's metadata must be that backend's."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.use_backend(TorchSDPABackend)
+
+    def use_backend(self, backend: type[AttentionBackend]) -> None:
+        self.impl = backend.make_impl(self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        d = self.head_dim
+        q = q.view(num_tokens, self.num_heads, d)
+        k = k.view(num_tokens, self.num_kv_heads, d)
+        v = v.view(num_tokens, self.num_kv_heads, d)
+        k_cache, v_cache = kv_cache
+        # every new K/V first, so a request may read blocks another request writes this step
+        # (a prefix-cache hit on a block being filled in the same step); the cache layout is the
+        # runner's, the same for every backend
+        k_cache.view(-1, self.num_kv_heads, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+        return self.impl.forward(q, k, v, kv_cache, meta)
+
+
+def set_attention_backend(model: nn.Module, backend: type[AttentionBackend]) -> int:
+    """Point every Attention layer of `model` at `backend`; returns how many there are."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.use_backend(backend)
+    return len(layers)

@@ -1,0 +1,24 @@
+"""The attention backends, most specific first, and the choice among them (made once, by the
+runner, from its device and config). A new backend is a module with an AttentionBackend subclass,
+listed here ahead of the ones it should win over."""
+
+from __future__ import annotations
+
+from replica.layers.attention.backend import AttentionBackend, AttentionSpec
+from replica.layers.attention.flash_attn import FlashAttnBackend
+from replica.layers.attention.native_decode import NativeDecodeBackend
+from replica.layers.attention.torch_sdpa import TorchSDPABackend
+
+ATTENTION_BACKENDS: list[type[AttentionBackend]] = [
+    FlashAttnBackend,  # CUDA with flash-attn and a block size it pages with
+    NativeDecodeBackend,  # CPU fp32/bf16 with the native library, cpu_decode_attention="native"
+    TorchSDPABackend,  # everywhere
+]
+
+
+def select_attention_backend(spec: AttentionSpec) -> type[AttentionBackend]:
+    """The first backend of ATTENTION_BACKENDS that runs `spec`."""
+    for backend in ATTENTION_BACKENDS:
+        if backend.supports(spec):
+            return backend
+    raise ValueError(f"no attention backend runs {spec}")

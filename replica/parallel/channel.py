@@ -1,0 +1,82 @@
+"""The step channel, rank 0 -> the other ranks: a step's batch as a flat list of ints, broadcast
+over a gloo group."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from replica.runner import StepBatch
+
+_STEP, _STOP = 1, 2  # commands
+# Ints in the first broadcast of a step: a decode step of dozens of requests fits in one
+# message; a larger one sends the rest in a second broadcast.
+MESSAGE_CAPACITY = 2048
+
+
+def encode_batch(batch: StepBatch) -> list[int]:
+    """[num_reqs, num_sampled, starts, query_lens, table lengths, sample rows, token ids,
+    block ids] as one flat list of ints."""
+    tables = batch.block_ids
+    return [
+        len(batch.starts),
+        len(batch.sample_rows),
+        *batch.starts,
+        *batch.query_lens,
+        *map(len, tables),
+        *batch.sample_rows,
+        *batch.input_ids,
+        *itertools.chain.from_iterable(tables),
+    ]
+
+
+def decode_batch(flat: list[int]) -> StepBatch:
+    n, m = flat[0], flat[1]
+    i = 2
+    starts = flat[i : i + n]
+    query_lens = flat[i + n : i + 2 * n]
+    table_lens = flat[i + 2 * n : i + 3 * n]
+    i += 3 * n
+    sample_rows = flat[i : i + m]
+    i += m
+    num_tokens = sum(query_lens)
+    input_ids = flat[i : i + num_tokens]
+    i += num_tokens
+    tables = []
+    for length in table_lens:
+        tables.append(flat[i : i + length])
+        i += length
+    return StepBatch(input_ids, starts, query_lens, tables, sample_rows)
+
+
+class StepChannel:
+    """Broadcasts (command, int payload) messages from rank 0 over a gloo group: one
+    fixed-size int32 message (command, length, head of the payload), plus a second broadcast
+    for the rest when the payload is longer than the message."""
+
+    def __init__(self, group: Any, capacity: int = MESSAGE_CAPACITY) -> None:
+        self.group = group
+        self.capacity = capacity
+        self.message = torch.zeros(capacity, dtype=torch.int32)
+
+    def send(self, command: int, payload: list[int]) -> None:
+        room = self.capacity - 2
+        head = torch.tensor([command, len(payload), *payload[:room]], dtype=torch.int32)
+        self.message[: head.numel()] = head
+        dist.broadcast(self.message, 0, group=self.group)
+        if len(payload) > room:
+            dist.broadcast(torch.tensor(payload[room:], dtype=torch.int32), 0, group=self.group)
+
+    def receive(self) -> tuple[int, list[int]]:
+        dist.broadcast(self.message, 0, group=self.group)
+        room = self.capacity - 2
+        command, length = int(self.message[0]), int(self.message[1])
+        payload = self.message[2 : 2 + min(length, room)].tolist()
+        if length > room:
+            rest = torch.empty(length - room, dtype=torch.int32)
+            dist.broadcast(rest, 0, group=self.group)
+            payload += rest.tolist()
+        return command, payload

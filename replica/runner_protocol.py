@@ -1,0 +1,50 @@
+"""The Runner protocol: exactly what the engine calls on a model runner (ModelRunner in-process,
+TensorParallelRunner over a group, the tests' FakeRunner), and RunnerOutput, what a step yields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from replica.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    """One step's sampled tokens: made by Runner.execute, read by Scheduler.update_from_output."""
+
+    sampled: dict[str, int]  # per request whose scheduled chunk reached its end
+    # per sampled request that asked for logprobs: (sampled token's logprob, top-k dict)
+    logprobs: dict[str, tuple[float, dict[int, float]]] | None = None
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """A model runner as the engine sees it; the engine calls nothing else on it."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest context (prompt + output) a request may reach."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold are 0..vocab_size-1."""
+        ...
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV cache blocks the scheduler may hand out (ids 0..num_kv_blocks-1)."""
+        ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduled step; sample where a request's chunk reaches its end."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise (EngineDeadError) when the runner can no longer run steps."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the runner's resources (idempotent; it is unusable afterwards)."""
+        ...
