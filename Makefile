@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-fast lint format bench clean
+.PHONY: install serve test test-fast lint format schema bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,10 +32,17 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m cluster.schema --check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# The Helm chart's values.schema.json, generated from ClusterConfig (cluster/schema.py); run it
+# after changing a config model. `$(PY) -m cluster.schema --check` (and the test suite) fail on
+# a stale one.
+schema: $(STAMP)
+	$(PY) -m cluster.schema
 
 bench: $(STAMP)
 	$(PY) bench/scheduler_overhead.py

@@ -12,62 +12,86 @@ import signal
 import socket
 import sys
 import threading
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 
 from cluster.config import ClusterConfig
 from cluster.processes import PortTakenError, check_port_free
+from replica.config import EngineConfig
+
+# The engine's flags are EngineConfig's fields (as vLLM's EngineArgs): --max-num-seqs for
+# max_num_seqs, with its type, its Literal choices, its pydantic description as help, a bool as
+# --x / --no-x. A flag left out keeps the config file's value (None: unset). A field added to
+# EngineConfig gets its flag with no change here.
+#
+# Fields without a flag, and why (tests/test_cli_args.py checks every other field has one).
+ENGINE_FLAGS_EXCLUDED: dict[str, str] = {}
+# Extra spellings, kept from before the flags were generated.
+ENGINE_FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
+# `generate` keeps its own flags of these names: --seed seeds its one request's sampling.
+GENERATE_OWN_FLAGS: dict[str, str] = {"seed": "the sampling seed of the one request"}
+_ENGINE_DEST = "engine__"  # namespace attribute prefix: engine_field -> args.engine__field
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="local HF model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--cpu-decode-attention",
-        choices=["native", "torch"],
-        help="CPU decode attention: the native C kernel (default) or the torch path",
-    )
-    p.add_argument(
-        "--no-pack-cpu-weights",
-        action="store_true",
-        help="CPU: keep row-major weights (F.linear) instead of oneDNN-packed ones",
-    )
-    p.add_argument(
-        "--no-cpu-fused-ops",
-        action="store_true",
-        help="CPU: torch ops for RMSNorm, rotary and SiLU * up instead of the fused C kernels",
-    )
+def _engine_flag(name: str, field) -> tuple[list[str], dict]:
+    """Option strings and add_argument keywords of one EngineConfig field."""
+    flag = "--" + name.replace("_", "-")
+    options = [flag, *ENGINE_FLAG_ALIASES.get(name, ())]
+    annotation = field.annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    default = "unset" if field.default is None else field.default
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    help_text = (field.description or "").rstrip(".")
+    help_text = f"{help_text} (default: {default})" if help_text else f"default: {default}"
+    kwargs: dict = {
+        "dest": _ENGINE_DEST + name,
+        "default": None,
+        "help": help_text.replace("%", "%%"),
+    }
+    if annotation is bool:
+        # enable_x also answers to --x / --no-x (stepserve's --no-prefix-caching)
+        if name.startswith("enable_"):
+            options.append("--" + name.removeprefix("enable_").replace("_", "-"))
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(annotation) is typing.Literal:
+        choices = typing.get_args(annotation)
+        kwargs.update(choices=list(choices), type=type(choices[0]))
+    elif annotation in (int, float, str):
+        kwargs.update(type=annotation, metavar=name.upper())
+    else:
+        raise TypeError(
+            f"EngineConfig.{name} ({field.annotation}) has no command-line form: teach "
+            "cluster/cli.py's _engine_flag its type, or list it in ENGINE_FLAGS_EXCLUDED"
+        )
+    return options, kwargs
+
+
+def engine_flags(without: Mapping[str, str] = {}) -> dict[str, tuple[list[str], dict]]:
+    """EngineConfig field -> (option strings, add_argument keywords), in field order."""
+    return {
+        name: _engine_flag(name, field)
+        for name, field in EngineConfig.model_fields.items()
+        if name not in ENGINE_FLAGS_EXCLUDED and name not in without
+    }
+
+
+def _add_engine_args(p: argparse.ArgumentParser, without: Mapping[str, str] = {}) -> None:
+    group = p.add_argument_group("engine (EngineConfig, replica/config.py)")
+    for options, kwargs in engine_flags(without).values():
+        group.add_argument(*options, **kwargs)
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:
-    fields = {
-        "model": args.model,
-        "tensor_parallel_size": args.tp,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "num_kv_blocks": args.num_kv_blocks,
-        "block_size": args.block_size,
-        "dtype": args.dtype,
-        "device": args.device,
-        "cpu_decode_attention": args.cpu_decode_attention,
+    """The EngineConfig fields given on the command line (flags left out are not here)."""
+    return {
+        key.removeprefix(_ENGINE_DEST): value
+        for key, value in vars(args).items()
+        if key.startswith(_ENGINE_DEST) and value is not None
     }
-    out = {k: v for k, v in fields.items() if v is not None}
-    if args.no_prefix_caching:
-        out["enable_prefix_caching"] = False
-    if args.no_pack_cpu_weights:
-        out["pack_cpu_weights"] = False
-    if args.no_cpu_fused_ops:
-        out["cpu_fused_ops"] = False
-    return out
 
 
 def build_config(args: argparse.Namespace) -> ClusterConfig:
@@ -407,7 +431,7 @@ def make_parser() -> argparse.ArgumentParser:
     serve_p.set_defaults(func=cmd_serve)
 
     gen_p = sub.add_parser("generate", help="print one completion (offline engine)")
-    _add_engine_args(gen_p)
+    _add_engine_args(gen_p, without=GENERATE_OWN_FLAGS)
     gen_p.add_argument("--prompt", required=True)
     gen_p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen_p.add_argument("--max-tokens", type=int, default=64)

@@ -374,11 +374,40 @@ def test_given_values_reach_cluster_config_unchanged(chart):
             assert getattr(config, key) == value, key
 
 
+def test_committed_values_schema_is_the_generated_one():
+    """values.schema.json is generated from ClusterConfig (cluster/schema.py): a config field
+    added, removed or re-limited without regenerating it fails here."""
+    from cluster.schema import REGENERATE, SCHEMA_PATH, stale_diff
+
+    diff = stale_diff()
+    assert not diff, f"{SCHEMA_PATH.name} is stale: run {REGENERATE}\n{diff[:4000]}"
+
+
+def test_values_yaml_lists_the_schema_defaults(chart):
+    """The ClusterConfig fields values.yaml lists (for documentation; one it leaves out takes
+    ClusterConfig's default) hold the schema's defaults: pydantic's, or the chart's own where
+    cluster/schema.py's CHART_VALUES says so (engine.device: cuda)."""
+    props = chart.schema["properties"]
+
+    def check(values: dict, schema_props: dict, path: str) -> None:
+        for key, value in values.items():
+            prop = schema_props[key]
+            if "default" in prop:
+                assert value == prop["default"], f"values.yaml {path}{key}"
+            elif isinstance(value, dict) and "properties" in prop:
+                check(value, prop["properties"], f"{path}{key}.")
+
+    cluster_keys = set(ClusterConfig.model_fields)
+    check({k: v for k, v in chart.values.items() if k in cluster_keys}, props, "")
+    assert props["engine"]["properties"]["device"]["default"] == "cuda"
+
+
 def test_chart_schema_mirrors_cluster_config_fields_and_limits(chart):
     """values.schema.json repeats ClusterConfig's fields and limits so that `helm install`
-    rejects what Ray would reject only after the cluster is up. A field added to a config class
-    needs its key in values.yaml, values.schema.json and deploy/serve_config.yaml (and, at the
-    top level, in the `pick` of templates/_helpers.tpl)."""
+    rejects what Ray would reject only after the cluster is up. It is generated from
+    ClusterConfig (`make schema`); the templates pass `engine` through as a whole, so an engine
+    field added to EngineConfig needs nothing else in the chart. A new top-level field needs
+    its key in the `pick` of templates/_helpers.tpl."""
     chart_props = chart.schema["properties"]
     blocks = {
         "engine": (EngineConfig, {"model"}),
@@ -906,7 +935,10 @@ def test_serve_config_yaml_spells_out_cluster_config_defaults():
     def keys(tree: Any) -> Any:
         return {k: keys(v) for k, v in tree.items()} if isinstance(tree, dict) else None
 
-    assert keys(app["args"]) == keys(expected.model_dump()), "every field spelled out"
+    # every field spelled out, but engine fields: one left out takes EngineConfig's default
+    spelled, every = keys(app["args"]), keys(expected.model_dump())
+    assert set(spelled.pop("engine")) <= set(every.pop("engine"))
+    assert spelled == every, "every field spelled out"
     assert config["http_options"] == {"host": parsed.http.host, "port": parsed.http.port}
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import types
+import typing
+
+import pytest
+
 from cluster.cli import build_config, make_parser
+from replica.config import EngineConfig
 
 
 def parse(*argv: str):
@@ -25,6 +31,112 @@ def test_engine_flags_override_the_config_file(tmp_path):
     path.write_text("engine:\n  max_num_seqs: 8\n  cpu_decode_attention: torch\n")
     engine = parse("--config", str(path), "--max-num-seqs", "4").engine
     assert engine.max_num_seqs == 4 and engine.cpu_decode_attention == "torch"
+
+
+def _without_none(annotation):
+    """`X | None` -> X."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return annotation
+
+
+def test_every_engine_config_field_has_a_flag_in_serve_and_generate():
+    """The engine flags are generated from EngineConfig's fields: each field (but those excluded,
+    with their reasons, in ENGINE_FLAGS_EXCLUDED) has one, named after it, that sets it alone."""
+    from cluster.cli import ENGINE_FLAGS_EXCLUDED, GENERATE_OWN_FLAGS, _engine_overrides
+
+    assert all(reason for reason in ENGINE_FLAGS_EXCLUDED.values())
+    assert set(ENGINE_FLAGS_EXCLUDED) <= set(EngineConfig.model_fields)
+    samples = {int: 8, float: 0.5, str: "x"}
+    for command in ("serve", "generate"):
+        extra = ["--prompt", "hi"] if command == "generate" else []
+        skipped = set(ENGINE_FLAGS_EXCLUDED) | (set(GENERATE_OWN_FLAGS) if extra else set())
+        parser = make_parser()
+        assert _engine_overrides(parser.parse_args([command, *extra])) == {}, "unset: no override"
+        for name, field in EngineConfig.model_fields.items():
+            if name in skipped:
+                continue
+            flag = "--" + name.replace("_", "-")
+            kind = _without_none(field.annotation)
+            if kind is bool:
+                on = _engine_overrides(parser.parse_args([command, *extra, flag]))
+                off = _engine_overrides(parser.parse_args([command, *extra, "--no-" + flag[2:]]))
+                assert (on, off) == ({name: True}, {name: False}), f"{command} {flag}"
+                continue
+            if typing.get_origin(kind) is typing.Literal:
+                value = [c for c in typing.get_args(kind) if c != field.default][0]
+            elif field.default is not None:
+                value = field.default
+            else:
+                value = samples[kind]
+            args = parser.parse_args([command, *extra, flag, str(value)])
+            assert _engine_overrides(args) == {name: value}, f"{command} {flag}"
+
+
+def test_engine_flag_help_is_the_field_description(capsys, monkeypatch):
+    from cluster.cli import ENGINE_FLAGS_EXCLUDED
+
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapped lines
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    for name, field in EngineConfig.model_fields.items():
+        if name in ENGINE_FLAGS_EXCLUDED:
+            continue
+        assert "--" + name.replace("_", "-") in text
+        if field.description:
+            assert field.description.rstrip(".") in text, name
+    assert "--dtype {auto,float32,bfloat16,float16}" in text
+
+
+def test_flags_of_before_the_generated_ones_work_as_they_did():
+    engine = parse(
+        "--model",
+        "/m",
+        "--tp",
+        "2",
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "4096",
+        "--num-kv-blocks",
+        "100",
+        "--block-size",
+        "32",
+        "--dtype",
+        "bfloat16",
+        "--device",
+        "cpu",
+        "--no-prefix-caching",
+    ).engine
+    assert (engine.model, engine.tensor_parallel_size, engine.max_model_len) == ("/m", 2, 4096)
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens) == (8, 4096)
+    assert (engine.num_kv_blocks, engine.block_size) == (100, 32)
+    assert (engine.dtype, engine.device, engine.enable_prefix_caching) == ("bfloat16", "cpu", False)
+    assert parse("--tensor-parallel-size", "4").engine.tensor_parallel_size == 4
+    # generate shares them, and keeps its own --seed (the request's sampling seed)
+    from cluster.cli import _engine_overrides
+
+    args = make_parser().parse_args(
+        ["generate", "--prompt", "hi", "--tp", "2", "--no-cpu-fused-ops", "--seed", "3"]
+    )
+    assert _engine_overrides(args) == {"tensor_parallel_size": 2, "cpu_fused_ops": False}
+    assert args.seed == 3
+
+
+def test_unset_flags_keep_the_config_file_values(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "engine:\n  enable_prefix_caching: false\n  pack_cpu_weights: false\n  seed: 5\n"
+        "  kv_cache_memory_fraction: 0.5\n"
+    )
+    engine = parse("--config", str(path)).engine
+    assert (engine.enable_prefix_caching, engine.pack_cpu_weights) == (False, False)
+    assert (engine.seed, engine.kv_cache_memory_fraction) == (5, 0.5)
+    engine = parse("--config", str(path), "--prefix-caching", "--seed", "6").engine
+    assert (engine.enable_prefix_caching, engine.pack_cpu_weights, engine.seed) == (True, False, 6)
 
 
 def test_cpu_threads_and_replicas_reach_the_cluster_config():
