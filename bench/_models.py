@@ -32,7 +32,7 @@ _DONE_MARKER = ".stepserve-bench-built"
 def tiny_model_dir() -> Path:
     """The benchmark's tiny random Llama (vocab 512), built on first use into the cache."""
     from replica.default_model import cache_root
-    from tests.conftest import build_tiny_model, build_tiny_tokenizer
+    from replica.tiny_models import build_tiny_model, build_tiny_tokenizer
 
     target = cache_root() / _TINY_NAME
     if (target / _DONE_MARKER).exists():

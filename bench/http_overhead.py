@@ -121,18 +121,14 @@ async def http_request(session, url: str, model: str, spec: RequestSpec, stream:
 async def handle_request(handle, spec: RequestSpec) -> tuple[float, float]:
     """(e2e, ttft) through a deployment handle from this process: the same router and replica
     actor as the HTTP path, without the HTTP proxy and the ingress."""
+    from replica.contracts import GenerateRequest
     from replica.request import SamplingParams
 
     params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
-    payload = {
-        "prompt_token_ids": spec.prompt_ids,
-        "sampling": params.__dict__,
-        "request_id": uuid.uuid4().hex,
-        "prefix_key": None,
-    }
+    request = GenerateRequest(spec.prompt_ids, params, uuid.uuid4().hex)
     start = time.perf_counter()
     ttft = None
-    async for out in handle.generate.remote(payload):
+    async for out in handle.generate.remote(request):
         if ttft is None and out.new_token_ids:
             ttft = time.perf_counter() - start
     return time.perf_counter() - start, ttft or 0.0

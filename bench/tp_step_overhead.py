@@ -21,7 +21,7 @@ from replica.scheduler import Scheduler  # noqa: E402
 
 
 def build_model(root: Path) -> Path:
-    from tests.conftest import build_tiny_model, build_tiny_tokenizer
+    from replica.tiny_models import build_tiny_model, build_tiny_tokenizer
 
     (root / "tok").mkdir()
     build_tiny_tokenizer(root / "tok")

@@ -4,12 +4,15 @@ by the RayService (Ray validates the YAML `args:` into ClusterConfig)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterConfig
 from replica.deployment import LLMServer
-from router.ingress import IngressSettings, make_ingress_deployment, model_dir_of
+from router.ingress import make_ingress_deployment
+from router.settings import IngressSettings
 
 # On scale-down, redeploy or shutdown a replica takes no new requests and waits this long for
 # its in-flight ones (Serve's graceful shutdown). The ingress waits longer, so that it can still
@@ -100,14 +103,11 @@ def thread_settings(config: ClusterConfig) -> dict:
 def ingress_settings(config: ClusterConfig) -> IngressSettings:
     return IngressSettings(
         model_name=config.model_name(),
-        model_dir=model_dir_of(config.engine),
+        model_dir=str(Path(config.engine.model)) if config.engine.model else None,
         engine=config.engine,
         routing=config.routing,
-        max_body_bytes=config.http.max_body_bytes,
-        max_tokens_cap=config.http.max_tokens_cap,
-        max_pending_requests=config.http.max_pending_requests,
-        api_keys=list(config.auth.api_keys),
-        api_keys_env=config.auth.api_keys_env,
+        http=config.http,
+        auth=config.auth,
         log_prompts=config.log_prompts,
     )
 

@@ -1,5 +1,5 @@
 """Queue-depth autoscaling: a Ray Serve AutoscalingPolicy fed by each replica's
-record_autoscaling_stats. Desired replicas = total queue depth (waiting + running) over a target
+record_autoscaling_stats (replica/contracts.py's AutoscalingStats). Desired replicas = total queue depth (waiting + running) over a target
 per replica; one more when KV pressure or preemptions show the replicas are saturated; scale
 down only when the smaller count would still sit clearly under target (hysteresis). Ray applies
 min/max bounds and the upscale/downscale delays around this policy."""
@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable
 
 from cluster.config import AutoscalingConfig
+from replica.contracts import AutoscalingStats
 
 # Scale down only if the remaining replicas would run at most this fraction of the target.
 DOWNSCALE_HEADROOM = 0.7
@@ -45,7 +46,7 @@ class QueueDepthPolicy:
 
     def __call__(self, ctx) -> tuple[int, dict]:
         metrics = ctx.aggregated_metrics or {}
-        depth = metrics.get("queue_depth")
+        depth = metrics.get(AutoscalingStats.QUEUE_DEPTH)
         if depth:
             queue = float(sum(depth.values()))
         else:  # replicas not reporting yet: Ray's own ongoing-request count
@@ -53,8 +54,8 @@ class QueueDepthPolicy:
         desired = desired_replicas(
             ctx.current_num_replicas,
             queue,
-            (metrics.get("kv_usage") or {}).values(),
-            (metrics.get("preemptions_per_s") or {}).values(),
+            (metrics.get(AutoscalingStats.KV_USAGE) or {}).values(),
+            (metrics.get(AutoscalingStats.PREEMPTIONS_PER_S) or {}).values(),
             self.cfg,
         )
         state = dict(ctx.policy_state or {})

@@ -1,15 +1,19 @@
 """ClusterConfig: the single source of truth for a deployment. The CLI, deploy/serve_config.yaml
-(`args:` of the Serve application) and the Helm chart's values all produce this object."""
+(`args:` of the Serve application) and the Helm chart's values all produce this object. The
+chart's values.schema.json is generated from it (`make schema`, cluster/schema.py), and the
+CLI's engine flags from EngineConfig's fields (cluster/cli.py): a Field's type, limits and
+description are the only place to state them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replica.config import EngineConfig
 from router.policy import RoutingConfig
+from router.settings import AuthConfig, HttpConfig
 
 
 class _Strict(BaseModel):
@@ -45,40 +49,19 @@ class AutoscalingConfig(_Strict):
         return self
 
 
-class HttpConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
-    max_body_bytes: int = Field(default=4 << 20, ge=1024)
-    max_tokens_cap: int = Field(default=4096, ge=1, description="largest max_tokens accepted")
-    max_pending_requests: int = Field(
-        default=1024, ge=1, description="requests in flight at the ingress before 429"
-    )
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    ingress_replicas: int = Field(
-        default=1,
-        ge=1,
-        description="HTTP ingress replicas (validation, tokenization, SSE); each applies "
-        "max_pending_requests on its own",
-    )
-
-
-class AuthConfig(_Strict):
-    """Bearer API keys on /v1/*. Keys come from `api_keys` or the env var `api_keys_env`
-    (comma-separated; a Kubernetes Secret is mounted that way)."""
-
-    api_keys: list[SecretStr] = Field(default_factory=list)
-    api_keys_env: str = "STEPSERVE_API_KEYS"
-
-
 class ClusterConfig(_Strict):
-    name: str = Field(default="stepserve", pattern=r"^[a-z0-9][a-z0-9-]*$")
+    name: str = Field(
+        default="stepserve", pattern=r"^[a-z0-9][a-z0-9-]*$", description="Serve application name"
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     replicas: int = Field(default=1, ge=1, description="fixed replica count (no autoscaling)")
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
-    num_cpus_per_replica: float = Field(default=0.5, ge=0)
+    num_cpus_per_replica: float = Field(
+        default=0.5, ge=0, description="CPUs Ray reserves for each engine replica"
+    )
     cpu_threads_per_replica: int | None = Field(
         default=None,
         ge=1,
@@ -88,7 +71,9 @@ class ClusterConfig(_Strict):
     max_ongoing_requests: int = Field(
         default=256, ge=1, description="Ray Serve's cap of requests in flight per replica"
     )
-    log_prompts: bool = False
+    log_prompts: bool = Field(
+        default=False, description="log the prompt token counts of each request"
+    )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:

@@ -17,9 +17,10 @@ from prometheus_client import start_http_server
 from ray import serve
 
 from replica.config import EngineConfig
+from replica.contracts import AutoscalingStats, GenerateRequest, RoutingStats
 from replica.engine import AsyncEngine, Engine
 from replica.metrics import HUB_NAME, HUB_NAMESPACE, EngineMetrics
-from replica.request import RequestOutput, SamplingParams
+from replica.request import RequestOutput
 
 logger = logging.getLogger("ray.serve")
 
@@ -126,20 +127,18 @@ class LLMServer:
             return
         self.engine.set_num_threads(threads)
 
-    async def generate(self, payload: dict) -> AsyncIterator[RequestOutput]:
-        """payload: {"prompt_token_ids": [...], "sampling": {...SamplingParams fields},
-        "request_id": str}. Yields RequestOutput deltas; cancellation aborts the request."""
-        params = SamplingParams(**payload["sampling"])
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """RequestOutput deltas of one choice; cancellation aborts the request."""
         async for out in self.engine.generate(
-            payload["prompt_token_ids"], params, payload.get("request_id")
+            request.prompt_token_ids, request.sampling, request.request_id
         ):
             yield out
 
-    async def generate_all(self, payload: dict) -> RequestOutput:
+    async def generate_all(self, request: GenerateRequest) -> RequestOutput:
         """The whole answer as one RequestOutput (all deltas merged): what a non-streaming
         client needs, without a message per token. Cancellation aborts the request."""
         result = None
-        async for out in self.generate(payload):
+        async for out in self.generate(request):
             result = out if result is None else result.merge(out)
         return result
 
@@ -161,40 +160,39 @@ class LLMServer:
         t0, n0 = samples[0]
         return (total - n0) / (now - t0) if now > t0 else 0.0
 
-    def stats(self) -> dict:
-        """Engine counters as of the last step (also used by tests)."""
+    def routing_stats(self) -> RoutingStats:
+        """Engine counters as of the last step."""
         s = self.engine.stats()
         now = time.time()
-        return {
-            "replica_id": self.replica_id,
-            "waiting": s.num_waiting,
-            "running": s.num_running,
-            "kv_usage": s.kv_usage,
-            "num_preemptions_total": s.num_preemptions_total,
-            "preemptions_per_s": self._preemption_rate(now, s.num_preemptions_total),
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "max_num_seqs": self.config.max_num_seqs,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            "num_free_blocks": self.engine.engine.scheduler.kv.pool.num_free_blocks,
-            "num_kv_blocks": self.engine.engine.num_kv_blocks,
-            "num_unfinished": self.engine.num_unfinished(),
-            "num_request_states": self.engine.engine.num_request_states,
-            "cpu_threads": self.engine.num_threads,
-            "ts": now,
-        }
+        engine = self.engine.engine
+        return RoutingStats(
+            replica_id=self.replica_id,
+            ts=now,
+            waiting=s.num_waiting,
+            running=s.num_running,
+            kv_usage=s.kv_usage,
+            num_preemptions_total=s.num_preemptions_total,
+            preemptions_per_s=self._preemption_rate(now, s.num_preemptions_total),
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            num_free_blocks=engine.num_free_blocks,
+            num_kv_blocks=engine.num_kv_blocks,
+            num_unfinished=self.engine.num_unfinished(),
+            num_request_states=engine.num_request_states,
+            cpu_threads=self.engine.num_threads,
+        )
+
+    def stats(self) -> dict:
+        """`routing_stats` as a dict (a handle call: tests, the soak, benchmarks)."""
+        return self.routing_stats().as_dict()
 
     async def record_routing_stats(self) -> dict:
-        return self.stats()
+        return self.routing_stats().as_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        s = self.stats()
-        return {
-            "queue_depth": float(s["waiting"] + s["running"]),
-            "waiting": float(s["waiting"]),
-            "kv_usage": float(s["kv_usage"]),
-            "preemptions_per_s": float(s["preemptions_per_s"]),
-        }
+        return AutoscalingStats.of(self.routing_stats()).as_dict()
 
     async def check_health(self) -> None:
         self.engine.check_health()

@@ -1,5 +1,6 @@
-"""Replica scoring for the load-aware router: pure functions over per-replica stats, no Ray
-imports, so it is unit-testable and usable from a simulator.
+"""Replica scoring for the load-aware router: pure functions over per-replica stats (and the
+small state pow2 and round_robin keep), no Ray imports, so it is unit-testable and usable from a
+simulator. The router's own tally of its requests in flight lives in router/inflight.py.
 
 The request router hands `Policy.rank` one `ReplicaStats` per replica and gets back ranked
 tiers of replica ids (best first), the shape of Ray's `RequestRouter.choose_replicas`.
@@ -26,7 +27,7 @@ batch's seats (overflow) wait for a seat, so they count twice.
 
 A count treats a 16-token chat turn and a 1k-token prompt with a 256-token answer alike, and the
 KV report that would tell them apart is up to a few periods old. So this router keeps its own,
-always-current tally of its requests on each replica (`InflightLoad`): `mine` of them, with a
+always-current tally of its requests on each replica (`InflightLoad`, router/inflight.py): `mine` of them, with a
 KV footprint (prompt + max_tokens) of `inflight_tokens`; `mean_tokens` is the average footprint
 of its in-flight requests over all replicas, and `size` that of the request being routed
 (`request_tokens`) relative to it. Every request takes a seat; `sized` adds the KV contention
@@ -57,10 +58,6 @@ import hashlib
 import math
 import random
 import struct
-import threading
-import time
-import weakref
-from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -338,229 +335,3 @@ class Policy:
         if not self.cfg.prefix_affinity:
             return None
         return prefix_key(token_ids, block_size, self.cfg.prefix_affinity_blocks)
-
-
-class InflightLoad:
-    """A router's own, always-current tally per replica: how many of its requests are in flight
-    there and their KV footprint (prompt + max_tokens), when its requests there finished (to
-    discount them from the replica's last stats report), and which are still in prefill.
-
-    Two kinds of request. One whose sender reports its progress (the ingress; `routed` with a
-    `key`, the payload's own request id) leaves the tally at the sender's `finished(key)`, which
-    comes after `routed` (Ray hands the sender its response only once routed), and
-    its prefill ends at `first_token(key)`; Ray's completion hook is ignored for it, because Ray
-    2.60 fires `on_request_completed` for a streaming call as soon as the replica accepts it,
-    before `on_request_routed` even (tests/test_routing.py shows it). Any other request leaves
-    at Ray's `completed(request_id)`; one that Ray completes before `routed` (it finished at
-    once) is remembered, a bounded number, so the late `routed` leaves no phantom behind. A
-    completion on another replica (a request the replica rejected, then sent elsewhere) does
-    not cancel the `routed` that follows.
-
-    Prefill: a request routed with `prompt_tokens` and a `key` counts as prefilling until its
-    first token; the prompt tokens per second from routing to first token over recent requests
-    (`prefill_rate`: moving averages of prompt tokens and of seconds, divided) discount what it
-    has done since. The ingress reports from its own
-    thread, the router's hooks run on the router's: every method takes the lock.
-    """
-
-    def __init__(
-        self, completion_window_s: float = 60.0, max_early: int = 10_000, rate_alpha: float = 0.2
-    ) -> None:
-        self.completion_window_s = completion_window_s
-        self._lock = threading.Lock()
-        # entry id (the key, else Ray's request id) -> (replica id, tokens, Ray's request id)
-        self._requests: dict[str, tuple[str, int, str]] = {}
-        self._tokens: dict[str, int] = {}
-        self._counts: dict[str, int] = {}
-        self._completions: dict[str, deque[float]] = {}
-        self._finished_early: OrderedDict[str, str] = OrderedDict()  # Ray's id -> replica id
-        self._max_early = max_early
-        self._reported: set[str] = set()  # Ray's ids of in-flight requests with a key
-        self._prefilling: dict[str, tuple[str, int, float]] = {}  # key -> (replica, prompt, t)
-        self._rate_alpha = rate_alpha
-        self._rate_tokens = self._rate_seconds = 0.0  # moving averages per request
-        self.prefill_rate = 0.0  # prompt tokens/s, routed -> first token; 0: none seen yet
-
-    def routed(
-        self,
-        request_id: str,
-        replica_id: str,
-        tokens: int,
-        prompt_tokens: int = 0,
-        key: str | None = None,
-        now: float = 0.0,
-    ) -> None:
-        with self._lock:
-            if key is None:
-                if self._finished_early.get(request_id) == replica_id:  # it has finished
-                    del self._finished_early[request_id]
-                    return
-                if request_id not in self._requests:
-                    self._add(request_id, replica_id, tokens, request_id)
-                return
-            self._finished_early.pop(request_id, None)  # Ray's early completion: not the end
-            if key in self._requests:
-                return
-            self._add(key, replica_id, tokens, request_id)
-            self._reported.add(request_id)
-            if prompt_tokens > 0:
-                self._prefilling[key] = (replica_id, prompt_tokens, now)
-
-    def _add(self, entry: str, replica_id: str, tokens: int, request_id: str) -> None:
-        self._requests[entry] = (replica_id, tokens, request_id)
-        self._tokens[replica_id] = self._tokens.get(replica_id, 0) + tokens
-        self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
-
-    def _remove(self, entry: str, now: float) -> None:
-        replica_id, tokens, request_id = self._requests.pop(entry)
-        self._reported.discard(request_id)
-        self._prefilling.pop(entry, None)
-        self._tokens[replica_id] -= tokens
-        self._counts[replica_id] -= 1
-        times = self._completions.setdefault(replica_id, deque())
-        times.append(now)
-        while times and now - times[0] > self.completion_window_s:
-            times.popleft()
-
-    def first_token(self, key: str, now: float) -> None:
-        """The sender's request `key` has its first token: its prefill is done."""
-        with self._lock:
-            entry = self._prefilling.pop(key, None)
-            if entry is None:
-                return
-            _, prompt, routed_at = entry
-            if now > routed_at:  # tokens and seconds averaged apart: long prompts weigh more
-                a = 1.0 if self._rate_seconds <= 0 else self._rate_alpha
-                self._rate_tokens = a * prompt + (1 - a) * self._rate_tokens
-                self._rate_seconds = a * (now - routed_at) + (1 - a) * self._rate_seconds
-                self.prefill_rate = self._rate_tokens / self._rate_seconds
-
-    def finished(self, key: str, now: float) -> None:
-        """The sender's request `key` is over (answered, failed or cancelled)."""
-        with self._lock:
-            if key in self._requests:  # (a key of another router's request is not here)
-                self._remove(key, now)
-
-    def completed(self, request_id: str, replica_id: str, now: float) -> None:
-        """Ray's completion hook (ignored for requests whose sender reports their end)."""
-        with self._lock:
-            if request_id in self._reported:
-                return
-            entry = self._requests.get(request_id)
-            if entry is None or entry[0] != replica_id:
-                self._finished_early[request_id] = replica_id
-                while len(self._finished_early) > self._max_early:
-                    self._finished_early.popitem(last=False)
-                return
-            self._remove(request_id, now)
-
-    def prefill_by_replica(self, now: float) -> dict[str, float]:
-        """Per replica, prompt tokens of this router's requests there still to prefill: whole
-        prompts until their first token, less `prefill_rate` times the time since routing. One
-        pass for every replica (a routing decision needs them all)."""
-        totals: dict[str, float] = {}
-        with self._lock:
-            for rid, prompt, routed_at in self._prefilling.values():
-                done = self.prefill_rate * max(now - routed_at, 0.0)
-                totals[rid] = totals.get(rid, 0.0) + max(prompt - done, 0.0)
-        return totals
-
-    def prefill_tokens(self, replica_id: str, now: float) -> float:
-        """`prefill_by_replica` for one replica."""
-        return self.prefill_by_replica(now).get(replica_id, 0.0)
-
-    def snapshot(self, now: float) -> dict:
-        """This tally as plain data (for the ingress's stats): per replica, requests in flight,
-        their tokens and the prefill estimate; the learned prefill rate."""
-        with self._lock:
-            replicas = {rid: n for rid, n in self._counts.items() if n}
-        prefill = self.prefill_by_replica(now)
-        return {
-            "prefill_rate": self.prefill_rate,
-            "replicas": {
-                rid: {
-                    "requests": n,
-                    "tokens": self.tokens(rid),
-                    "prefill_tokens": prefill.get(rid, 0.0),
-                }
-                for rid, n in replicas.items()
-            },
-        }
-
-    def requests(self, replica_id: str) -> int:
-        return self._counts.get(replica_id, 0)
-
-    def tokens(self, replica_id: str) -> int:
-        return self._tokens.get(replica_id, 0)
-
-    def completed_since(self, replica_id: str, since: float) -> int:
-        """This router's requests on `replica_id` that finished after time `since`."""
-        with self._lock:
-            count = 0
-            for t in reversed(self._completions.get(replica_id, ())):  # newest first
-                if t <= since:
-                    break
-                count += 1
-            return count
-
-    def forget_missing(self, replica_ids: Sequence[str]) -> None:
-        """Drop the tallies of replicas that are gone (their requests will never complete)."""
-        alive = set(replica_ids)
-        with self._lock:
-            for rid in [r for r in self._counts if r not in alive]:
-                self._counts.pop(rid, None)
-                self._tokens.pop(rid, None)
-                self._completions.pop(rid, None)
-            for entry in [e for e, (r, _, _) in self._requests.items() if r not in alive]:
-                _, _, request_id = self._requests.pop(entry)
-                self._reported.discard(request_id)
-                self._prefilling.pop(entry, None)
-
-
-# This process's routers' tallies: the ingress reports first tokens here (the routers are Ray's
-# objects, out of its reach). Kept in this module, which Ray imports by reference.
-_INFLIGHT_LOADS: weakref.WeakSet[InflightLoad] = weakref.WeakSet()
-
-
-def register_inflight(load: InflightLoad) -> None:
-    """Let `note_first_token` reach `load` (a router's tally, dropped with the router)."""
-    _INFLIGHT_LOADS.add(load)
-
-
-def note_first_token(request_id: str) -> None:
-    """The ingress got the first token of its request `request_id` (the payload's id): the
-    router that sent it stops counting its prompt as prefill still ahead on that replica."""
-    now = time.time()
-    for load in list(_INFLIGHT_LOADS):
-        load.first_token(request_id, now)
-
-
-def note_finished(request_id: str) -> None:
-    """The ingress's request `request_id` (the payload's id) is over: the router that sent it
-    takes it off its replica's tally."""
-    now = time.time()
-    for load in list(_INFLIGHT_LOADS):
-        load.finished(request_id, now)
-
-
-def inflight_state() -> list[dict]:
-    """What each of this process's routers knows of its requests in flight (`snapshot`), for
-    the ingress's stats."""
-    now = time.time()
-    return [load.snapshot(now) for load in list(_INFLIGHT_LOADS)]
-
-
-def request_tokens(payload: object) -> int:
-    """The KV footprint a request can reach: prompt tokens + max_tokens (0 if unknown)."""
-    if not isinstance(payload, dict):
-        return 0
-    sampling = payload.get("sampling") or {}
-    max_tokens = sampling.get("max_tokens", 0) if isinstance(sampling, dict) else 0
-    return prompt_tokens(payload) + int(max_tokens or 0)
-
-
-def prompt_tokens(payload: object) -> int:
-    """The request's prompt length in tokens (0 if unknown)."""
-    if not isinstance(payload, dict):
-        return 0
-    return len(payload.get("prompt_token_ids") or ())

@@ -7,10 +7,13 @@ stats each replica records about once a second (waiting, running, KV usage, rece
 preemptions, token budget).
 
 Ray builds the router inside the process that holds the deployment handle, the ingress replica,
-and gives user code no reference to it: each router registers its tally with router/policy.py
+and gives user code no reference to it: each router registers its tally with router/inflight.py
 (`register_inflight`), where the ingress's notes reach it. Not in
 this module: Ray pickles the router's module by value, so every router class it unpickles has
-its own copy of this module's globals."""
+its own copy of this module's globals.
+
+What crosses into here is typed (replica/contracts.py): the request being routed is the
+ingress's `GenerateRequest`, a replica's recorded stats are a `RoutingStats`."""
 
 from __future__ import annotations
 
@@ -19,21 +22,17 @@ import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from router.policy import (
-    InflightLoad,
-    Policy,
-    ReplicaStats,
-    RoutingConfig,
-    prompt_tokens,
-    register_inflight,
-    request_tokens,
-)
+from replica.contracts import GenerateRequest, RoutingStats
+from router.inflight import InflightLoad, register_inflight
+from router.policy import Policy, ReplicaStats, RoutingConfig
 
 
-def _payload(pending_request: PendingRequest | None) -> object:
+def _request(pending_request: PendingRequest | None) -> GenerateRequest | None:
+    """The GenerateRequest being routed (None for other calls: model_info, stats, ...)."""
     if pending_request is None or not pending_request.args:
         return None
-    return pending_request.args[0]
+    request = pending_request.args[0]
+    return request if isinstance(request, GenerateRequest) else None
 
 
 class LoadAwareRouter(RequestRouter):
@@ -49,22 +48,26 @@ class LoadAwareRouter(RequestRouter):
     ) -> ReplicaStats:
         rid = replica.replica_id.unique_id
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
-        recorded = replica.routing_stats or {}
-        ts = recorded.get("ts")
+        recorded = RoutingStats.from_dict(replica.routing_stats)
+        mine = dict(
+            inflight_requests=self.inflight.requests(rid),
+            inflight_tokens=self.inflight.tokens(rid),
+            prefill_tokens=prefill.get(rid, 0.0),
+        )
+        if recorded is None:  # no report yet: Ray's count and our own tally
+            return ReplicaStats(replica_id=rid, ongoing=int(ongoing or 0), **mine)
         return ReplicaStats(
             replica_id=rid,
             ongoing=int(ongoing or 0),
-            waiting=int(recorded.get("waiting", 0)),
-            running=int(recorded.get("running", 0)),
-            kv_usage=float(recorded.get("kv_usage", 0.0)),
-            preemptions_per_s=float(recorded.get("preemptions_per_s", 0.0)),
-            max_num_seqs=int(recorded.get("max_num_seqs", 0)),
-            stats_age_s=(now - ts) if ts else float("inf"),
-            inflight_requests=self.inflight.requests(rid),
-            inflight_tokens=self.inflight.tokens(rid),
-            completed_since_stats=self.inflight.completed_since(rid, ts) if ts else 0,
-            prefill_tokens=prefill.get(rid, 0.0),
-            max_num_batched_tokens=int(recorded.get("max_num_batched_tokens", 0)),
+            waiting=recorded.waiting,
+            running=recorded.running,
+            kv_usage=recorded.kv_usage,
+            preemptions_per_s=recorded.preemptions_per_s,
+            max_num_seqs=recorded.max_num_seqs,
+            stats_age_s=recorded.age_s(now),
+            completed_since_stats=self.inflight.completed_since(rid, recorded.ts),
+            max_num_batched_tokens=recorded.max_num_batched_tokens,
+            **mine,
         )
 
     async def choose_replicas(
@@ -78,9 +81,11 @@ class LoadAwareRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         prefill = self.inflight.prefill_by_replica(now)
         stats = [self._stats_of(r, now, prefill) for r in candidate_replicas]
-        payload = _payload(pending_request)
-        prefix = payload.get("prefix_key") if isinstance(payload, dict) else None
-        tiers = self.policy.rank(stats, prefix, request_tokens(payload))
+        request = _request(pending_request)
+        if request is None:
+            tiers = self.policy.rank(stats)
+        else:
+            tiers = self.policy.rank(stats, request.prefix_key, request.footprint_tokens)
         ranked = []
         for tier in tiers:
             replicas = [by_id[rid] for rid in tier if rid in by_id]
@@ -96,16 +101,15 @@ class LoadAwareRouter(RequestRouter):
         self.inflight.forget_missing([r.replica_id.unique_id for r in replicas])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        payload = _payload(pending_request)
-        tokens = request_tokens(payload)
-        if tokens:
+        request = _request(pending_request)
+        if request is not None:
             self.inflight.routed(
                 pending_request.metadata.internal_request_id,
                 replica_id.unique_id,
-                tokens,
-                prompt_tokens=prompt_tokens(payload),
-                # the ingress reports this request's first token and its end (policy.py)
-                key=payload.get("request_id") if payload.get("reports_progress") else None,
+                request.footprint_tokens,
+                prompt_tokens=request.num_prompt_tokens,
+                # the ingress reports this request's first token and its end (inflight.py)
+                key=request.request_id if request.reports_progress else None,
                 now=time.time(),
             )
 

@@ -1,130 +1,24 @@
-"""Shared fixtures: tiny random Llama / Qwen2 checkpoints with a locally trained byte-level BPE
-tokenizer, the converted default model, and a scheduler + runner loop that drives them."""
+"""Shared fixtures: tiny random Llama / Qwen2 / Mistral checkpoints (replica/tiny_models.py)
+with a locally trained byte-level BPE tokenizer, the converted default model, and a scheduler +
+runner loop that drives them."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-TINY_VOCAB = 512
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
-TINY_EOS_ID = 2
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+from replica.tiny_models import (  # noqa: F401  (re-exported for the tests)
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    TINY_EOS_ID,
+    TINY_VOCAB,
+    build_tiny_model,
+    build_tiny_tokenizer,
 )
-
-_PARAGRAPHS = [
-    "A replica runs an engine that schedules requests step by step. Each step gives a budget "
-    "of tokens to the running requests first and then admits waiting ones.",
-    "The key and value vectors of every token live in blocks of a paged cache. A block table "
-    "maps each request's positions to the blocks it holds, so memory is never fragmented.",
-    "When the cache runs out of blocks the newest request is preempted: its blocks are freed "
-    "and it is computed again later, producing exactly the same tokens as before.",
-    "Prefix caching hashes full blocks of tokens. Two prompts that share a system message "
-    "share the blocks of that message, and the second prompt skips their computation.",
-    "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly. "
-    "Numbers such as 12, 345 and 6789 appear too, with punctuation: commas, dots; colons!",
-]
-
-
-def _training_text() -> list[str]:
-    """A few paragraphs plus docstrings of stdlib modules: local, varied English and code."""
-    import collections
-    import functools
-    import itertools
-    import json as json_module
-    import pathlib
-    import re
-    import textwrap
-
-    texts = list(_PARAGRAPHS)
-    for module in (collections, functools, itertools, json_module, pathlib, re, textwrap):
-        texts.append(module.__doc__ or "")
-        for name in sorted(dir(module)):
-            doc = getattr(getattr(module, name), "__doc__", None)
-            if isinstance(doc, str):
-                texts.append(doc)
-    return texts
-
-
-def build_tiny_tokenizer(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_training_text(), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
-
-
-def build_tiny_model(
-    out_dir: Path, tokenizer_dir: Path, architecture: str, seed: int, **overrides
-) -> None:
-    """A random fp32 checkpoint whose weights are scaled up from HF's tiny init so greedy
-    choices have clear margins, with random biases and norm weights so loading them matters."""
-    import torch
-    import transformers
-
-    config_cls = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "mistral": transformers.MistralConfig,
-    }
-    model_cls = {
-        "llama": transformers.LlamaForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-        "mistral": transformers.MistralForCausalLM,
-    }
-    fields = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=TINY_VOCAB,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        bos_token_id=0,
-        eos_token_id=TINY_EOS_ID,
-        pad_token_id=0,
-    )
-    fields.update(overrides)
-    torch.manual_seed(seed)
-    model = model_cls[architecture](config_cls[architecture](**fields)).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=0, eos_token_id=TINY_EOS_ID, pad_token_id=0
-    )
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for item in tokenizer_dir.iterdir():
-        shutil.copy(item, out_dir / item.name)
 
 
 @pytest.fixture(scope="session")

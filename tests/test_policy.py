@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from replica.contracts import GenerateRequest
+from replica.request import SamplingParams
+from router.inflight import InflightLoad
 from router.policy import (
-    InflightLoad,
     Policy,
     ReplicaStats,
     RequestSize,
@@ -23,7 +25,6 @@ from router.policy import (
     preferred_replica,
     prefix_key,
     rank_replicas,
-    request_tokens,
     score,
     sized_queue,
 )
@@ -464,26 +465,28 @@ def test_inflight_load_counts_prefill_until_the_first_token() -> None:
     load.routed("r1", "a", 1280, prompt_tokens=1024, key="k1", now=0.0)
     load.routed("r2", "a", 48, prompt_tokens=32, key="k2", now=0.0)
     load.routed("r3", "b", 48)  # no key (a call without our payload): never counted as prefill
-    assert load.prefill_tokens("a", now=5.0) == 1056  # no rate learned yet: whole prompts
-    assert load.prefill_tokens("b", now=5.0) == 0
+    assert (
+        load.prefill_by_replica(now=5.0).get("a", 0) == 1056
+    )  # no rate learned yet: whole prompts
+    assert load.prefill_by_replica(now=5.0).get("b", 0) == 0
     load.first_token("k2", now=0.1)  # 32 tokens in 0.1 s: 320 tokens/s
     assert load.prefill_rate == pytest.approx(320.0)
-    assert load.prefill_tokens("a", now=1.0) == pytest.approx(1024 - 320)  # discounted
-    assert load.prefill_tokens("a", now=4.0) == 0  # the estimate says it must be done
+    assert load.prefill_by_replica(now=1.0).get("a", 0) == pytest.approx(1024 - 320)  # discounted
+    assert load.prefill_by_replica(now=4.0).get("a", 0) == 0  # the estimate says it must be done
     load.first_token("k2", now=9.0)  # a repeated or unknown key changes nothing
     load.first_token("nope", now=9.0)
     assert load.prefill_rate == pytest.approx(320.0)
     load.first_token("k1", now=1.024)  # tokens and seconds averaged apart, alpha 0.5
     assert load.prefill_rate == pytest.approx((1024 + 32) / (1.024 + 0.1))
-    assert load.prefill_tokens("a", now=1.1) == 0
+    assert load.prefill_by_replica(now=1.1).get("a", 0) == 0
     # a request that ends before its first token (aborted, failed) leaves no prefill behind
     load.routed("r4", "b", 600, prompt_tokens=512, key="k4", now=2.0)
-    assert load.prefill_tokens("b", now=2.0) == 512
+    assert load.prefill_by_replica(now=2.0).get("b", 0) == 512
     load.finished("k4", now=2.1)
-    assert load.prefill_tokens("b", now=2.1) == 0
+    assert load.prefill_by_replica(now=2.1).get("b", 0) == 0
     load.routed("r5", "gone", 600, prompt_tokens=512, key="k5", now=3.0)
     load.forget_missing(["a", "b"])
-    assert load.prefill_tokens("gone", now=3.0) == 0 and not load._prefilling
+    assert load.prefill_by_replica(now=3.0).get("gone", 0) == 0 and not load._prefilling
 
 
 def test_inflight_load_keyed_requests_end_when_their_sender_says() -> None:
@@ -508,14 +511,13 @@ def test_inflight_load_keyed_requests_end_when_their_sender_says() -> None:
     # a replica that goes away takes its keyed requests with it
     load.routed("ray-3", "gone", 300, prompt_tokens=256, key="k3", now=5.0)
     load.forget_missing(["a"])
-    assert (load.requests("gone"), load.prefill_tokens("gone", 5.0)) == (0, 0)
+    assert (load.requests("gone"), load.prefill_by_replica(5.0).get("gone", 0)) == (0, 0)
     load.finished("k3", now=6.0)
     assert load.tokens("gone") == 0
 
 
-def test_request_tokens_reads_the_ingress_payload() -> None:
-    payload = {"prompt_token_ids": [1] * 30, "sampling": {"max_tokens": 16}, "prefix_key": None}
-    assert request_tokens(payload) == 46
-    assert request_tokens({"prompt_token_ids": [1, 2]}) == 2
-    assert request_tokens(None) == 0
-    assert request_tokens("model_info") == 0
+def test_request_tokens_reads_the_ingress_request() -> None:
+    """The KV footprint the router weighs a request by: prompt + max_tokens."""
+    request = GenerateRequest([1] * 30, SamplingParams(max_tokens=16), "r1", prefix_key=None)
+    assert (request.footprint_tokens, request.num_prompt_tokens) == (46, 30)
+    assert GenerateRequest([1, 2], SamplingParams(max_tokens=1), "r2").footprint_tokens == 3

@@ -25,8 +25,8 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
+from replica.tiny_models import TINY_VOCAB, build_tiny_model  # noqa: E402
 from tests import helpers  # noqa: E402
-from tests.conftest import TINY_VOCAB, build_tiny_model  # noqa: E402
 from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "stepserve-reliability"

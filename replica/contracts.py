@@ -1,0 +1,109 @@
+"""The typed messages that cross a process boundary between the ingress, the request router, the
+autoscaler and a replica, each defined once and used on both sides (as vLLM's
+EngineCoreRequest, or Ray Serve LLM's typed requests between deployments):
+
+  GenerateRequest   ingress -> (router) -> replica: one choice to generate, with routing hints
+  RoutingStats      replica -> routers: its load, recorded about once a stats period
+  AutoscalingStats  replica -> autoscaling policy: the per-replica metrics Serve aggregates
+
+Ray Serve carries routing and autoscaling stats as dicts (a replica's `record_*_stats` returns
+one): `as_dict` builds it on the replica, `from_dict` reads it back on the other side, so the
+keys are written in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from replica.request import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One choice to generate: what the replica runs, plus what the router needs to place it."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    request_id: str  # the sender's id (a replica aborts it by this id; the router keys on it)
+    # routing hints
+    prefix_key: int | None = None  # hash of the prompt's first blocks (prefix affinity), or None
+    reports_progress: bool = False  # the sender reports the first token and the end (router tally)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def footprint_tokens(self) -> int:
+        """The KV footprint the request can reach: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingStats:
+    """One replica's load as of its engine's last step, for routers (and tests, the soak)."""
+
+    replica_id: str
+    ts: float  # wall time the stats were taken (time.time())
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_preemptions_total: int = 0
+    preemptions_per_s: float = 0.0  # over the last few seconds
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    num_free_blocks: int = 0
+    num_kv_blocks: int = 0
+    num_unfinished: int = 0  # requests with an open stream
+    num_request_states: int = 0  # requests the engine keeps state for (0 when idle)
+    cpu_threads: int = 0  # torch threads of the engine thread (0: not running yet)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> RoutingStats | None:
+        """The stats a replica recorded (None before its first report or for an unknown
+        shape: the router then ranks it by Ray's counts alone)."""
+        if not data or "replica_id" not in data or "ts" not in data:
+            return None
+        return cls(**{k: v for k, v in data.items() if k in _ROUTING_FIELDS})
+
+    def age_s(self, now: float) -> float:
+        return now - self.ts if self.ts else math.inf
+
+
+_ROUTING_FIELDS = frozenset(f.name for f in dataclasses.fields(RoutingStats))
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalingStats:
+    """The metrics a replica records for the autoscaling policy (cluster/autoscaling.py), which
+    Serve averages per replica over the look-back window and hands over by key."""
+
+    QUEUE_DEPTH: ClassVar[str] = "queue_depth"
+    WAITING: ClassVar[str] = "waiting"
+    KV_USAGE: ClassVar[str] = "kv_usage"
+    PREEMPTIONS_PER_S: ClassVar[str] = "preemptions_per_s"
+
+    queue_depth: float  # waiting + running
+    waiting: float
+    kv_usage: float
+    preemptions_per_s: float
+
+    @classmethod
+    def of(cls, stats: RoutingStats) -> AutoscalingStats:
+        return cls(
+            queue_depth=float(stats.waiting + stats.running),
+            waiting=float(stats.waiting),
+            kv_usage=float(stats.kv_usage),
+            preemptions_per_s=float(stats.preemptions_per_s),
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

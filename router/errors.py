@@ -1,0 +1,75 @@
+"""HTTP errors of the ingress, in OpenAI's error shape, and the mapping from what a replica (or
+Ray) raised to the status a client should see."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi.responses import JSONResponse, Response
+
+from replica.request import EngineDeadError, EngineOverloaded, RequestRejected
+from router.protocol import error_body
+
+logger = logging.getLogger("ray.serve")
+
+
+class HTTPError(Exception):
+    def __init__(
+        self, status: int, message: str, type_: str, param: str | None = None, headers=None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.message, self.type, self.status, self.param)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> HTTPError:
+    return HTTPError(400, message, "invalid_request_error", param)
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    cause = getattr(exc, "cause", None)  # RayTaskError keeps the replica's exception here
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def classify_error(exc: BaseException) -> HTTPError:
+    """Map what a replica (or Ray) raised to the HTTP error a client should see."""
+    exc = _root_cause(exc)
+    name = type(exc).__name__
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, RequestRejected):
+        return bad_request(str(exc))
+    if isinstance(exc, EngineOverloaded) or name == "BackPressureError":
+        return HTTPError(
+            429, f"server overloaded: {exc}", "rate_limit_error", headers={"Retry-After": "1"}
+        )
+    if isinstance(exc, EngineDeadError) or name in {
+        "ActorDiedError",
+        "RayActorError",
+        "ActorUnavailableError",
+        "ActorUnschedulableError",
+    }:
+        return HTTPError(503, f"replica failed: {exc}", "service_unavailable")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    return HTTPError(500, f"internal error: {name}: {exc}", "server_error")
+
+
+async def guarded(coro_fn, *args) -> Response:
+    """Run a handler; every failure becomes an OpenAI-style JSON error."""
+    try:
+        return await coro_fn(*args)
+    except HTTPError as err:
+        return err.response()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        err = classify_error(exc)
+        if err.status >= 500:
+            logger.exception("request failed")
+        return err.response()

@@ -1,0 +1,124 @@
+"""The ingress's calls to the LLM replicas: one `GenerateRequest` per choice through the
+deployment handle (routed by LoadAwareRouter), streamed or unary, several choices (n > 1, several
+prompts) at once; each request's first token and end are reported to the routers' tallies
+(router/inflight.py). Leaving early cancels the calls, which aborts each in its replica."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+
+from replica.contracts import GenerateRequest
+from replica.request import RequestOutput, SamplingParams
+from router.inflight import note_finished, note_first_token
+from router.policy import Policy
+
+# (choice index, prompt token ids, sampling params) of one choice
+Job = tuple[int, list[int], SamplingParams]
+
+
+class ReplicaCalls:
+    def __init__(self, handle, policy: Policy, block_size: int) -> None:
+        self.handle = handle
+        self.stream_handle = handle.options(stream=True)
+        self.policy = policy
+        self.block_size = block_size
+
+    def request(self, prompt_ids: list[int], params: SamplingParams) -> GenerateRequest:
+        return GenerateRequest(
+            prompt_token_ids=prompt_ids,
+            sampling=params,
+            request_id=uuid.uuid4().hex,
+            prefix_key=self.policy.prefix_key(prompt_ids, self.block_size),
+            # this ingress tells the router the request's first token and its end
+            reports_progress=True,
+        )
+
+    async def one_stream(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        request = self.request(prompt_ids, params)
+        first = True
+        try:
+            async for out in self.stream_handle.generate.remote(request):
+                if first:  # prefill is over: tell the router (it weighs prefill still ahead)
+                    first = False
+                    note_first_token(request.request_id)
+                yield out
+        finally:
+            note_finished(request.request_id)
+
+    async def complete_all(self, jobs: list[Job]) -> list[tuple[int, RequestOutput]]:
+        """Every job run to completion concurrently, one unary call each (a non-streaming
+        answer needs no per-token messages). Leaving early (client gone) cancels the calls,
+        and so aborts each in its replica."""
+
+        async def one(index: int, ids: list[int], params: SamplingParams):
+            if len(jobs) > 1:
+                own_serve_request_id()  # this task's context only
+            request = self.request(ids, params)
+            try:
+                out = await self.handle.generate_all.remote(request)
+            finally:
+                note_finished(request.request_id)
+            return index, out
+
+        if len(jobs) == 1:
+            return [await one(*jobs[0])]
+        tasks = [asyncio.ensure_future(one(*job)) for job in jobs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def fan_out(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every job concurrently; yield (choice index, delta) as they come. Leaving early
+        cancels every choice (and so aborts it in its replica)."""
+        if len(jobs) == 1:
+            index, ids, params = jobs[0]
+            async for out in self.one_stream(ids, params):
+                yield index, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int, ids: list[int], params: SamplingParams) -> None:
+            own_serve_request_id()  # this task's context only
+            try:
+                async for out in self.one_stream(ids, params):
+                    queue.put_nowait((index, out))
+            except BaseException as exc:  # forwarded to the consumer, which raises it
+                queue.put_nowait((index, exc))
+                return
+            queue.put_nowait((index, done))
+
+        tasks = [asyncio.ensure_future(pump(*job)) for job in jobs]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+def own_serve_request_id() -> None:
+    """Give the handle calls of the current task a Serve request id of their own. A call made
+    while serving a request inherits that request's internal id, and Ray Serve's router indexes
+    the calls waiting for a replica by it: two concurrent calls of one request (n > 1, several
+    prompts) collide and one of them is never routed, a hang. Cancelling the task still
+    cancels its call, so a client that leaves still aborts every choice."""
+    from ray.serve import context
+
+    current = context._get_serve_request_context()
+    fresh = dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+    context._serve_request_context.set(fresh)

@@ -1,0 +1,75 @@
+"""What the HTTP ingress is configured with. HttpConfig and AuthConfig are ClusterConfig's
+`http` and `auth` sections (cluster/config.py imports them from here: router/ does not import
+cluster/); IngressSettings is what the ingress deployment is built with."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from replica.config import EngineConfig
+from router.policy import RoutingConfig
+
+
+class HttpConfig(BaseModel):
+    """The HTTP edge: where the ingress listens and what it admits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    max_tokens_cap: int = Field(default=4096, ge=1, description="largest max_tokens accepted")
+    max_pending_requests: int = Field(
+        default=1024, ge=1, description="requests in flight at the ingress before 429"
+    )
+    request_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds; accepted, not yet enforced (a later issue makes it the "
+        "admission deadline)",
+    )
+    ingress_replicas: int = Field(
+        default=1,
+        ge=1,
+        description="HTTP ingress replicas (validation, tokenization, SSE); each applies "
+        "max_pending_requests on its own",
+    )
+
+
+class AuthConfig(BaseModel):
+    """Bearer API keys on /v1/*. Keys come from `api_keys` or the env var `api_keys_env`
+    (comma-separated; a Kubernetes Secret is mounted that way)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description="bearer keys (prefer the environment variable)"
+    )
+    api_keys_env: str = Field(
+        default="STEPSERVE_API_KEYS",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable the comma-separated keys are read from",
+    )
+
+    def resolved_keys(self) -> set[str]:
+        """Keys given in the config plus those in the env var, read in this process (so a
+        Kubernetes Secret mounted as env on the pod works and keys never travel in configs)."""
+        env = os.environ.get(self.api_keys_env, "")
+        given = {k.get_secret_value() for k in self.api_keys}
+        return given | {k.strip() for k in env.split(",") if k.strip()}
+
+
+class IngressSettings(BaseModel):
+    """The ingress deployment's arguments: the cluster config's sections it reads."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str  # the name clients put in `model`
+    model_dir: str | None  # where the tokenizer is; None: the default model
+    engine: EngineConfig
+    routing: RoutingConfig
+    http: HttpConfig = Field(default_factory=HttpConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)  # SecretStr: a repr shows no key
+    log_prompts: bool = False
