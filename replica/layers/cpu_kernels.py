@@ -46,13 +46,8 @@ _loaded: dict[str, ctypes.CDLL | None] = {}  # level -> library
 
 
 def _cpu_signature() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's flags (cache key: a build is tuned for the CPU it was made on)."""
+    return " ".join(sorted(cpu_isa.cpu_flags())) or platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:
