@@ -37,31 +37,38 @@ from bench._models import model_dir as resolve_model  # noqa: E402
 from bench.serving import (  # noqa: E402
     LoadConfig,
     RequestResult,
-    RequestSpec,
     heterogeneous_dataset,
     machine_info,
     percentile,
     prefix_repetition_dataset,
     print_summary,
+    run_conversations,
     run_load,
     summarize,
 )
 from cluster.config import ClusterConfig  # noqa: E402
+from sim.workloads import multi_turn_conversations, oracle_hit_tokens  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROUTERS = ("round_robin", "pow2", "load_aware", "load_aware+prefix")
+MULTI_TURN_ROUTERS = ("pow2", "load_aware", "load_aware+prefix", "load_aware+kv")
 BASELINE = "pow2"
 HET = "heterogeneous"
 PREFIX = "prefix-repetition"
+MULTI = "multi-turn"
+BLOCK_SIZE = 16
 SHORT, LONG = (32, 16), (1024, 256)  # (input, output) token means, +-25%
 
 
 def router_config(router: str, model: Path, args: argparse.Namespace) -> ClusterConfig:
-    """`policy[+prefix][/field=value[;field=value]]`: a RoutingConfig, e.g.
-    `load_aware/weight_prefill=0` (load_aware without the prefill term)."""
+    """`policy[+prefix|+kv][/field=value[;field=value]]`: a RoutingConfig, e.g.
+    `load_aware/weight_prefill=0` (load_aware without the prefill term); +prefix turns on
+    prefix affinity, +kv KV-event routing (routing.kv_events)."""
     router, _, fields = router.partition("/")
-    policy, _, affinity = router.partition("+")
+    policy, _, extra = router.partition("+")
     overrides = dict(item.split("=", 1) for item in fields.split(";") if item)
+    if extra == "kv":
+        overrides["kv_events"] = True
     return ClusterConfig.model_validate(
         {
             "engine": {
@@ -70,11 +77,11 @@ def router_config(router: str, model: Path, args: argparse.Namespace) -> Cluster
                 "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "num_kv_blocks": args.num_kv_blocks,
-                "block_size": 16,
+                "block_size": BLOCK_SIZE,
             },
             "replicas": args.replicas,
             "num_cpus_per_replica": args.num_cpus_per_replica,
-            "routing": {"policy": policy, "prefix_affinity": affinity == "prefix"} | overrides,
+            "routing": {"policy": policy, "prefix_affinity": extra == "prefix"} | overrides,
         }
     )
 
@@ -87,7 +94,9 @@ def app_name(router: str) -> str:
 class Phase:
     workload: str
     rate: float
-    windows: list[list[RequestSpec]]  # one request list per round, the same for every router
+    # one request list (multi-turn: one list of conversations) per round, the same for every
+    # router
+    windows: list[list]
 
     @property
     def key(self) -> str:
@@ -117,7 +126,33 @@ def phases(args: argparse.Namespace) -> list[Phase]:
             for rnd in range(args.rounds)
         ]  # fmt: skip
         out.append(Phase(PREFIX, args.prefix_rate, windows))
+    if MULTI in args.workloads:
+        n = max(2, round(args.chat_rate * args.seconds))
+        windows = [
+            multi_turn_conversations(
+                n, args.chat_rate, random.Random(args.seed * 1000 + 900 + rnd),
+                num_system_prompts=args.num_system_prompts, system_len=args.system_len,
+                user_len=32, output_len=32, turns=(3, 6), think_s=args.think_s,
+                system_rng=random.Random(args.seed + 11),
+            )
+            for rnd in range(args.rounds)
+        ]  # fmt: skip
+        out.append(Phase(MULTI, args.chat_rate, windows))
     return out
+
+
+def oracle_tokens(turns_by_round: list[list]) -> tuple[int, int]:
+    """(prompt tokens, oracle hit tokens) of a router's multi-turn rounds: the hits one cache
+    holding every block ever computed would have had (sim.workloads.oracle_hit_tokens), the
+    rounds in the order they ran (caches carry over from one round to the next)."""
+    rows = []
+    for rnd, turns in enumerate(turns_by_round):
+        base = rnd * 1e6
+        for t in turns:
+            if t.result.success:
+                rows.append((base + t.sent_s, t.prompt_ids, base + t.done_s, t.answer_ids))
+    hits = oracle_hit_tokens(rows, BLOCK_SIZE)
+    return sum(len(r[1]) for r in rows), sum(hits)
 
 
 def replica_table(deltas: dict[str, dict[str, float]]) -> dict[str, dict]:
@@ -158,14 +193,20 @@ def run_phase(cluster: LocalCluster, phase: Phase, urls: dict, replicas: dict, a
     collected: dict[str, list[RequestResult]] = {r: [] for r in routers}
     durations = dict.fromkeys(routers, 0.0)
     windows: dict[str, list[dict]] = {r: [] for r in routers}
+    turns: dict[str, list[list]] = {r: [] for r in routers}
     before = cluster.settled_counters()
     for rnd, specs in enumerate(phase.windows):
         shift = rnd % len(routers)
         for router in routers[shift:] + routers[:shift]:
-            cfg = LoadConfig(
-                urls[router], request_rate=phase.rate, burstiness=args.burstiness, seed=rnd
-            )
-            results, duration = asyncio.run(run_load(cfg, specs))
+            if phase.workload == MULTI:
+                sent, duration = asyncio.run(run_conversations(urls[router], specs))
+                turns[router].append(sent)
+                results = [t.result for t in sent]
+            else:
+                cfg = LoadConfig(
+                    urls[router], request_rate=phase.rate, burstiness=args.burstiness, seed=rnd
+                )
+                results, duration = asyncio.run(run_load(cfg, specs))
             collected[router] += results
             durations[router] += duration
             windows[router].append(window_line(router, phase, rnd, results))
@@ -176,7 +217,19 @@ def run_phase(cluster: LocalCluster, phase: Phase, urls: dict, replicas: dict, a
         table = replica_table(counter_deltas(before, after, replicas[router]))
         queries = sum(r["prefix_cache_queries"] for r in table.values())
         hits = sum(r["prefix_cache_hits"] for r in table.values())
+        extra = {}
+        if phase.workload == MULTI:
+            prompt, oracle = oracle_tokens(turns[router])
+            extra = {
+                "prompt_tokens_sent": prompt,
+                "oracle_hit_tokens": oracle,
+                "hit_tokens": int(hits),
+                "prefilled_tokens": int(queries - hits),
+                "hits_vs_oracle": round(hits / oracle, 4) if oracle else None,
+                "turns": len(collected[router]),
+            }
         out[router] = {
+            **extra,
             "workload": phase.workload,
             "request_rate": phase.rate,
             "rounds": len(phase.windows),
@@ -221,13 +274,43 @@ def compare(results: dict) -> dict:
                     run["prefix_cache_hit_rate"], base["prefix_cache_hit_rate"]
                 ),
                 "rounds_with_lower_p99_than_pow2": f"{wins}/{len(run['windows'])}",
-            }
+                "round_ttft_p50_ms": [w["ttft_p50_ms"] for w in run["windows"]],
+                "round_ttft_p99_ms": [w["ttft_p99_ms"] for w in run["windows"]],
+                **{k: run[k] for k in ("hit_tokens", "prefilled_tokens", "oracle_hit_tokens",
+                                       "hits_vs_oracle", "prompt_tokens_sent") if k in run},
+            }  # fmt: skip
     return out
 
 
 def evaluate_targets(comparison: dict) -> dict:
     targets = {}
     for key, by_router in comparison.items():
+        kv, aff = by_router.get("load_aware+kv"), by_router.get("load_aware+prefix")
+        if key.startswith(MULTI) and kv:
+            others = {r: c for r, c in by_router.items() if r != "load_aware+kv"}
+            targets[f"load_aware+kv hits >= 0.9x the oracle's ({key})"] = {
+                "hits_vs_oracle": kv["hits_vs_oracle"],
+                "met": (kv["hits_vs_oracle"] or 0) >= 0.9,
+            }
+            if aff:
+                r = ratio(kv["prefilled_tokens"], aff["prefilled_tokens"])
+                targets[f"load_aware+kv prefilled tokens <= 0.7x prefix affinity's ({key})"] = {
+                    "prefilled_ratio": r,
+                    "met": r is not None and r <= 0.7,
+                }
+            for q in ("p50", "p99"):
+                ratios = {
+                    r: ratio(kv[f"ttft_{q}_ms"], c[f"ttft_{q}_ms"]) for r, c in others.items()
+                }
+                targets[f"load_aware+kv TTFT {q} lower than every other router ({key})"] = {
+                    "ratios": ratios,
+                    "met": all(x is not None and x < 1.0 for x in ratios.values()),
+                }
+            tput = {r: ratio(kv["output_tok_s"], c["output_tok_s"]) for r, c in others.items()}
+            targets[f"load_aware+kv throughput not lower (>= 0.98x each) ({key})"] = {
+                "ratios": tput,
+                "met": all(x is not None and x >= 0.98 for x in tput.values()),
+            }
         la, la_p = by_router.get("load_aware"), by_router.get("load_aware+prefix")
         if key.startswith(HET) and la:
             r = la["ttft_p99_vs_pow2"]
@@ -253,6 +336,13 @@ def print_tables(comparison: dict) -> None:
             f"{'router':<18} {'TTFT p50':>9} {'TTFT p99':>9} {'p99/pow2':>9} {'rounds':>7} "
             f"{'req/s':>6} {'tput/pow2':>9} {'prefix hit':>10} {'hit/pow2':>9} {'preempt':>8}"
         )
+        if key.startswith(MULTI):
+            print(f"{'router':<18} {'hit tok':>9} {'prefilled':>9} {'oracle':>9} {'hit/orc':>8} "
+                  f"{'round p50s':>30} {'round p99s':>30}")  # fmt: skip
+            for router, c in by_router.items():
+                print(f"{router:<18} {c['hit_tokens']:>9} {c['prefilled_tokens']:>9} "
+                      f"{c['oracle_hit_tokens']:>9} {c['hits_vs_oracle'] or 0:>8.3f} "
+                      f"{str(c['round_ttft_p50_ms']):>30} {str(c['round_ttft_p99_ms']):>30}")  # fmt: skip
         for router, c in by_router.items():
             hit = c["prefix_cache_hit_rate"]
             print(
@@ -272,7 +362,7 @@ def main() -> None:
         default=",".join(ROUTERS),
         help="comma list; each policy[+prefix][/field=value;...] (RoutingConfig fields)",
     )
-    p.add_argument("--workloads", default=f"{HET},{PREFIX}")
+    p.add_argument("--workloads", default=f"{HET},{PREFIX}", help=f"of {HET},{PREFIX},{MULTI}")
     p.add_argument("--rates", default="6", help="heterogeneous request rates (comma list)")
     p.add_argument("--prefix-rate", type=float, default=8.0)
     p.add_argument("--seconds", type=float, default=12.0, help="arrival window per round")
@@ -286,6 +376,10 @@ def main() -> None:
     p.add_argument("--long-fraction", type=float, default=0.1)
     p.add_argument("--num-prefixes", type=int, default=20)
     p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument("--chat-rate", type=float, default=1.0, help="multi-turn: chats started/s")
+    p.add_argument("--num-system-prompts", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--think-s", type=float, default=2.0)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--num-cpus-per-replica", type=float, default=0.1)
     p.add_argument("--max-num-seqs", type=int, default=4)
@@ -362,6 +456,10 @@ def main() -> None:
             PREFIX: {"rate": args.prefix_rate, "seconds_per_round": args.seconds,
                      "num_prefixes": args.num_prefixes, "prefix_len": args.prefix_len,
                      "suffix_len": 32, "output_len": 16},
+            MULTI: {"chats_per_s": args.chat_rate, "seconds_per_round": args.seconds,
+                    "num_system_prompts": args.num_system_prompts,
+                    "system_len": args.system_len, "user_len": "32 (+-50%)",
+                    "output_len": "32 (+-50%)", "turns": "3-6", "think_s": args.think_s},
         },
         "host_before": host,
         "host_after": machine_info(),

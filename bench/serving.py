@@ -27,141 +27,19 @@ from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sim.workloads import (  # noqa: E402,F401  (the datasets live with the simulator's workloads)
+    DEFAULT_TOKEN_RANGE,
+    RequestSpec,
+    arrival_offsets,
+    heterogeneous_dataset,
+    long_tail_dataset,
+    prefix_repetition_dataset,
+    random_dataset,
+)
+
 PERCENTILES = (90.0, 99.0)  # the median is always reported
-# Token ids drawn for prompts: above the tiny tokenizer's specials (0-2), inside every vocab
-# we serve (the tiny one has 512 ids).
-DEFAULT_TOKEN_RANGE = (10, 500)
-
-
-# -- datasets -----------------------------------------------------------------------------------
-@dataclass
-class RequestSpec:
-    """One request to send: its prompt as token ids and how many tokens it must generate."""
-
-    prompt_ids: list[int]
-    output_len: int
-    kind: str = "random"  # a class label for per-class breakdowns (short / long / prefix-3 ...)
-
-
-def _tokens(rng: random.Random, n: int, token_range: tuple[int, int]) -> list[int]:
-    low, high = token_range
-    return [rng.randrange(low, high) for _ in range(n)]
-
-
-def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
-    """Uniform in [mean * (1 - r), mean * (1 + r)], at least 1."""
-    low = max(1, int(mean * (1 - range_ratio)))
-    high = max(low, int(mean * (1 + range_ratio)))
-    return rng.randint(low, high)
-
-
-def random_dataset(
-    n: int,
-    input_len: int,
-    output_len: int,
-    range_ratio: float,
-    rng: random.Random,
-    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
-) -> list[RequestSpec]:
-    return [
-        RequestSpec(
-            _tokens(rng, _length(rng, input_len, range_ratio), token_range),
-            _length(rng, output_len, range_ratio),
-            "random",
-        )
-        for _ in range(n)
-    ]
-
-
-def prefix_repetition_dataset(
-    n: int,
-    num_prefixes: int,
-    prefix_len: int,
-    suffix_len: int,
-    output_len: int,
-    rng: random.Random,
-    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
-    prefix_rng: random.Random | None = None,
-) -> list[RequestSpec]:
-    """`num_prefixes` shared prefixes (system prompts, few-shot headers), each request one of
-    them (uniformly at random) plus a unique suffix: the prefix cache's best case, if the
-    same prefix keeps landing on the replica that has it cached. `prefix_rng` (default `rng`)
-    draws the prefixes, so several datasets can share them."""
-    prefixes = [_tokens(prefix_rng or rng, prefix_len, token_range) for _ in range(num_prefixes)]
-    specs = []
-    for _ in range(n):
-        which = rng.randrange(num_prefixes)
-        prompt = prefixes[which] + _tokens(rng, suffix_len, token_range)
-        specs.append(RequestSpec(prompt, output_len, f"prefix-{which}"))
-    return specs
-
-
-def long_tail_dataset(
-    n: int,
-    input_len: int,
-    output_median: int,
-    output_max: int,
-    sigma: float,
-    rng: random.Random,
-    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
-) -> list[RequestSpec]:
-    """Output lengths log-normal around `output_median`, clipped to [1, output_max]: most
-    answers short, a few very long ones (the shape chat traffic has)."""
-    specs = []
-    for _ in range(n):
-        out = int(
-            min(output_max, max(1, round(rng.lognormvariate(math.log(output_median), sigma))))
-        )
-        specs.append(
-            RequestSpec(_tokens(rng, _length(rng, input_len, 0.5), token_range), out, "tail")
-        )
-    return specs
-
-
-def heterogeneous_dataset(
-    n: int,
-    long_fraction: float,
-    short: tuple[int, int],
-    long: tuple[int, int],
-    rng: random.Random,
-    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
-) -> list[RequestSpec]:
-    """Short chat turns mixed with very long prompts and outputs ((input, output) means, +-25%):
-    a few long requests hold a replica's seats and KV cache for a long time, so where each
-    request lands matters. Exactly round(n * long_fraction) of them are long, at random
-    positions, so that datasets of the same size carry the same load."""
-    num_long = round(n * long_fraction)
-    kinds = [True] * num_long + [False] * (n - num_long)
-    rng.shuffle(kinds)
-    specs = []
-    for is_long in kinds:
-        input_len, output_len = long if is_long else short
-        specs.append(
-            RequestSpec(
-                _tokens(rng, _length(rng, input_len, 0.25), token_range),
-                _length(rng, output_len, 0.25),
-                "long" if is_long else "short",
-            )
-        )
-    return specs
-
-
-# -- arrivals -----------------------------------------------------------------------------------
-def arrival_offsets(
-    n: int, request_rate: float, burstiness: float, rng: random.Random
-) -> list[float]:
-    """Send times (s from the start) of n requests: gamma inter-arrivals with mean 1/rate and
-    shape `burstiness` (1 = Poisson). An infinite rate sends everything at once."""
-    if math.isinf(request_rate):
-        return [0.0] * n
-    if request_rate <= 0 or burstiness <= 0:
-        raise ValueError(f"request rate ({request_rate}) and burstiness ({burstiness}) must be > 0")
-    scale = 1.0 / (request_rate * burstiness)
-    t, out = 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.gammavariate(burstiness, scale)
-    return out
 
 
 # -- one request ----------------------------------------------------------------------------------
@@ -289,14 +167,18 @@ def _chat_text_fn(tokenizer: str | None):
 
 
 async def run_load(
-    cfg: LoadConfig, specs: Sequence[RequestSpec]
+    cfg: LoadConfig, specs: Sequence[RequestSpec], offsets: Sequence[float] | None = None
 ) -> tuple[list[RequestResult], float]:
-    """Send `specs` per the arrival process; returns results (in spec order) and wall time."""
+    """Send `specs` per the arrival process (or at the given `offsets`, seconds from the start:
+    a trace's times); returns results (in spec order) and wall time."""
     path = "/v1/chat/completions" if cfg.endpoint == "chat" else "/v1/completions"
     url = cfg.base_url.rstrip("/") + path
     chat_text = _chat_text_fn(cfg.tokenizer)
     bodies = [request_body(s, cfg.endpoint, cfg.model, cfg.extra_body, chat_text) for s in specs]
-    offsets = arrival_offsets(len(specs), cfg.request_rate, cfg.burstiness, random.Random(cfg.seed))
+    if offsets is None:
+        offsets = arrival_offsets(
+            len(specs), cfg.request_rate, cfg.burstiness, random.Random(cfg.seed)
+        )
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
@@ -315,6 +197,104 @@ async def run_load(
         results = await asyncio.gather(*(one(i) for i in range(len(specs))))
         duration = time.perf_counter() - t_zero
     return list(results), duration
+
+
+@dataclass
+class TurnResult:
+    """One conversation turn sent by `run_conversations`: its result, the prompt sent, when it
+    was sent and ended (s from the run's start) and the token ids the server generated."""
+
+    result: RequestResult
+    prompt_ids: list[int]
+    sent_s: float
+    done_s: float
+    answer_ids: list[int]
+
+
+async def send_turn(
+    session: aiohttp.ClientSession, url: str, body: dict, spec: RequestSpec, t_zero: float
+) -> tuple[RequestResult, list[int]]:
+    """`send_request` for a streamed completion with return_token_ids: also collects the ids."""
+    result = RequestResult(spec.kind, len(spec.prompt_ids), spec.output_len)
+    ids: list[int] = []
+    start = time.perf_counter()
+    result.start = start - t_zero
+    last = start
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return result, ids
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = str(event["error"].get("message", event["error"]))[:200]
+                    return result, ids
+                for choice in event.get("choices") or []:
+                    new = choice.get("token_ids") or []
+                    if not new:
+                        continue
+                    now = time.perf_counter()
+                    if not ids:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    ids.extend(new)
+        result.e2e = time.perf_counter() - start
+        result.output_len = len(ids)
+        result.success = bool(ids)
+        if not ids:
+            result.error = "no tokens"
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+    return result, ids
+
+
+async def run_conversations(
+    base_url: str, conversations, model: str | None = None, timeout_s: float = 600.0
+) -> tuple[list[TurnResult], float]:
+    """Closed-loop chats (sim.workloads.Conversation): each starts at its start time; each
+    turn's prompt is the whole history with the answers the server actually generated
+    (return_token_ids), sent after the previous answer and the user's think time."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    out: list[TurnResult] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t_zero = time.perf_counter()
+
+        async def chat(conv) -> None:
+            delay = t_zero + conv.start_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            answers: list[list[int]] = []
+            for k, turn in enumerate(conv.turns):
+                spec = conv.spec(k, answers)
+                body = {
+                    "prompt": spec.prompt_ids, "max_tokens": turn.output_len, "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "return_token_ids": True,
+                }  # fmt: skip
+                if model:
+                    body["model"] = model
+                sent = time.perf_counter() - t_zero
+                result, ids = await send_turn(session, url, body, spec, t_zero)
+                done = time.perf_counter() - t_zero
+                out.append(TurnResult(result, spec.prompt_ids, sent, done, ids))
+                if not result.success:
+                    return
+                answers.append(ids)
+                await asyncio.sleep(turn.think_s)
+
+        await asyncio.gather(*(chat(c) for c in conversations))
+        duration = time.perf_counter() - t_zero
+    return out, duration
 
 
 async def fetch_model(base_url: str) -> str | None:

@@ -41,7 +41,9 @@ def replica_options(config: ClusterConfig) -> dict:
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTERS[config.routing.policy],
             request_router_kwargs=(
-                {"routing": config.routing.model_dump()} if config.routing.policy != "pow2" else {}
+                {"routing": config.routing.model_dump(), "block_size": engine.block_size}
+                if config.routing.policy != "pow2"
+                else {}
             ),
             request_routing_stats_period_s=config.routing.stats_period_s,
             request_routing_stats_timeout_s=max(1.0, config.routing.stats_period_s * 5),
@@ -115,7 +117,7 @@ def ingress_settings(config: ClusterConfig) -> IngressSettings:
 def build_app(args: ClusterConfig) -> serve.Application:
     config = args if isinstance(args, ClusterConfig) else ClusterConfig.model_validate(args)
     llm = serve.deployment(LLMServer).options(**replica_options(config))
-    llm_app = llm.bind(config.engine.model_dump())
+    llm_app = llm.bind(config.engine.model_dump(), kv_events=config.routing.kv_events)
     ingress = make_ingress_deployment().options(
         num_replicas=config.http.ingress_replicas,
         ray_actor_options={"num_cpus": 0},

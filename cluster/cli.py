@@ -123,6 +123,8 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         data.setdefault("routing", {})["policy"] = args.router
     if args.prefix_affinity:
         data.setdefault("routing", {})["prefix_affinity"] = True
+    if args.kv_events is not None:
+        data.setdefault("routing", {})["kv_events"] = args.kv_events
     return ClusterConfig.model_validate(data)
 
 
@@ -428,6 +430,13 @@ def make_parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--target-queue-depth", type=float)
     serve_p.add_argument("--router", choices=["load_aware", "pow2", "round_robin"])
     serve_p.add_argument("--prefix-affinity", action="store_true")
+    serve_p.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="route by each replica's actual prefix cache, mirrored from its KV events "
+        "(routing.kv_events)",
+    )
     serve_p.set_defaults(func=cmd_serve)
 
     gen_p = sub.add_parser("generate", help="print one completion (offline engine)")
@@ -438,6 +447,10 @@ def make_parser() -> argparse.ArgumentParser:
     gen_p.add_argument("--temperature", type=float, default=0.0)
     gen_p.add_argument("--seed", type=int)
     gen_p.set_defaults(func=cmd_generate)
+
+    from sim.cli import add_commands
+
+    add_commands(sub, _add_engine_args)
     return parser
 
 

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from replica.request import SamplingParams
+
+if TYPE_CHECKING:
+    from replica.config import EngineConfig
+    from replica.scheduler import SchedulerStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,37 @@ class RoutingStats:
     num_request_states: int = 0  # requests the engine keeps state for (0 when idle)
     cpu_threads: int = 0  # torch threads of the engine thread (0: not running yet)
 
+    @classmethod
+    def of_scheduler(
+        cls,
+        replica_id: str,
+        now: float,
+        stats: SchedulerStats,
+        config: EngineConfig,
+        preemptions: PreemptionRate,
+        num_kv_blocks: int,
+        num_free_blocks: int,
+        **extra: Any,
+    ) -> RoutingStats:
+        """A replica's report from its scheduler's counters (the serving replica and the
+        simulator build it here, so both report alike)."""
+        return cls(
+            replica_id=replica_id,
+            ts=now,
+            waiting=stats.num_waiting,
+            running=stats.num_running,
+            kv_usage=stats.kv_usage,
+            num_preemptions_total=stats.num_preemptions_total,
+            preemptions_per_s=preemptions.update(now, stats.num_preemptions_total),
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            num_free_blocks=num_free_blocks,
+            num_kv_blocks=num_kv_blocks,
+            **extra,
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
@@ -79,6 +115,23 @@ class RoutingStats:
 
 
 _ROUTING_FIELDS = frozenset(f.name for f in dataclasses.fields(RoutingStats))
+
+
+class PreemptionRate:
+    """Preemptions per second over the last `window_s`, from the running total sampled at each
+    report."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def update(self, now: float, total: int) -> float:
+        samples = self._samples
+        samples.append((now, total))
+        while len(samples) > 1 and now - samples[0][0] > self.window_s:
+            samples.popleft()
+        t0, n0 = samples[0]
+        return (total - n0) / (now - t0) if now > t0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ import os
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,8 +16,10 @@ from prometheus_client import start_http_server
 from ray import serve
 
 from replica.config import EngineConfig
-from replica.contracts import AutoscalingStats, GenerateRequest, RoutingStats
+from replica.contracts import AutoscalingStats, GenerateRequest, PreemptionRate, RoutingStats
 from replica.engine import AsyncEngine, Engine
+from replica.kv_events import get_kv_hub
+from replica.kv_publisher import KVEventPublisher
 from replica.metrics import HUB_NAME, HUB_NAMESPACE, EngineMetrics
 from replica.request import RequestOutput
 
@@ -75,7 +76,7 @@ def resolve_cpu_threads(settings: dict) -> int:
 class LLMServer:
     """Deployment class (wrapped with serve.deployment by cluster/app.py)."""
 
-    def __init__(self, engine_config: dict) -> None:
+    def __init__(self, engine_config: dict, kv_events: bool = False) -> None:
         config = EngineConfig.model_validate(engine_config)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         if config.resolved_device() != "cuda":
@@ -91,7 +92,14 @@ class LLMServer:
             self.replica_id = f"pid-{os.getpid()}"
         self.engine = AsyncEngine(Engine(config))
         self.config = config
-        self._preemption_samples: deque[tuple[float, int]] = deque()
+        self.kv_events: KVEventPublisher | None = None
+        if kv_events:  # routers mirror this replica's prefix cache (router/kv_index.py)
+            try:
+                app = serve.get_replica_context().app_name
+            except Exception:
+                app = "default"
+            self.kv_events = KVEventPublisher(self.engine, self.replica_id, get_kv_hub(app))
+        self._preemptions = PreemptionRate(_PREEMPTION_WINDOW_S)
         model_name = config.served_model_name or Path(self.engine.engine.model_dir).name
         self.metrics = EngineMetrics(self.engine.engine, model_name, self.replica_id)
         self._metrics_stop = threading.Event()
@@ -152,33 +160,17 @@ class LLMServer:
             "replica_id": self.replica_id,
         }
 
-    def _preemption_rate(self, now: float, total: int) -> float:
-        samples = self._preemption_samples
-        samples.append((now, total))
-        while len(samples) > 1 and now - samples[0][0] > _PREEMPTION_WINDOW_S:
-            samples.popleft()
-        t0, n0 = samples[0]
-        return (total - n0) / (now - t0) if now > t0 else 0.0
-
     def routing_stats(self) -> RoutingStats:
         """Engine counters as of the last step."""
-        s = self.engine.stats()
-        now = time.time()
         engine = self.engine.engine
-        return RoutingStats(
-            replica_id=self.replica_id,
-            ts=now,
-            waiting=s.num_waiting,
-            running=s.num_running,
-            kv_usage=s.kv_usage,
-            num_preemptions_total=s.num_preemptions_total,
-            preemptions_per_s=self._preemption_rate(now, s.num_preemptions_total),
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            num_free_blocks=engine.num_free_blocks,
+        return RoutingStats.of_scheduler(
+            self.replica_id,
+            time.time(),
+            self.engine.stats(),
+            self.config,
+            self._preemptions,
             num_kv_blocks=engine.num_kv_blocks,
+            num_free_blocks=engine.num_free_blocks,
             num_unfinished=self.engine.num_unfinished(),
             num_request_states=engine.num_request_states,
             cpu_threads=self.engine.num_threads,
@@ -214,7 +206,22 @@ class LLMServer:
                 logger.debug("metrics push failed: %s", exc)
                 hub = None
 
+    def kv_events_state(self) -> dict | None:
+        """The KV-event publisher's counters and this replica's cached-hash table, as of its
+        last sealed batch (tests compare it with the routers' index)."""
+        if self.kv_events is None:
+            return None
+        log = self.kv_events.log
+        snapshot = self.engine.call_on_engine_thread(lambda engine: log.snapshot()).result(30)
+        return {**self.kv_events.stats(), "replica_id": self.replica_id, "snapshot_seq": snapshot.seq,
+                "hashes": sorted(snapshot.blocks)}  # fmt: skip
+
     def __del__(self) -> None:
+        try:
+            if self.kv_events is not None:
+                self.kv_events.stop()
+        except Exception:
+            pass
         try:
             self._metrics_stop.set()
             self.engine.shutdown()

@@ -4,6 +4,7 @@ AsyncEngine runs that loop on a background thread and gives each request an asyn
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import logging
@@ -347,6 +348,13 @@ class AsyncEngine:
         self._inbox.append(("threads", num_threads))
         self._wake.set()
 
+    def call_on_engine_thread(self, fn) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between two steps; its result in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.append(("call", fn, future))
+        self._wake.set()
+        return future
+
     async def generate(
         self,
         prompt_token_ids: Sequence[int],
@@ -438,6 +446,12 @@ class AsyncEngine:
                     engine.add_request(rid, ids, params, arrival)
                 except Exception as exc:  # surfaced to the caller, not fatal to the engine
                     self._deliver_error(rid, exc)
+            elif command[0] == "call":
+                _, fn, future = command
+                try:
+                    future.set_result(fn(engine))
+                except Exception as exc:
+                    future.set_exception(exc)
             elif command[0] == "threads":
                 import torch
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from replica.request import Request
+from replica.kv_events import KVEventLog
+from replica.request import ROOT_BLOCK_HASH, Request
 
 
 class KVBlock:
@@ -77,6 +78,17 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}
+        # every change to `cached` is reported here once events are on (replica/kv_events.py)
+        self.events: KVEventLog | None = None
+
+    def enable_events(self, block_size: int) -> KVEventLog:
+        """Start reporting changes to the cached-hash table; the table's current contents
+        arrive as stored events in the first batch."""
+        if self.events is None:
+            self.events = KVEventLog(block_size)
+            for block_hash in self.cached:
+                self.events.stored(block_hash, ROOT_BLOCK_HASH)
+        return self.events
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +109,8 @@ class BlockPool:
             if block.block_hash is not None:  # evict: its old contents are about to be overwritten
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.events is not None:
+                        self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -117,12 +131,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVBlock, block_hash: int, parent: int = ROOT_BLOCK_HASH) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
         # first writer wins: an identical block already cached stays the canonical one
-        self.cached.setdefault(block_hash, block)
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            if self.events is not None:
+                self.events.stored(block_hash, parent)
 
 
 class KVCacheManager:
@@ -215,7 +232,7 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         for i in range(start, end):
-            self.pool.cache_block(held[i], hashes[i])
+            self.pool.cache_block(held[i], hashes[i], hashes[i - 1] if i else ROOT_BLOCK_HASH)
         self._num_cached_blocks[rid] = end
 
     def free(self, request: Request) -> None:

@@ -20,6 +20,26 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; the replica must be replaced (HTTP 503)."""
 
 
+# The parent of a prompt's first block in the hash chain. Hashes must be equal in every process
+# (the router predicts a replica's prefix-cache hits from them, router/kv_index.py): Python's
+# hash of a tuple of ints is (no per-process salt, unlike str; unlike None, whose hash is its
+# address before Python 3.12).
+ROOT_BLOCK_HASH = 0x5EED_B10C
+
+
+def extend_block_hashes(hashes: list[int], tokens: list[int], block_size: int) -> list[int]:
+    """Append to `hashes` the chained hash of every full block of `tokens` past those already
+    hashed: block i's hash is hash((block i-1's hash, its tokens)). The one implementation the
+    replica's prefix cache and the router's KV index share."""
+    start = len(hashes) * block_size
+    parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+    while start + block_size <= len(tokens):
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        hashes.append(parent)
+        start += block_size
+    return hashes
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -156,13 +176,7 @@ class Request:
 
     def update_block_hashes(self, block_size: int) -> None:
         """Hash every newly completed full block, chained on its parent's hash."""
-        hashes = self.block_hashes
-        tokens = self.all_token_ids
-        start = len(hashes) * block_size
-        while start + block_size <= len(tokens):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(tokens[start : start + block_size]))))
-            start += block_size
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size)
 
     def __repr__(self) -> str:
         return (

@@ -6,6 +6,7 @@ deployment where no model hub can be reached. Needs `tokenizers` and `transforme
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 TINY_VOCAB = 512
@@ -122,3 +123,57 @@ def build_tiny_model(
     model.save_pretrained(out_dir, safe_serialization=True)
     for item in tokenizer_dir.iterdir():
         shutil.copy(item, out_dir / item.name)
+
+
+# A bigger sibling of the tests' tiny Llama: enough compute per token that batch size and
+# prompt length show up in step times, still far cheaper than the 135M default model.
+BENCH_TINY_FIELDS = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=384,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
+_TINY_NAME = "bench-tiny-llama-v1"
+_DONE_MARKER = ".stepserve-bench-built"
+
+
+def bench_tiny_model_dir() -> Path:
+    """The benchmark's tiny random Llama (vocab 512), built on first use into the cache."""
+    from replica.default_model import cache_root
+
+    target = cache_root() / _TINY_NAME
+    if (target / _DONE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{_TINY_NAME}-", dir=target.parent) as tmp:
+        tok_dir, model_dir = Path(tmp) / "tokenizer", Path(tmp) / "model"
+        tok_dir.mkdir()
+        model_dir.mkdir()
+        build_tiny_tokenizer(tok_dir)
+        build_tiny_model(model_dir, tok_dir, "llama", seed=11, **BENCH_TINY_FIELDS)
+        (model_dir / _DONE_MARKER).write_text("built\n")
+        model_dir.chmod(0o755)
+        if not (target / _DONE_MARKER).exists():
+            shutil.rmtree(target, ignore_errors=True)
+            model_dir.rename(target)
+    return target
+
+
+def resolve_model_dir(name: str) -> Path:
+    """`tiny` (the benchmarks' tiny random Llama), `default` (SmolLM2-135M-Instruct) or a
+    local Hugging Face model directory."""
+    if name == "tiny":
+        return bench_tiny_model_dir()
+    if name == "default":
+        from replica.default_model import default_model_dir
+
+        return default_model_dir()
+    path = Path(name)
+    if not path.is_dir():
+        raise ValueError(f"model {name!r}: expected tiny, default or a model directory")
+    return path

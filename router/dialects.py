@@ -75,10 +75,12 @@ class Dialect:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def response(self, usage: UsageInfo, choices: list[Choice], logprobs: bool) -> BaseModel:
+    def response(
+        self, usage: UsageInfo, choices: list[Choice], logprobs: bool, token_ids: bool = False
+    ) -> BaseModel:
         raise NotImplementedError
 
-    def stream(self) -> StreamShape:
+    def stream(self, token_ids: bool = False) -> StreamShape:
         raise NotImplementedError
 
 
@@ -86,10 +88,11 @@ class StreamShape:
     """The SSE chunks of one stream: its id and creation time, and whatever a chunk needs from
     the ones before it."""
 
-    def __init__(self, dialect: Dialect, stream_id: str) -> None:
+    def __init__(self, dialect: Dialect, stream_id: str, token_ids: bool = False) -> None:
         self.dialect = dialect
         self.id = stream_id
         self.created = int(time.time())
+        self.token_ids = token_ids  # chunks carry their new token ids (return_token_ids)
 
     def preamble(self, indices: list[int]) -> str:
         """SSE events sent ahead of the first delta (none by default)."""
@@ -116,7 +119,9 @@ class CompletionDialect(Dialect):
             offset += len(s)
         return out
 
-    def response(self, usage: UsageInfo, choices: list[Choice], logprobs: bool) -> BaseModel:
+    def response(
+        self, usage: UsageInfo, choices: list[Choice], logprobs: bool, token_ids: bool = False
+    ) -> BaseModel:
         return CompletionResponse(
             model=self.model_name,
             usage=usage,
@@ -126,20 +131,21 @@ class CompletionDialect(Dialect):
                     text=c.text,
                     finish_reason=c.finish_reason,
                     logprobs=self.logprobs(c.logprobs, 0) if logprobs else None,
+                    token_ids=list(c.token_ids) if token_ids else None,
                 )
                 for c in choices
             ],
         )
 
-    def stream(self) -> StreamShape:
-        return CompletionStream(self, completion_id())
+    def stream(self, token_ids: bool = False) -> StreamShape:
+        return CompletionStream(self, completion_id(), token_ids)
 
 
 class CompletionStream(StreamShape):
     dialect: CompletionDialect
 
-    def __init__(self, dialect: CompletionDialect, stream_id: str) -> None:
-        super().__init__(dialect, stream_id)
+    def __init__(self, dialect: CompletionDialect, stream_id: str, token_ids: bool = False) -> None:
+        super().__init__(dialect, stream_id, token_ids)
         self.offsets: dict[int, int] = {}  # per choice: text sent so far (logprobs' offsets)
 
     def chunk(self, index: int, out: RequestOutput, logprobs: TokenLogprobs | None) -> BaseModel:
@@ -157,6 +163,7 @@ class CompletionStream(StreamShape):
                     logprobs=self.dialect.logprobs(logprobs, offset)
                     if logprobs is not None
                     else None,
+                    token_ids=list(out.new_token_ids) if self.token_ids else None,
                 )
             ],
         )
@@ -190,7 +197,9 @@ class ChatDialect(Dialect):
             )
         return ChatChoiceLogprobs(content=content)
 
-    def response(self, usage: UsageInfo, choices: list[Choice], logprobs: bool) -> BaseModel:
+    def response(
+        self, usage: UsageInfo, choices: list[Choice], logprobs: bool, token_ids: bool = False
+    ) -> BaseModel:
         return ChatCompletionResponse(
             model=self.model_name,
             usage=usage,
@@ -205,7 +214,7 @@ class ChatDialect(Dialect):
             ],
         )
 
-    def stream(self) -> StreamShape:
+    def stream(self, token_ids: bool = False) -> StreamShape:
         return ChatStream(self, chat_completion_id())
 
 

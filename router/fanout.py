@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from replica.contracts import GenerateRequest
 from replica.request import RequestOutput, SamplingParams
 from router.inflight import note_finished, note_first_token
+from router.kv_routing import note_cached, note_gone
 from router.policy import Policy
 
 # (choice index, prompt token ids, sampling params) of one choice
@@ -46,9 +47,11 @@ class ReplicaCalls:
                 if first:  # prefill is over: tell the router (it weighs prefill still ahead)
                     first = False
                     note_first_token(request.request_id)
+                    note_cached(request.request_id, out.num_cached_tokens)
                 yield out
         finally:
             note_finished(request.request_id)
+            note_gone(request.request_id)
 
     async def complete_all(self, jobs: list[Job]) -> list[tuple[int, RequestOutput]]:
         """Every job run to completion concurrently, one unary call each (a non-streaming
@@ -61,8 +64,10 @@ class ReplicaCalls:
             request = self.request(ids, params)
             try:
                 out = await self.handle.generate_all.remote(request)
+                note_cached(request.request_id, out.num_cached_tokens)
             finally:
                 note_finished(request.request_id)
+                note_gone(request.request_id)
             return index, out
 
         if len(jobs) == 1:

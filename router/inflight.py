@@ -13,6 +13,9 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from replica.contracts import RoutingStats
+from router.policy import ReplicaStats
+
 
 class InflightLoad:
     """A router's own, always-current tally per replica: how many of its requests are in flight
@@ -50,7 +53,9 @@ class InflightLoad:
         self._finished_early: OrderedDict[str, str] = OrderedDict()  # Ray's id -> replica id
         self._max_early = max_early
         self._reported: set[str] = set()  # Ray's ids of in-flight requests with a key
-        self._prefilling: dict[str, tuple[str, int, float]] = {}  # key -> (replica, prompt, t)
+        # key -> (replica, prompt, t), and the same per replica (a decision reads a few replicas)
+        self._prefilling: dict[str, tuple[str, int, float]] = {}
+        self._prefilling_at: dict[str, dict[str, tuple[int, float]]] = {}
         self._rate_alpha = rate_alpha
         self._rate_tokens = self._rate_seconds = 0.0  # moving averages per request
         self.prefill_rate = 0.0  # prompt tokens/s, routed -> first token; 0: none seen yet
@@ -79,6 +84,7 @@ class InflightLoad:
             self._reported.add(request_id)
             if prompt_tokens > 0:
                 self._prefilling[key] = (replica_id, prompt_tokens, now)
+                self._prefilling_at.setdefault(replica_id, {})[key] = (prompt_tokens, now)
 
     def _add(self, entry: str, replica_id: str, tokens: int, request_id: str) -> None:
         self._requests[entry] = (replica_id, tokens, request_id)
@@ -88,7 +94,7 @@ class InflightLoad:
     def _remove(self, entry: str, now: float) -> None:
         replica_id, tokens, request_id = self._requests.pop(entry)
         self._reported.discard(request_id)
-        self._prefilling.pop(entry, None)
+        self._end_prefill(entry)
         self._tokens[replica_id] -= tokens
         self._counts[replica_id] -= 1
         times = self._completions.setdefault(replica_id, deque())
@@ -96,10 +102,20 @@ class InflightLoad:
         while times and now - times[0] > self.completion_window_s:
             times.popleft()
 
+    def _end_prefill(self, key: str) -> tuple[str, int, float] | None:
+        entry = self._prefilling.pop(key, None)
+        if entry is not None:
+            per = self._prefilling_at.get(entry[0])
+            if per is not None:
+                per.pop(key, None)
+                if not per:
+                    del self._prefilling_at[entry[0]]
+        return entry
+
     def first_token(self, key: str, now: float) -> None:
         """The sender's request `key` has its first token: its prefill is done."""
         with self._lock:
-            entry = self._prefilling.pop(key, None)
+            entry = self._end_prefill(key)
             if entry is None:
                 return
             _, prompt, routed_at = entry
@@ -128,15 +144,24 @@ class InflightLoad:
                 return
             self._remove(request_id, now)
 
-    def prefill_by_replica(self, now: float) -> dict[str, float]:
-        """Per replica, prompt tokens of this router's requests there still to prefill: whole
-        prompts until their first token, less `prefill_rate` times the time since routing. One
-        pass for every replica (a routing decision needs them all)."""
+    def prefill_by_replica(
+        self, now: float, replica_ids: Sequence[str] | None = None
+    ) -> dict[str, float]:
+        """Per replica (of `replica_ids`, default all), prompt tokens of this router's requests
+        there still to prefill: whole prompts until their first token, less `prefill_rate` times
+        the time since routing."""
         totals: dict[str, float] = {}
+        rate = self.prefill_rate
         with self._lock:
-            for rid, prompt, routed_at in self._prefilling.values():
-                done = self.prefill_rate * max(now - routed_at, 0.0)
-                totals[rid] = totals.get(rid, 0.0) + max(prompt - done, 0.0)
+            ids = self._prefilling_at if replica_ids is None else replica_ids
+            for rid in ids:
+                per = self._prefilling_at.get(rid)
+                if not per:
+                    continue
+                total = 0.0
+                for prompt, routed_at in per.values():
+                    total += max(prompt - rate * max(now - routed_at, 0.0), 0.0)
+                totals[rid] = total
         return totals
 
     def snapshot(self, now: float) -> dict:
@@ -184,7 +209,42 @@ class InflightLoad:
             for entry in [e for e, (r, _, _) in self._requests.items() if r not in alive]:
                 _, _, request_id = self._requests.pop(entry)
                 self._reported.discard(request_id)
-                self._prefilling.pop(entry, None)
+                self._end_prefill(entry)
+
+
+def replica_stats(
+    replica_id: str,
+    ongoing: int,
+    recorded: RoutingStats | None,
+    inflight: InflightLoad,
+    prefill_tokens: float,
+    now: float,
+    cached_tokens: int = 0,
+) -> ReplicaStats:
+    """What a router knows of one replica when it routes: Ray's in-flight count (`ongoing`),
+    the replica's last report (`recorded`, None before its first), and the router's own tally.
+    The Ray router and the simulator (sim/) both build it here."""
+    mine = dict(
+        inflight_requests=inflight.requests(replica_id),
+        inflight_tokens=inflight.tokens(replica_id),
+        prefill_tokens=prefill_tokens,
+        cached_tokens=cached_tokens,
+    )
+    if recorded is None:  # no report yet: Ray's count and our own tally
+        return ReplicaStats(replica_id=replica_id, ongoing=ongoing, **mine)
+    return ReplicaStats(
+        replica_id=replica_id,
+        ongoing=ongoing,
+        waiting=recorded.waiting,
+        running=recorded.running,
+        kv_usage=recorded.kv_usage,
+        preemptions_per_s=recorded.preemptions_per_s,
+        max_num_seqs=recorded.max_num_seqs,
+        stats_age_s=recorded.age_s(now),
+        completed_since_stats=inflight.completed_since(replica_id, recorded.ts),
+        max_num_batched_tokens=recorded.max_num_batched_tokens,
+        **mine,
+    )
 
 
 # This process's routers' tallies: the ingress reports first tokens here (the routers are Ray's

@@ -23,6 +23,8 @@ from router.errors import HTTPError, bad_request, classify_error, guarded
 from router.fanout import Job, ReplicaCalls
 from router.guard import RequestGuard
 from router.inflight import inflight_state
+from router.kv_routing import exposition as kv_exposition
+from router.kv_routing import kv_index_contents, kv_routing_state
 from router.policy import Policy
 from router.protocol import (
     SSE_DONE,
@@ -168,14 +170,20 @@ class IngressCore:
             self._prompt_tokens(jobs, req.n), sum(len(c.token_ids) for c in choices.values())
         )
         ordered = [choices[i] for i in sorted(choices)]
-        return dialect.response(usage, ordered, logprobs=jobs[0][2].logprobs is not None)
+        return dialect.response(
+            usage,
+            ordered,
+            logprobs=jobs[0][2].logprobs is not None,
+            token_ids=getattr(req, "return_token_ids", False),
+        )
 
     async def stream(self, jobs: list[Job], dialect: Dialect, req) -> AsyncIterator[str]:
         """SSE events of an admitted request, which owns its in-flight slot until it ends.
         Nothing is yielded before the first text arrives, so a failure before it (replica
         queue full, replica lost) raises to the caller and becomes a plain HTTP error (429,
         503); a failure after it is sent as an error event."""
-        shape = dialect.stream()
+        token_ids = getattr(req, "return_token_ids", False)
+        shape = dialect.stream(token_ids)
         completion_tokens = 0
         wants_logprobs = jobs[0][2].logprobs is not None
         pending = shape.preamble([index for index, _, _ in jobs])  # held until the first text
@@ -183,7 +191,7 @@ class IngressCore:
         try:
             async for index, out in self.calls.fan_out(jobs):
                 completion_tokens += len(out.new_token_ids)
-                if not out.new_text and not out.finished:
+                if not out.new_text and not out.finished and not token_ids:
                     continue
                 lps = token_logprobs(out) if wants_logprobs else None
                 chunk = shape.chunk(index, out, lps)
@@ -289,11 +297,23 @@ class Ingress:
 
     def __init__(self, llm_handle, settings: IngressSettings) -> None:
         self.core = IngressCore(llm_handle, settings)
+        try:
+            self.ingress_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:
+            self.ingress_id = "ingress"
 
     def stats(self) -> dict:
         """Requests this ingress holds now and its routers' view of them (a handle call; used
         by tests and the soak)."""
-        return {"inflight": self.core.inflight, "routers": inflight_state()}
+        return {
+            "inflight": self.core.inflight,
+            "routers": inflight_state(),
+            "kv_routing": kv_routing_state(),
+        }
+
+    def kv_index(self) -> list[dict]:
+        """What this ingress's routers' KV indexes hold, per replica (a handle call: tests)."""
+        return kv_index_contents()
 
     @fastapi_app.post("/v1/completions", openapi_extra=request_body_spec(CompletionRequest))
     async def completions(self, request: Request) -> Response:
@@ -323,7 +343,10 @@ class Ingress:
             texts = await hub.snapshot.remote()
         except ValueError:  # no replica has pushed yet
             texts = []
-        return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
+        own = kv_exposition(self.ingress_id)  # this ingress's routers (KV-event routing)
+        return Response(
+            merge_expositions([*texts, own] if own else texts), media_type=CONTENT_TYPE_LATEST
+        )
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:

@@ -15,6 +15,8 @@ Score (lower is better), in units of "queued requests":
     sized    = queue + max(0, size * inflight_tokens / mean_tokens - mine) / 2
     kv       = u / (1 - min(u, 0.99)) with u = kv_usage clamped to [0, 1]
     prefill  = prefill_tokens / max_num_batched_tokens (0 when the budget is unknown)
+    cached   = weight_cache_hit * cached_tokens / max_num_batched_tokens
+               if score - min(score over the candidates) <= cache_bonus_cap, else 0
     score    = weight_queue * (sized + overflow)
              + weight_prefill * prefill
              + weight_kv_usage * kv * min(1, size)      (fresh stats only)
@@ -47,6 +49,18 @@ first token (`InflightLoad.first_token`), less the tokens the replicas' observed
 (prompt tokens per second to a first token, learned from those reports) says it has done since
 it was routed. Divided by the step's token budget it counts the heavy steps ahead of a newcomer.
 
+`cached_tokens` is how many of the request's prompt tokens the replica holds in its prefix cache,
+exact as of its last KV-event batch (router/kv_index.py mirrors every replica's cache): prefill
+the request would not have to run there, counted in steps of the replica's token budget like
+the prefill already ahead, and weighed (`weight_cache_hit`) against the load in queued requests:
+prefill a replica does not run saves its other requests a long step too, while one more request
+in a batch with free seats costs them little. The ranking uses score - cached. The cache term
+counts only on replicas whose load score is within `cache_bonus_cap` of the least loaded one, so a
+hot prefix spills to another replica (which then caches it too) once the replicas holding it are
+that much busier, and among the replicas close enough in load the one holding most of the prompt
+wins. (A cap on the term itself would not do: it would rank a replica holding a conversation's
+shared system prompt level with the one holding its whole history.)
+
 The KV term is about u at low usage and grows without bound near a full cache (0.5 -> 1,
 0.9 -> 9, 0.99 -> 99), where a new request would force preemptions. Stale stats drop to
 Ray's count and our own tally rather than steer by numbers that may be seconds old.
@@ -65,6 +79,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 _KV_USAGE_CAP = 0.99  # keeps the KV term finite at a full cache
+DEFAULT_TOKEN_BUDGET = 2048  # EngineConfig's max_num_batched_tokens default
 
 
 class RoutingConfig(BaseModel):
@@ -91,6 +106,26 @@ class RoutingConfig(BaseModel):
     score_tolerance: float = Field(
         default=0.5, ge=0, description="replicas within this score of a tier's best share it"
     )
+    kv_events: bool = Field(
+        default=False,
+        description="route by each replica's actual prefix cache, mirrored from its KV events "
+        "(exact; replaces prefix_affinity's guess)",
+    )
+    weight_cache_hit: float = Field(
+        default=16.0, ge=0, description="per step's token budget of prompt found cached"
+    )
+    cache_bonus_cap: float = Field(
+        default=8.0, ge=0, description="the most the cache term may take off a score"
+    )
+    kv_events_poll_s: float = Field(
+        default=0.05, gt=0, description="how often a router fetches new KV events"
+    )
+    max_candidates: int = Field(
+        default=0,
+        ge=0,
+        description="load_aware: rank this many replicas sampled at random per request (the "
+        "prefix's preferred replica always among them); 0: every replica",
+    )
 
 
 @dataclass
@@ -111,6 +146,7 @@ class ReplicaStats:
     completed_since_stats: int = 0  # its requests there that finished after the stats were taken
     prefill_tokens: float = 0.0  # prompt tokens of its requests there not yet prefilled (estimate)
     max_num_batched_tokens: int = 0  # the replica's token budget per step; 0: unknown
+    cached_tokens: int = 0  # of the request's prompt, found in the replica's prefix cache
 
 
 def stats_are_fresh(stats: ReplicaStats, cfg: RoutingConfig) -> bool:
@@ -184,6 +220,47 @@ def score(stats: ReplicaStats, cfg: RoutingConfig, size: RequestSize = RequestSi
     return total
 
 
+def cache_bonus(stats: ReplicaStats, cfg: RoutingConfig) -> float:
+    """The request's cached prompt tokens on the replica in steps of its token budget (the
+    default budget when unknown), times `weight_cache_hit`."""
+    budget = stats.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET
+    return cfg.weight_cache_hit * stats.cached_tokens / budget
+
+
+def ranking_scores(
+    replicas: Sequence[ReplicaStats], cfg: RoutingConfig, size: RequestSize
+) -> dict[str, float]:
+    """Each replica's `score`, less its cache bonus where its score is within
+    `cache_bonus_cap` of the lowest (the module docstring's `cached`)."""
+    plain = {r.replica_id: score(r, cfg, size) for r in replicas}
+    if not any(r.cached_tokens for r in replicas):
+        return plain
+    window = min(plain.values()) + cfg.cache_bonus_cap
+    out = dict(plain)
+    for r in replicas:
+        if r.cached_tokens > 0 and plain[r.replica_id] <= window:
+            out[r.replica_id] -= cache_bonus(r, cfg)
+    return out
+
+
+def decision_reason(
+    replicas: Sequence[ReplicaStats], cfg: RoutingConfig, chosen: str, size: RequestSize
+) -> str:
+    """Why `chosen` won, for the decisions-by-reason metric: "cache" (a cache hit put it ahead
+    of the replica load alone would pick), "spill" (another replica holds more of the prompt,
+    but load kept the request off it), "load" (the load score alone, with or without hits
+    elsewhere being equal)."""
+    by_id = {r.replica_id: r for r in replicas}
+    best_hit = max((r.cached_tokens for r in replicas), default=0)
+    if best_hit > 0 and by_id[chosen].cached_tokens < best_hit:
+        return "spill"
+    if by_id[chosen].cached_tokens > 0:
+        plain = {rid: score(r, cfg, size) for rid, r in by_id.items()}
+        if plain[chosen] > min(plain.values()) + cfg.score_tolerance:
+            return "cache"
+    return "load"
+
+
 def prefix_key(token_ids: Sequence[int], block_size: int, num_blocks: int) -> int | None:
     """A stable 64-bit hash of the prompt's first `num_blocks` full blocks (None when the prompt
     has no full block). Stable across processes, unlike Python's salted `hash`, so every
@@ -213,14 +290,19 @@ def _load_tiers(
     replicas: Sequence[ReplicaStats], cfg: RoutingConfig, size: RequestSize
 ) -> list[list[str]]:
     """Replicas sorted by score, grouped into tiers: a tier holds every replica within
-    `score_tolerance` of the tier's best."""
-    scored = sorted((score(r, cfg, size), r.replica_id) for r in replicas)
+    `score_tolerance` of the tier's best that has as much of the prompt cached (Ray takes the
+    tier's least-loaded replica: a tie on score must not hand the request to a replica that
+    would prefill what another has cached)."""
+    ranked = ranking_scores(replicas, cfg, size)
+    scored = sorted((ranked[r.replica_id], -r.cached_tokens, r.replica_id) for r in replicas)
     tiers: list[list[str]] = []
     tier_best = -math.inf
-    for value, replica_id in scored:
-        if not tiers or value > tier_best + cfg.score_tolerance:
+    tier_cached = 0
+    for value, neg_cached, replica_id in scored:
+        if not tiers or value > tier_best + cfg.score_tolerance or neg_cached != tier_cached:
             tiers.append([])
             tier_best = value
+            tier_cached = neg_cached
         tiers[-1].append(replica_id)
     return tiers
 
@@ -329,6 +411,22 @@ class Policy:
             round_robin=self._round_robin,
             request_tokens=request_tokens,
         )
+
+    def candidates(self, replica_ids: Sequence[str], prefix: int | None = None) -> list[str]:
+        """The replicas to rank for one request: pow2's two random ones; for load_aware all of
+        them, or `max_candidates` sampled at random (the prefix's rendezvous replica always
+        included), so that a decision costs O(max_candidates) stats and scores at fleet scale."""
+        if self.cfg.policy == "pow2" and len(replica_ids) > 2:
+            return self._rng.sample(list(replica_ids), 2)  # all pow2 looks at
+        k = self.cfg.max_candidates
+        if self.cfg.policy != "load_aware" or k <= 0 or len(replica_ids) <= k:
+            return list(replica_ids)
+        sample = self._rng.sample(list(replica_ids), k)
+        if self.cfg.prefix_affinity and prefix is not None:
+            preferred = preferred_replica(prefix, replica_ids)
+            if preferred is not None and preferred not in sample:
+                sample[-1] = preferred
+        return sample
 
     def prefix_key(self, token_ids: Sequence[int], block_size: int) -> int | None:
         """The prefix key for `rank` per this config; None when prefix affinity is off."""

@@ -232,6 +232,11 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    return_token_ids: bool = Field(
+        default=False,
+        description="extension (vLLM's name): each choice carries the ids of the tokens it "
+        "generated (streamed: each chunk its new ones)",
+    )
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -437,6 +442,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: FinishReason | None = None
     logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(BaseModel):

@@ -20,11 +20,13 @@ from __future__ import annotations
 import random
 import time
 
+from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from replica.contracts import GenerateRequest, RoutingStats
-from router.inflight import InflightLoad, register_inflight
-from router.policy import Policy, ReplicaStats, RoutingConfig
+from router.inflight import InflightLoad, register_inflight, replica_stats
+from router.kv_routing import KVRouting, register_kv_routing
+from router.policy import Policy, ReplicaStats, RequestSize, RoutingConfig, decision_reason
 
 
 def _request(pending_request: PendingRequest | None) -> GenerateRequest | None:
@@ -36,38 +38,32 @@ def _request(pending_request: PendingRequest | None) -> GenerateRequest | None:
 
 
 class LoadAwareRouter(RequestRouter):
-    def initialize_state(self, routing: dict | None = None, **_: object) -> None:
+    def initialize_state(
+        self, routing: dict | None = None, block_size: int = 16, **_: object
+    ) -> None:
         self.routing_config = RoutingConfig.model_validate(routing or {})
         self.policy = Policy(self.routing_config)
         self.inflight = InflightLoad()
         self._rng = random.Random()
         register_inflight(self.inflight)
+        self.kv: KVRouting | None = None
+        self._hits: dict[str, tuple[dict[str, int], list[ReplicaStats]]] = {}
+        if self.routing_config.kv_events:
+            try:
+                app = serve.get_replica_context().app_name
+            except Exception:
+                app = "default"
+            self.kv = KVRouting(app, block_size, self.routing_config.kv_events_poll_s)
+            register_kv_routing(self.kv)
 
     def _stats_of(
-        self, replica: RunningReplica, now: float, prefill: dict[str, float]
+        self, replica: RunningReplica, now: float, prefill: dict[str, float], cached: int = 0
     ) -> ReplicaStats:
         rid = replica.replica_id.unique_id
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
         recorded = RoutingStats.from_dict(replica.routing_stats)
-        mine = dict(
-            inflight_requests=self.inflight.requests(rid),
-            inflight_tokens=self.inflight.tokens(rid),
-            prefill_tokens=prefill.get(rid, 0.0),
-        )
-        if recorded is None:  # no report yet: Ray's count and our own tally
-            return ReplicaStats(replica_id=rid, ongoing=int(ongoing or 0), **mine)
-        return ReplicaStats(
-            replica_id=rid,
-            ongoing=int(ongoing or 0),
-            waiting=recorded.waiting,
-            running=recorded.running,
-            kv_usage=recorded.kv_usage,
-            preemptions_per_s=recorded.preemptions_per_s,
-            max_num_seqs=recorded.max_num_seqs,
-            stats_age_s=recorded.age_s(now),
-            completed_since_stats=self.inflight.completed_since(rid, recorded.ts),
-            max_num_batched_tokens=recorded.max_num_batched_tokens,
-            **mine,
+        return replica_stats(
+            rid, int(ongoing or 0), recorded, self.inflight, prefill.get(rid, 0.0), now, cached
         )
 
     async def choose_replicas(
@@ -78,10 +74,16 @@ class LoadAwareRouter(RequestRouter):
         if not candidate_replicas:
             return []
         now = time.time()
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        prefill = self.inflight.prefill_by_replica(now)
-        stats = [self._stats_of(r, now, prefill) for r in candidate_replicas]
         request = _request(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        ids = self.policy.candidates(list(by_id), request.prefix_key if request else None)
+        prefill = self.inflight.prefill_by_replica(now, ids)
+        hits: dict[str, int] = {}
+        if self.kv is not None and request is not None:
+            hits = self.kv.hit_tokens(request.prompt_token_ids, ids)
+        stats = [self._stats_of(by_id[rid], now, prefill, hits.get(rid, 0)) for rid in ids]
+        if self.kv is not None and request is not None and request.reports_progress:
+            self._hits[request.request_id] = (hits, stats)  # for on_request_routed
         if request is None:
             tiers = self.policy.rank(stats)
         else:
@@ -98,10 +100,22 @@ class LoadAwareRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.inflight.forget_missing([r.replica_id.unique_id for r in replicas])
+        live = [r.replica_id.unique_id for r in replicas]
+        self.inflight.forget_missing(live)
+        if self.kv is not None:  # a replica that left (died, replaced) leaves the index at once
+            self.kv.set_live(live)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         request = _request(pending_request)
+        if request is not None and self.kv is not None:
+            noted = self._hits.pop(request.request_id, None)
+            if noted is not None:
+                hits, stats = noted
+                rid = replica_id.unique_id
+                if any(s.replica_id == rid for s in stats):
+                    size = RequestSize.of(stats, request.footprint_tokens)
+                    reason = decision_reason(stats, self.routing_config, rid, size)
+                    self.kv.routed(request.request_id, hits.get(rid, 0), reason)
         if request is not None:
             self.inflight.routed(
                 pending_request.metadata.internal_request_id,

@@ -183,3 +183,12 @@ def test_haproxy_binary_lookup(monkeypatch):
         shutil, "which", lambda name: "/usr/sbin/haproxy" if name == "haproxy" else None
     )
     assert haproxy_available({})
+
+
+def test_kv_events_flag_sets_routing_and_unset_keeps_the_file(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("routing:\n  kv_events: false\n  weight_cache_hit: 4\n")
+    assert parse("--config", str(path)).routing.kv_events is False
+    routing = parse("--config", str(path), "--kv-events").routing
+    assert (routing.kv_events, routing.weight_cache_hit) == (True, 4.0)
+    assert parse("--no-kv-events").routing.kv_events is False

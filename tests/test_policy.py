@@ -521,3 +521,21 @@ def test_request_tokens_reads_the_ingress_request() -> None:
     request = GenerateRequest([1] * 30, SamplingParams(max_tokens=16), "r1", prefix_key=None)
     assert (request.footprint_tokens, request.num_prompt_tokens) == (46, 30)
     assert GenerateRequest([1, 2], SamplingParams(max_tokens=1), "r2").footprint_tokens == 3
+
+
+def test_candidates_sample_for_pow2_and_max_candidates_keeping_the_prefix_replica():
+    import random as _random
+
+    from router.policy import Policy, RoutingConfig, preferred_replica
+
+    ids = [f"r{i}" for i in range(100)]
+    assert len(Policy(RoutingConfig(policy="pow2"), _random.Random(0)).candidates(ids)) == 2
+    assert Policy(RoutingConfig(), _random.Random(0)).candidates(ids) == ids  # 0: every replica
+    cfg = RoutingConfig(max_candidates=8, prefix_affinity=True)
+    policy = Policy(cfg, _random.Random(0))
+    for prefix in range(50):
+        picked = policy.candidates(ids, prefix)
+        assert len(picked) == 8 and len(set(picked)) == 8
+        assert preferred_replica(prefix, ids) in picked
+    spread = {rid for _ in range(200) for rid in policy.candidates(ids)}
+    assert len(spread) > 90  # a random sample each time, not a fixed subset

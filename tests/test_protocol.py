@@ -445,3 +445,27 @@ def test_sse_events_escape_unicode_line_separators_so_line_splitters_keep_them_w
     lines = event.splitlines()  # what httpx's aiter_lines (str.splitlines) would see
     assert lines[0].startswith("data: ") and lines[1:] == [""]
     assert json.loads(lines[0][len("data: ") :])["choices"][0]["text"] == text
+
+
+def test_return_token_ids_puts_the_generated_ids_in_each_choice_and_chunk() -> None:
+    from replica.request import RequestOutput
+    from router.dialects import Choice, CompletionDialect
+    from router.protocol import CompletionRequest, UsageInfo
+
+    req = CompletionRequest.model_validate({"prompt": [1, 2], "return_token_ids": True})
+    assert req.return_token_ids and not req.ignored_fields
+    dialect = CompletionDialect(tokenizer=None, model_name="m")
+    outs = [
+        RequestOutput("r", [5, 6], "ab", 2, 2),
+        RequestOutput("r", [7], "", 2, 3, finish_reason="length"),
+    ]
+    choice = Choice(0)
+    for out in outs:
+        choice.add(out)
+    body = dialect.response(UsageInfo.of(2, 3), [choice], logprobs=False, token_ids=True)
+    assert body.choices[0].token_ids == [5, 6, 7]
+    assert Completion.model_validate(body.model_dump()).choices[0].text == "ab"
+    plain = dialect.response(UsageInfo.of(2, 3), [choice], logprobs=False)
+    assert plain.choices[0].token_ids is None
+    stream = dialect.stream(token_ids=True)
+    assert [stream.chunk(0, o, None).choices[0].token_ids for o in outs] == [[5, 6], [7]]

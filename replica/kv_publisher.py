@@ -1,0 +1,127 @@
+"""A replica's side of KV-event routing: seal a batch of prefix-cache events after every engine
+step (on the engine thread, as a step listener), and publish the sealed batches to the
+application's KVEventHub (replica/kv_events.py) from a thread of its own every
+`interval_s`, with a heartbeat when there is nothing new. When the hub asks for a resync (it
+restarted, or it missed a batch), the next publish carries a snapshot taken on the engine
+thread between two steps. Costs are counted (`seal_seconds`, `publish_seconds`) so that the
+per-step overhead can be stated."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from replica.kv_events import KVEventBatch, KVSnapshot
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 10.0
+
+
+class KVEventPublisher:
+    def __init__(
+        self,
+        async_engine,
+        replica_id: str,
+        hub,
+        interval_s: float = 0.02,
+        max_pending: int = 4096,
+    ) -> None:
+        self.async_engine = async_engine
+        engine = async_engine.engine
+        self.replica_id = replica_id
+        self.hub = hub
+        self.interval_s = interval_s
+        self.max_pending = max_pending
+        self.log = engine.scheduler.kv.pool.enable_events(engine.config.block_size)
+        self._pending: deque[KVEventBatch] = deque()
+        self._lock = threading.Lock()
+        self._resync = False
+        self._stop = threading.Event()
+        self._news = threading.Event()  # set when a batch is sealed: the publisher wakes
+        self.seal_seconds = 0.0
+        self.publish_seconds = 0.0
+        self.num_steps = 0
+        self.num_published = 0
+        engine.step_listeners.append(self._on_step)
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _on_step(self, engine, scheduler_output, outputs, step_time) -> None:
+        t0 = time.perf_counter()
+        batch = self.log.seal()
+        if batch is not None:
+            with self._lock:
+                self._pending.append(batch)
+                if len(self._pending) > self.max_pending:  # the hub is not keeping up: resync
+                    self._pending.clear()
+                    self._resync = True
+            self._news.set()
+        self.num_steps += 1
+        self.seal_seconds += time.perf_counter() - t0
+
+    # -- publisher thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        """Wakes when a step sealed a batch (at most every interval_s, so that a busy engine's
+        batches travel together), or for a heartbeat; an idle replica costs nothing."""
+        last = 0.0
+        while not self._stop.is_set():
+            self._news.wait(HEARTBEAT_S)
+            if self._stop.wait(self.interval_s):  # let a burst of steps coalesce
+                break
+            self._news.clear()
+            try:
+                last = self.publish_once(last)
+            except Exception as exc:  # the hub is gone or slow: resync once it is back
+                logger.warning("replica %s: KV events not published (%s)", self.replica_id, exc)
+                self._resync = True
+                self._stop.wait(1.0)
+                self._news.set()
+
+    def publish_once(self, last: float = 0.0) -> float:
+        import ray
+
+        snapshot: KVSnapshot | None = None
+        if self._resync:
+            snapshot = self.async_engine.call_on_engine_thread(
+                lambda engine: self.log.snapshot()
+            ).result(timeout=30)
+            self._resync = False
+        with self._lock:
+            batches = list(self._pending)
+            self._pending.clear()
+        if snapshot is not None:  # batches up to the snapshot are in it
+            batches = [b for b in batches if b.seq > snapshot.seq]
+        now = time.time()
+        if not batches and snapshot is None and now - last < HEARTBEAT_S:
+            return last
+        t0 = time.perf_counter()
+        reply = ray.get(self.hub.publish.remote(self.replica_id, batches, snapshot), timeout=30)
+        self.publish_seconds += time.perf_counter() - t0
+        self.num_published += len(batches)
+        if reply.get("resync"):
+            self._resync = True
+            self._news.set()  # send the snapshot without waiting for the next step
+        return now
+
+    def stats(self) -> dict:
+        return {
+            "seq": self.log.seq,
+            "events": self.log.num_events,
+            "blocks": len(self.log.table),
+            "steps": self.num_steps,
+            "seal_seconds": self.seal_seconds,
+            "publish_seconds": self.publish_seconds,
+            "batches_published": self.num_published,
+        }
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._news.set()
+        try:
+            self.hub.forget.remote(self.replica_id)
+        except Exception:
+            pass

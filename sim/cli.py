@@ -1,0 +1,359 @@
+"""`stepserve profile`, `stepserve simulate` and `stepserve plan` (registered by cluster/cli.py).
+
+stepserve profile --model default --threads 1 --out sim/profiles/mine.json
+stepserve simulate --profile default-avx2-1t --replicas 8 --workload heterogeneous --rate 4
+stepserve simulate --config cluster.yaml --profile P --workload trace:sim/traces/azure_sample.csv
+stepserve plan --profile P --workload heterogeneous --rate 20 --slo-ttft-ms 1000 --slo-tpot-ms 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+WORKLOADS = ("random", "heterogeneous", "prefix", "long-tail", "multi-turn", "trace:FILE")
+
+
+def add_commands(sub, add_engine_args) -> None:
+    prof = sub.add_parser(
+        "profile", help="time real engine steps over a grid of shapes: a simulator profile"
+    )
+    add_engine_args(prof)
+    prof.add_argument("--threads", type=int, help="torch threads (default: torch's own count)")
+    prof.add_argument("--out", help="profile JSON to write (default: sim/profiles/<name>.json)")
+    prof.add_argument("--name", help="the profile's name (default: model-isa-threads)")
+    prof.add_argument("--quick", action="store_true", help="a coarse grid (tests, smoke runs)")
+    prof.add_argument("--reps", type=int, default=7, help="steps timed per grid point")
+    prof.add_argument(
+        "--calibrate-url",
+        help="also measure the serving overhead of the stepserve cluster at this URL (its "
+        "replicas running this model and engine settings) into the profile",
+    )
+    prof.add_argument("--calibrate-replicas", type=int, default=1, help="that cluster's replicas")
+    prof.add_argument(
+        "--from", dest="from_profile", help="calibrate this existing profile instead of measuring"
+    )
+    prof.set_defaults(func=cmd_profile)
+
+    simp = sub.add_parser("simulate", help="simulate a cluster on a workload (no Ray, no model)")
+    _add_sim_args(simp)
+    simp.add_argument("--out", help="directory for requests.jsonl, summary.json, timelines, plots")
+    simp.add_argument("--plots", action="store_true", help="write PNG plots (needs matplotlib)")
+    simp.set_defaults(func=cmd_simulate)
+
+    plan = sub.add_parser(
+        "plan", help="the fewest replicas that meet a TTFT/TPOT SLO at a rate (simulated)"
+    )
+    _add_sim_args(plan, replicas=False)
+    plan.add_argument("--slo-ttft-ms", type=float, required=True)
+    plan.add_argument("--slo-tpot-ms", type=float, required=True)
+    plan.add_argument(
+        "--attainment", type=float, default=0.99, help="share of requests that must meet both"
+    )
+    plan.add_argument("--max-replicas", type=int, default=4096)
+    plan.set_defaults(func=cmd_plan)
+
+
+def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
+    p.add_argument("--config", help="ClusterConfig YAML (the same file the real cluster uses)")
+    p.add_argument("--profile", required=True, help="profile JSON, or a shipped profile's name")
+    if replicas:
+        p.add_argument("--replicas", type=int, help="replica count (default: the config's)")
+    p.add_argument("--router", choices=["load_aware", "pow2", "round_robin"])
+    p.add_argument("--prefix-affinity", action="store_true")
+    p.add_argument("--max-candidates", type=int, help="load_aware: replicas ranked per request")
+    p.add_argument("--ingress-replicas", type=int)
+    p.add_argument("--workload", default="heterogeneous", help=f"one of {', '.join(WORKLOADS)}")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--rate", type=float, default=4.0, help="requests (or conversations) per s")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--net-latency-ms",
+        type=float,
+        help="one way, client <-> replica (default: the profile's calibrated path latency, else 2)",
+    )
+    p.add_argument(
+        "--no-serving-calibration",
+        action="store_true",
+        help="price steps by Engine.step alone even when the profile has a serving calibration",
+    )
+    p.add_argument("--stats-delivery-ms", type=float, default=0.0)
+    p.add_argument("--cold-start-s", type=float, default=10.0)
+    p.add_argument("--autoscaler", choices=["stepserve", "ray_default"], default="stepserve")
+    p.add_argument("--ray-target-ongoing", type=float, default=2.0)
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace: divide arrival times")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from cluster.cli import _engine_overrides
+    from replica.config import EngineConfig
+    from replica.engine import Engine
+    from replica.layers import cpu_isa
+    from replica.tiny_models import resolve_model_dir
+    from sim.profile import PROFILES, Profile, measure
+
+    if args.from_profile:
+        prof = Profile.load(args.from_profile)
+        if not args.calibrate_url:
+            raise ValueError("--from needs --calibrate-url (there is nothing else to do)")
+        return _calibrate(prof, args, Path(args.out or args.from_profile))
+    overrides = _engine_overrides(args)
+    overrides["model"] = str(resolve_model_dir(overrides.get("model") or "default"))
+    overrides.setdefault("enable_prefix_caching", True)
+    config = EngineConfig.model_validate(overrides)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    engine = Engine(config)
+    print(f"stepserve profile: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    prof = measure(engine, quick=args.quick, reps=args.reps, progress=print)
+    name = args.name or (
+        f"{Path(config.model).name}-{cpu_isa.active_level()}-{torch.get_num_threads()}t"
+    )
+    prof.meta["name"] = name
+    out = Path(args.out) if args.out else PROFILES / f"{name}.json"
+    engine.shutdown()
+    if args.calibrate_url:
+        return _calibrate(prof, args, out)
+    prof.save(out)
+    fit = prof.as_dict()
+    print(f"stepserve profile: {len(prof.points)} points in {time.perf_counter() - t0:.0f} s")
+    print(f"  fit error (grid): {_fmt_err(fit['fit_error'])}")
+    print(f"  held-out mixed steps: {_fmt_err(fit['held_out_error'])}")
+    print(f"  wrote {out}")
+    return 0
+
+
+def _calibrate(prof, args: argparse.Namespace, out: Path) -> int:
+    from sim.calibrate import measure_serving
+
+    print(f"stepserve profile: serving calibration against {args.calibrate_url}", flush=True)
+    prof.serving = measure_serving(args.calibrate_url, prof, args.calibrate_replicas)
+    s = prof.serving
+    extra = ", ".join(
+        f"{b}: {x * 1e3:.2f}" for b, x in zip(s["batches"], s["extra_s"], strict=True)
+    )
+    print(
+        f"  serving overhead per step (ms) by tokens streamed: {extra}; path latency "
+        f"{s['path_latency_s'] * 1e3:.2f} ms one way"
+    )
+    prof.save(out)
+    print(f"  wrote {out}")
+    return 0
+
+
+def _fmt_err(e: dict) -> str:
+    if not e:
+        return "n/a"
+    return (
+        f"median {e['median_abs_rel_error']:.1%}, p90 {e['p90_abs_rel_error']:.1%}, "
+        f"max {e['max_abs_rel_error']:.1%} over {e['points']} points"
+    )
+
+
+def build_cluster_config(args: argparse.Namespace):
+    from cluster.config import ClusterConfig
+
+    data = {}
+    if args.config:
+        import yaml
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if "applications" in data:
+            data = data["applications"][0].get("args", {})
+    routing = data.setdefault("routing", {})
+    if args.router:
+        routing["policy"] = args.router
+    if args.prefix_affinity:
+        routing["prefix_affinity"] = True
+    if args.max_candidates is not None:
+        routing["max_candidates"] = args.max_candidates
+    if args.ingress_replicas:
+        data.setdefault("http", {})["ingress_replicas"] = args.ingress_replicas
+    if getattr(args, "replicas", None):
+        data["replicas"] = args.replicas
+    return ClusterConfig.model_validate(data)
+
+
+def build_workload(args: argparse.Namespace, profile=None):
+    """The workload named by --workload, sized by --num-requests and --rate."""
+    from sim.cluster import Workload
+    from sim.workloads import (
+        arrival_offsets,
+        heterogeneous_dataset,
+        long_tail_dataset,
+        multi_turn_conversations,
+        prefix_repetition_dataset,
+        random_dataset,
+        read_trace,
+    )
+
+    rng = random.Random(args.seed)
+    n = args.num_requests
+    name = args.workload
+    if name.startswith("trace:"):
+        rows = read_trace(name.split(":", 1)[1], limit=n, seed=args.seed)
+        scale = args.time_scale
+        return Workload(requests=[(r.arrival_s / scale, r.spec) for r in rows])
+    if name == "multi-turn":
+        convs = multi_turn_conversations(
+            n, args.rate, rng, system_len=4 * args.input_len, user_len=max(4, args.input_len // 4),
+            output_len=args.output_len,
+        )  # fmt: skip
+        return Workload(conversations=convs)
+    if name == "random":
+        specs = random_dataset(n, args.input_len, args.output_len, 0.5, rng)
+    elif name == "heterogeneous":
+        specs = heterogeneous_dataset(
+            n, 0.1, (args.input_len, args.output_len),
+            (8 * args.input_len, 4 * args.output_len), rng,
+        )  # fmt: skip
+    elif name == "prefix":
+        specs = prefix_repetition_dataset(
+            n, 8, 4 * args.input_len, args.input_len // 2, args.output_len, rng
+        )
+    elif name == "long-tail":
+        specs = long_tail_dataset(n, args.input_len, args.output_len, 8 * args.output_len, 1.0, rng)
+    else:
+        raise ValueError(f"--workload {name!r}: expected one of {', '.join(WORKLOADS)}")
+    times = arrival_offsets(n, args.rate, 1.0, rng)
+    return Workload(requests=list(zip(times, specs)))
+
+
+def build_settings(args: argparse.Namespace, profile=None):
+    from sim.cluster import SimSettings
+
+    serving = profile.serving if profile is not None else None
+    if args.net_latency_ms is not None:
+        latency = args.net_latency_ms / 1000.0
+    elif serving and not args.no_serving_calibration:
+        latency = serving["path_latency_s"]
+    else:
+        latency = 0.002
+    return SimSettings(
+        serving={} if args.no_serving_calibration else None,
+        net_latency_s=latency,
+        stats_delivery_s=args.stats_delivery_ms / 1000.0,
+        cold_start_s=args.cold_start_s,
+        autoscaler=args.autoscaler,
+        ray_target_ongoing_requests=args.ray_target_ongoing,
+        seed=args.seed,
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from sim.cluster import simulate
+    from sim.profile import Profile
+
+    profile = Profile.load(args.profile)
+    config = build_cluster_config(args)
+    workload = build_workload(args, profile)
+    t0 = time.perf_counter()
+    result = simulate(config, profile, workload, build_settings(args, profile))
+    wall = time.perf_counter() - t0
+    summary = result.summary()
+    summary["wall_s"] = wall
+    print_summary(summary)
+    if args.out:
+        out = Path(args.out)
+        write_result(out, result, summary)
+        if args.plots:
+            from sim.plots import plot_result
+
+            for p in plot_result(result, out):
+                print(f"  wrote {p}")
+        print(f"  wrote {out}/summary.json, requests.jsonl, replicas.json, timelines.json")
+    return 0
+
+
+def write_result(out: Path, result, summary: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    with open(out / "requests.jsonl", "w") as f:
+        for r in result.requests:
+            f.write(json.dumps(r) + "\n")
+    (out / "replicas.json").write_text(
+        json.dumps({"replicas": result.replicas, "replica_count": result.replica_count}) + "\n"
+    )
+    (out / "timelines.json").write_text(json.dumps(result.timelines) + "\n")
+
+
+def print_summary(s: dict) -> None:
+    print(
+        f"requests {s['requests']}: {s['completed']} completed, {s['rejected']} rejected, "
+        f"{s['unfinished']} unfinished; simulated {s['duration_s']:.1f} s"
+        + (f" in {s['wall_s']:.1f} s wall" if "wall_s" in s else "")
+    )
+    if "ttft_s" not in s:
+        return
+    for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
+        v = s[key]
+        if v:
+            print(
+                f"  {key[:-2]:5s} ms: p50 {v['p50'] * 1e3:9.1f}  p90 {v['p90'] * 1e3:9.1f}  "
+                f"p99 {v['p99'] * 1e3:9.1f}"
+            )
+    print(
+        f"  throughput {s['output_tokens_per_s']:.1f} output tok/s, {s['requests_per_s']:.2f} "
+        f"req/s; prefix hits {s['hit_rate']:.1%} ({s['hit_tokens']} of {s['prompt_tokens']} "
+        f"prompt tokens); preemptions {s['preemptions']}; replica-hours "
+        f"{s['replica_seconds'] / 3600:.3f}"
+    )
+
+
+def meets(summary: dict, attainment: float) -> bool:
+    return summary.get("slo_attainment", 0.0) >= attainment
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Smallest replica count whose simulated SLO attainment reaches --attainment: doubling,
+    then bisection (attainment grows with replicas for a fixed workload, up to noise)."""
+    from sim.cluster import simulate
+    from sim.profile import Profile
+
+    profile = Profile.load(args.profile)
+    slo = (args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0)
+    cache: dict[int, dict] = {}
+
+    def attainment(n: int) -> dict:
+        if n not in cache:
+            args.replicas = n
+            config = build_cluster_config(args)
+            result = simulate(config, profile, build_workload(args), build_settings(args, profile))
+            cache[n] = result.summary(*slo)
+            s = cache[n]
+            p99 = s.get("ttft_s", {}).get("p99", math.nan)
+            print(
+                f"  {n:5d} replicas: SLO attainment {s.get('slo_attainment', 0):.3f}, "
+                f"TTFT p99 {p99 * 1e3:.0f} ms",
+                flush=True,
+            )
+        return cache[n]
+
+    lo, hi = 0, 1
+    while not meets(attainment(hi), args.attainment):
+        lo, hi = hi, hi * 2
+        if hi > args.max_replicas:
+            print(f"stepserve plan: not met with {args.max_replicas} replicas", file=sys.stderr)
+            return 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(attainment(mid), args.attainment):
+            hi = mid
+        else:
+            lo = mid
+    s = cache[hi]
+    print(
+        f"stepserve plan: {hi} replicas meet TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= "
+        f"{args.slo_tpot_ms:g} ms for {s['slo_attainment']:.1%} of requests at {args.rate:g} req/s"
+    )
+    return 0

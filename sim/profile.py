@@ -1,0 +1,503 @@
+"""Step-time profiles: `stepserve profile` times real engine steps (schedule, forward, sample,
+detokenize: the whole `Engine.step`) over a grid of step shapes on the machine it runs on, and
+fits the model the simulator uses to price a step it did not measure.
+
+Grid (each point the median of several steps):
+- decode: n sequences of context L each (distinct prompts, so the KV read is real);
+- prefill: one chunk of c new tokens after o tokens already cached (a prefix-cache hit of o);
+- mixed: n decodes plus one prefill chunk in the same step (held out of the fit: they measure
+  how well the model prices steps it was not fitted on).
+
+Model (the step's time from its shape, linear in its coefficients, fitted by least squares):
+
+    t = g(T) + a_causal * sum_{chunks with o = 0} c * (c + 1) / 2
+             + a_prefix * sum_{chunks with o > 0} c * (o + (c + 1) / 2)
+             + a_decode * sum_decodes ctx + a_seq * (requests - 1)
+
+T is the step's scheduled tokens and g is piecewise linear over knots at the measured T values
+(the weights' matmuls, sampling and per-step costs, which grow unevenly with the batch: small
+batches are bound by reading the weights); the attention terms are the query-key pairs of each
+prefill chunk (causal within the chunk, all of the cached prefix) and the context each decode
+reads; `requests` are the step's scheduled requests (each one's sampling, bookkeeping and
+detokenizing, beyond the first). A chunk with nothing cached before it and one after a prefix-cache hit (or an earlier
+chunk) take different attention paths in the runner (a causal kernel, and attention over the
+cached prefix plus the chunk), so each has its own coefficient. Beyond the last knot g continues
+along its last segment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
+FORMAT_VERSION = 3
+_TERMS = ("a_causal", "a_prefix", "a_decode", "a_seq")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the model prices: the step's tokens and its attention work."""
+
+    tokens: int  # T: scheduled tokens
+    causal_pairs: float  # sum over prefill chunks with o == 0 of c * (c + 1) / 2
+    prefix_pairs: float  # sum over prefill chunks with o > 0 of c * (o + (c + 1) / 2)
+    decode_context: float  # sum over decodes of the context read
+    requests: int = 1  # scheduled requests
+    decodes: int = 0  # of them, one-token decodes
+
+    @classmethod
+    def of(cls, prefill: list[tuple[int, int]], decode_contexts: list[int]) -> StepShape:
+        """From (c, o) prefill chunks and decode contexts."""
+        tokens = sum(c for c, _ in prefill) + len(decode_contexts)
+        causal = sum(c * (c + 1) / 2 for c, o in prefill if o == 0)
+        prefix = sum(c * (o + (c + 1) / 2) for c, o in prefill if o > 0)
+        n = len(prefill) + len(decode_contexts)
+        return cls(tokens, causal, prefix, float(sum(decode_contexts)), n, len(decode_contexts))
+
+    def decode_part(self) -> StepShape:
+        """The same step without its prefill chunks."""
+        return StepShape(self.decodes, 0.0, 0.0, self.decode_context, self.decodes, self.decodes)
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (self.causal_pairs, self.prefix_pairs, self.decode_context, self.requests - 1)
+
+    @classmethod
+    def of_scheduler_output(cls, so) -> StepShape:
+        """The shape of a `replica.scheduler.SchedulerOutput` (as the real runner would run it:
+        a one-token chunk at the end of the known tokens is a decode)."""
+        tokens = decodes = 0
+        causal = prefix = context = 0.0
+        for s in so.scheduled:
+            c = s.num_tokens
+            o = s.start
+            tokens += c
+            if c == 1 and o >= s.request.num_prompt_tokens:
+                context += o + 1
+                decodes += 1
+            elif o == 0:
+                causal += c * (c + 1) / 2
+            else:
+                prefix += c * (o + (c + 1) / 2)
+        return cls(tokens, causal, prefix, context, len(so.scheduled), decodes)
+
+
+class StepTimeModel:
+    """The fitted model of a profile (module docstring): g's knots and values, and the
+    per-step-shape coefficients (a_causal, a_prefix, a_decode, a_seq)."""
+
+    def __init__(self, knots: list[float], values: list[float], attention: list[float]) -> None:
+        if len(knots) != len(values) or not knots or len(attention) != len(_TERMS):
+            raise ValueError(
+                f"a step-time model needs a value per knot and {len(_TERMS)} shape terms"
+            )
+        self.knots = [float(k) for k in knots]
+        self.values = [float(v) for v in values]
+        self.attention = [float(a) for a in attention]
+        self._knots = np.asarray(self.knots)
+        self._values = np.asarray(self.values)
+        if len(knots) >= 2:
+            self._slope = (self.values[-1] - self.values[-2]) / (self.knots[-1] - self.knots[-2])
+        else:
+            self._slope = 0.0
+
+    def tokens_time(self, tokens: float) -> float:
+        if tokens >= self.knots[-1]:
+            return self.values[-1] + self._slope * (tokens - self.knots[-1])
+        return float(np.interp(tokens, self._knots, self._values))
+
+    def predict(self, shape: StepShape) -> float:
+        t = self.tokens_time(shape.tokens)
+        for a, f in zip(self.attention, shape.features()):
+            t += a * f
+        return max(t, 0.0)
+
+    def as_dict(self) -> dict:
+        return {"knots": self.knots, "values": self.values, "attention": self.attention}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepTimeModel:
+        return cls(d["knots"], d["values"], d["attention"])
+
+
+def _hat_features(tokens: float, knots: list[float]) -> list[float]:
+    """Piecewise-linear basis: the weights of `tokens` on its two neighbouring knots (linear
+    continuation past the last)."""
+    out = [0.0] * len(knots)
+    if len(knots) == 1:
+        out[0] = 1.0
+        return out
+    if tokens <= knots[0]:
+        out[0] = 1.0
+        return out
+    for i in range(1, len(knots)):
+        if tokens <= knots[i] or i == len(knots) - 1:
+            lo, hi = knots[i - 1], knots[i]
+            w = (tokens - lo) / (hi - lo)
+            out[i - 1] = 1.0 - w
+            out[i] = w
+            return out
+    return out
+
+
+def fit(points: list[dict]) -> StepTimeModel:
+    """Least-squares fit of the model to measured points ({"shape": StepShape, "time_s": t}),
+    weighted by 1/t so that small steps count as much as big ones (relative error)."""
+    if not points:
+        raise ValueError("no measured points to fit")
+    knots = sorted({float(p["shape"].tokens) for p in points})
+    rows, targets = [], []
+    for p in points:
+        s: StepShape = p["shape"]
+        w = 1.0 / max(p["time_s"], 1e-6)
+        rows.append([x * w for x in _hat_features(s.tokens, knots)] + [f * w for f in s.features()])
+        targets.append(p["time_s"] * w)
+    a = np.asarray(rows)
+    b = np.asarray(targets)
+    coef = np.linalg.lstsq(a, b, rcond=None)[0]
+    # attention cannot make a step faster: refit without a term whose coefficient came out < 0
+    k = len(knots)
+    for col in range(k, k + len(_TERMS)):
+        if coef[col] < 0:
+            a[:, col] = 0.0
+            coef = np.linalg.lstsq(a, b, rcond=None)[0]
+            coef[col] = 0.0
+    return StepTimeModel(knots, list(coef[:k]), list(coef[k:]))
+
+
+def fit_errors(model: StepTimeModel, points: list[dict]) -> dict:
+    """Relative errors of the model on `points`: median, p90 and max of |predicted/measured - 1|."""
+    if not points:
+        return {}
+    errs = sorted(abs(model.predict(p["shape"]) / p["time_s"] - 1.0) for p in points)
+    return {
+        "points": len(errs),
+        "median_abs_rel_error": statistics.median(errs),
+        "p90_abs_rel_error": errs[min(len(errs) - 1, int(0.9 * len(errs)))],
+        "max_abs_rel_error": errs[-1],
+    }
+
+
+@dataclass
+class Profile:
+    """A measured profile: where it was taken, the engine settings, the points and the fit."""
+
+    meta: dict
+    engine: dict  # EngineConfig fields that decide step times and capacity
+    capacity: dict  # num_kv_blocks, max_model_len
+    points: list[dict]
+    held_out: list[dict]
+    model: StepTimeModel
+    serving: dict | None = None  # serving calibration (sim/calibrate.py), when measured
+
+    def as_dict(self) -> dict:
+        def enc(ps):
+            return [
+                {
+                    "tokens": p["shape"].tokens,
+                    "causal_pairs": p["shape"].causal_pairs,
+                    "prefix_pairs": p["shape"].prefix_pairs,
+                    "decode_context": p["shape"].decode_context,
+                    "requests": p["shape"].requests,
+                    "prefill": p["prefill"],
+                    "decode": p["decode"],
+                    "time_s": p["time_s"],
+                    "kind": p["kind"],
+                    "desc": p["desc"],
+                }
+                for p in ps
+            ]
+
+        return {
+            "format": FORMAT_VERSION,
+            "meta": self.meta,
+            "engine": self.engine,
+            "capacity": self.capacity,
+            "model": self.model.as_dict(),
+            "fit_error": fit_errors(self.model, self.points),
+            "held_out_error": fit_errors(self.model, self.held_out),
+            "serving": self.serving,
+            "points": enc(self.points),
+            "held_out": enc(self.held_out),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        if d.get("format") != FORMAT_VERSION:
+            raise ValueError(f"profile format {d.get('format')!r}, expected {FORMAT_VERSION}")
+
+        def dec(ps):
+            return [
+                {
+                    # rebuilt from the raw step (a later model may weigh it differently)
+                    "shape": shape_of_raw(p),
+                    "prefill": p["prefill"],
+                    "decode": p["decode"],
+                    "time_s": p["time_s"],
+                    "kind": p["kind"],
+                    "desc": p["desc"],
+                }
+                for p in ps
+            ]
+
+        return cls(
+            d["meta"],
+            d["engine"],
+            d["capacity"],
+            dec(d["points"]),
+            dec(d["held_out"]),
+            StepTimeModel.from_dict(d["model"]),
+            d.get("serving"),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        p = Path(path)
+        if not p.exists() and (PROFILES / f"{path}.json").exists():
+            p = PROFILES / f"{path}.json"  # a shipped profile by name
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except FileNotFoundError:
+            shipped = sorted(x.stem for x in PROFILES.glob("*.json"))
+            raise FileNotFoundError(
+                f"no profile at {path} (shipped profiles: {', '.join(shipped) or 'none'})"
+            ) from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n")
+
+
+# -- measuring -----------------------------------------------------------------------------------
+def raw_step(so) -> dict:
+    """A scheduler output as plain data: its prefill chunks [[c, o], ...] and decode contexts."""
+    prefill, decode = [], []
+    for sched in so.scheduled:
+        c, o = sched.num_tokens, sched.start
+        if c == 1 and o >= sched.request.num_prompt_tokens:
+            decode.append(o + 1)
+        else:
+            prefill.append([c, o])
+    return {"prefill": prefill, "decode": decode}
+
+
+def shape_of_raw(raw: dict) -> StepShape:
+    return StepShape.of([tuple(x) for x in raw["prefill"]], list(raw["decode"]))
+
+
+class _Prober:
+    """Drives a real Engine into chosen step shapes and times `Engine.step`; each timing comes
+    with the step the scheduler actually ran (`raw_step`), not the one asked for."""
+
+    def __init__(self, engine, rng: random.Random) -> None:
+        self.engine = engine
+        self.rng = rng
+        self.vocab = min(engine.vocab_size, 30_000)
+        self._n = 0
+        self._last: dict | None = None
+        engine.step_listeners.append(self._listen)
+
+    def _listen(self, engine, so, outputs, step_time) -> None:
+        self._last = raw_step(so)
+
+    def close(self) -> None:
+        self.engine.step_listeners.remove(self._listen)
+
+    def _id(self) -> str:
+        self._n += 1
+        return f"p{self._n}"
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, self.vocab) for _ in range(n)]
+
+    def _params(self, max_tokens: int):
+        from replica.request import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def _drain(self) -> None:
+        e = self.engine
+        e.abort([rid for rid in list(e.scheduler.requests)])
+        e.step()  # lets the runner drop the aborted requests' state
+
+    def _run_until_decoding(self, ids: list[str]) -> None:
+        e = self.engine
+        while any(e.scheduler.requests[r].num_output_tokens == 0 for r in ids):
+            e.step()
+
+    def _timed_step(self) -> tuple[float, dict]:
+        t0 = time.perf_counter()
+        self.engine.step()
+        return time.perf_counter() - t0, self._last
+
+    @staticmethod
+    def _median(samples: list[tuple[float, dict]]) -> tuple[float, dict]:
+        """The median time, with the step of the sample at the middle."""
+        ordered = sorted(samples, key=lambda x: x[0])
+        return statistics.median(t for t, _ in samples), ordered[len(ordered) // 2][1]
+
+    def decode(self, n: int, ctx: int, reps: int) -> tuple[float, dict]:
+        """Median step time of n decodes at context ~ctx."""
+        ids = []
+        for _ in range(n):
+            rid = self._id()
+            self.engine.add_request(rid, self._tokens(ctx), self._params(reps + 8))
+            ids.append(rid)
+        self._run_until_decoding(ids)
+        samples = [self._timed_step() for _ in range(reps)]
+        self._drain()
+        return self._median(samples)
+
+    def prefill(
+        self, c: int, o: int, reps: int, decodes: tuple[int, int] = (0, 0)
+    ) -> tuple[float, dict]:
+        """Median time of a step that prefills c tokens after o cached ones (and runs
+        `decodes` = (n, ctx) decodes beside it)."""
+        samples = []
+        block = self.engine.config.block_size
+        for _ in range(reps):
+            dec_ids = []
+            for _ in range(decodes[0]):
+                rid = self._id()
+                self.engine.add_request(rid, self._tokens(decodes[1]), self._params(64))
+                dec_ids.append(rid)
+            self._run_until_decoding(dec_ids)
+            prefix = self._tokens(o)
+            if o:  # cache the prefix: a request with it (and one more token) runs to a token
+                rid = self._id()
+                self.engine.add_request(rid, prefix + self._tokens(1), self._params(1))
+                while rid in self.engine.scheduler.requests:
+                    self.engine.step()
+                assert o % block == 0, "prefix lengths are whole blocks"
+            rid = self._id()
+            self.engine.add_request(rid, prefix + self._tokens(c), self._params(1))
+            samples.append(self._timed_step())
+            self._drain()
+        return self._median(samples)
+
+
+def _grid(config, max_model_len: int, capacity_tokens: int, quick: bool, budget_tokens: int):
+    seqs = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= config.max_num_seqs]
+    contexts = [c for c in (16, 128, 512, 1024, 2048) if c < max_model_len - 64]
+    chunks = [c for c in (8, 32, 128, 256, 512, 1024, 2048) if c <= config.max_num_batched_tokens]
+    offsets = [o for o in (0, 256, 1024) if o % config.block_size == 0]
+    if quick:
+        seqs = seqs[::2] + ([seqs[-1]] if len(seqs) % 2 == 0 else [])
+        contexts = contexts[::2]
+        chunks = chunks[::2]
+        offsets = offsets[:2]
+    decode = [
+        (n, ctx)
+        for n in seqs
+        for ctx in contexts
+        if n * (ctx + 16) <= min(capacity_tokens, budget_tokens)
+    ]
+    prefill = [
+        (c, o)
+        for c in chunks
+        for o in offsets
+        if c + o < max_model_len - 8 and c + o <= capacity_tokens // 2
+    ]
+    mixed = [
+        (n, ctx, c)
+        for n, ctx, c in ((4, 128, 128), (16, 256, 64), (32, 128, 256), (8, 512, 512))
+        if n <= config.max_num_seqs
+        and c <= config.max_num_batched_tokens - n
+        and n * (ctx + 80) + c <= capacity_tokens // 2
+        and ctx < max_model_len - 80
+    ]
+    return decode, prefill, mixed
+
+
+def _point(t: float, raw: dict, kind: str, desc: str) -> dict:
+    return {"shape": shape_of_raw(raw), "time_s": t, "kind": kind, "desc": desc, **raw}
+
+
+def measure(
+    engine,
+    quick: bool = False,
+    reps: int = 7,
+    seed: int = 0,
+    max_setup_tokens: int = 32_768,
+    progress=None,
+) -> Profile:
+    """Profile `engine` (a real `replica.engine.Engine`, prefix caching on) over the grid."""
+    config = engine.config
+    if not config.enable_prefix_caching:
+        raise ValueError("profiling needs enable_prefix_caching (prefill chunks after a hit)")
+    prober = _Prober(engine, random.Random(seed))
+    capacity = engine.num_kv_blocks * config.block_size
+    decode, prefill, mixed = _grid(config, engine.max_model_len, capacity, quick, max_setup_tokens)
+    say = progress or (lambda msg: None)
+    # warm-up: the first steps of each kind pay one-off costs (allocations, kernel caches)
+    prober.decode(2, 16, 3)
+    prober.prefill(32, 0, 2)
+    points, held_out = [], []
+    for n, ctx in decode:
+        t, raw = prober.decode(n, ctx, reps)
+        points.append(_point(t, raw, "decode", f"n={n} ctx={ctx}"))
+        say(f"decode n={n:<4d} ctx={ctx:<5d} {t * 1e3:8.2f} ms")
+    for c, o in prefill:
+        t, raw = prober.prefill(c, o, max(2, reps // 2))
+        points.append(_point(t, raw, "prefill", f"c={c} o={o}"))
+        say(f"prefill c={c:<5d} o={o:<5d} {t * 1e3:8.2f} ms")
+    for n, ctx, c in mixed:
+        t, raw = prober.prefill(c, 0, max(2, reps // 2), decodes=(n, ctx))
+        held_out.append(_point(t, raw, "mixed", f"n={n} ctx={ctx} c={c}"))
+        say(f"mixed n={n:<4d} ctx={ctx:<5d} c={c:<5d} {t * 1e3:8.2f} ms")
+    prober.close()
+    model = fit(points)
+    from replica.layers import cpu_isa
+
+    meta = {
+        "model": str(engine.model_dir),
+        "model_name": Path(engine.model_dir).name,
+        "machine": platform.machine(),
+        "processor": _cpu_model(),
+        "cpu_isa": cpu_isa.active_level(),
+        "threads": _torch_threads(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "quick": quick,
+        "reps": reps,
+    }
+    engine_fields = {
+        k: getattr(config, k)
+        for k in (
+            "dtype",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "long_prefill_token_threshold",
+            "enable_chunked_prefill",
+            "device",
+        )
+        if hasattr(config, k)
+    }
+    cap = {"num_kv_blocks": engine.num_kv_blocks, "max_model_len": engine.max_model_len}
+    return Profile(meta, engine_fields, cap, points, held_out, model)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

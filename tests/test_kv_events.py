@@ -1,0 +1,242 @@
+"""KV events (replica/kv_events.py), the router's index of every replica's prefix cache
+(router/kv_index.py), the hub between them, and the cache term of the routing policy."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+from replica.config import EngineConfig
+from replica.kv_events import (
+    REMOVED,
+    STORED,
+    KVEventBatch,
+    KVEventHub,
+    KVSnapshot,
+)
+from replica.request import ROOT_BLOCK_HASH, Request, SamplingParams, extend_block_hashes
+from replica.scheduler import Scheduler
+from router.kv_index import KVIndex
+from router.kv_routing import KVRouting, exposition, note_cached, register_kv_routing
+from router.policy import Policy, ReplicaStats, RequestSize, RoutingConfig, decision_reason
+
+BS = 4
+
+
+def _scheduler(num_blocks: int = 24) -> Scheduler:
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=BS)
+    return Scheduler(cfg, num_blocks, 256)
+
+
+def _run_steps(sched: Scheduler, rng: random.Random, steps: int, new_requests) -> None:
+    """Step the scheduler with a fake runner (always token 7), feeding new requests."""
+    for _ in range(steps):
+        for req in new_requests():
+            sched.add_request(req)
+        so = sched.schedule()
+        sampled = {s.request_id: 7 for s in so.scheduled if s.sample}
+        sched.update_from_output(so, sampled)
+        yield so
+
+
+def _mixed_requests(
+    rng: random.Random, prefixes: list[list[int]], rate: float = 0.5, long: int = 8
+):
+    counter = iter(range(10**6))
+
+    def new():
+        out = []
+        if rng.random() < rate:
+            prompt = list(rng.choice(prefixes)) + [
+                rng.randrange(10, 99) for _ in range(rng.randint(1, 9))
+            ]
+            params = SamplingParams(max_tokens=rng.randint(1, long), ignore_eos=True)
+            out.append(Request(f"r{next(counter)}", prompt, params))
+        return out
+
+    return new
+
+
+def test_index_mirrors_the_pool_exactly_through_evictions_and_preemptions() -> None:
+    rng = random.Random(0)
+    sched = _scheduler()
+    log = sched.kv.pool.enable_events(BS)
+    index = KVIndex(BS)
+    prefixes = [[rng.randrange(10, 99) for _ in range(12)] for _ in range(5)]
+    evictions = 0
+    for _ in _run_steps(sched, rng, 400, _mixed_requests(rng, prefixes, rate=0.9, long=24)):
+        batch = log.seal()
+        if batch is not None:
+            evictions += sum(e[0] == REMOVED for e in batch.events)
+            assert index.apply("r0", batch)
+        assert index.blocks_of("r0") == set(sched.kv.pool.cached)  # zero drift, every step
+        assert log.snapshot().blocks.keys() == sched.kv.pool.cached.keys()
+    assert evictions > 20, "the workload must evict to test removals"
+    assert sched.num_preemptions_total > 0, "and preempt"
+
+
+def test_predicted_hits_equal_the_schedulers_hits_when_nothing_is_evicted_between() -> None:
+    rng = random.Random(1)
+    sched = _scheduler(num_blocks=200)
+    log = sched.kv.pool.enable_events(BS)
+    index = KVIndex(BS)
+    prefixes = [[rng.randrange(10, 99) for _ in range(rng.randint(3, 20))] for _ in range(6)]
+    checked = 0
+    for i in range(60):
+        prompt = list(rng.choice(prefixes)) + [
+            rng.randrange(10, 99) for _ in range(rng.randint(0, 6))
+        ]
+        predicted = index.hit_tokens(index.prompt_hashes(prompt), ["r0"]).get("r0", 0)
+        req = Request(f"q{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        sched.add_request(req)
+        while sched.has_unfinished():
+            so = sched.schedule()
+            sched.update_from_output(so, {s.request_id: 7 for s in so.scheduled if s.sample})
+            batch = log.seal()
+            if batch is not None:
+                index.apply("r0", batch)
+        assert req.num_cached_tokens == predicted, (i, prompt)
+        checked += predicted > 0
+    assert checked > 20
+
+
+def test_a_gap_makes_the_view_stale_until_a_snapshot() -> None:
+    index = KVIndex(BS)
+    h = extend_block_hashes([], list(range(12)), BS)
+    assert index.apply("a", KVEventBatch(1, tuple((STORED, x, ROOT_BLOCK_HASH, BS) for x in h)))
+    assert index.hit_tokens(h, ["a"]) == {"a": 12}
+    assert not index.apply("a", KVEventBatch(3, ((REMOVED, h[2]),)))  # batch 2 missed
+    assert index.seq("a") is None and index.gaps == 1
+    assert index.hit_tokens(h, ["a"]) == {"a": 0}  # no predictions from a stale view
+    assert not index.apply("a", KVEventBatch(4, ()))  # still stale
+    index.load_snapshot("a", KVSnapshot(4, {h[0]: ROOT_BLOCK_HASH, h[1]: h[0]}))
+    assert index.seq("a") == 4 and index.hit_tokens(h, ["a"]) == {"a": 8}
+    assert index.apply("a", KVEventBatch(5, ((REMOVED, h[0]),)))
+    assert index.hit_tokens(h, ["a"]) == {"a": 0}
+
+
+def test_hits_per_replica_are_the_longest_leading_run_and_removal_forgets() -> None:
+    index = KVIndex(BS)
+    h = extend_block_hashes([], list(range(20)), BS)  # 5 blocks
+    index.apply("a", KVEventBatch(1, tuple((STORED, x, 0, BS) for x in h[:4])))
+    index.apply("b", KVEventBatch(1, tuple((STORED, x, 0, BS) for x in h[:1] + h[2:])))
+    index.apply("c", KVEventBatch(1, tuple((STORED, x, 0, BS) for x in h)))
+    assert index.hit_tokens(h) == {"a": 16, "b": 4, "c": 20}
+    assert index.hit_tokens(h[:3], ["a", "b", "x"]) == {"a": 12, "b": 4}
+    index.remove_replica("c")
+    assert index.hit_tokens(h) == {"a": 16, "b": 4}
+    assert index.num_entries == 5  # h[4] only b holds now
+    index.remove_replica("a")
+    index.remove_replica("b")
+    assert index.num_entries == 0
+    index.apply("d", KVEventBatch(1, ((STORED, h[0], 0, BS),)))  # a freed slot is reused
+    assert index.hit_tokens(h) == {"d": 4}
+
+
+def test_prompt_hashes_leave_the_last_token_to_compute() -> None:
+    index = KVIndex(BS)
+    assert len(index.prompt_hashes(list(range(8)))) == 1  # 8 tokens: (8 - 1) // 4 = 1 block
+    assert len(index.prompt_hashes(list(range(9)))) == 2
+
+
+def test_block_hashes_are_equal_in_another_process() -> None:
+    tokens = list(range(100, 164))
+    here = extend_block_hashes([], tokens, 16)
+    code = (
+        "from replica.request import extend_block_hashes;"
+        f"print(extend_block_hashes([], {tokens!r}, 16))"
+    )
+    there = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parent.parent),
+    )  # fmt: skip
+    assert eval(there.stdout) == here
+
+
+# -- the hub ----------------------------------------------------------------------------------
+def _batch(seq: int, *hashes: int) -> KVEventBatch:
+    return KVEventBatch(seq, tuple((STORED, h, 0, BS) for h in hashes))
+
+
+def test_hub_relays_batches_then_snapshots_for_readers_too_far_behind() -> None:
+    hub = KVEventHub(keep_batches=2)
+    assert hub.publish("a", [_batch(2, 5)]) == {"resync": True}  # unknown replica, not from 1
+    assert hub.publish("a", [_batch(1, 1), _batch(2, 2)]) == {"resync": False}
+    reply = hub.poll({"a": -1})
+    assert reply["a"][0] == "snapshot" and reply["a"][1].blocks.keys() == {1, 2}
+    assert hub.poll({"a": 2}) == {}
+    hub.publish("a", [_batch(3, 3)])
+    kind, batches = hub.poll({"a": 2})["a"]
+    assert kind == "batches" and [b.seq for b in batches] == [3]
+    hub.publish("a", [_batch(4, 4), _batch(5, 5)])  # keeps 2: batch 3 is gone
+    assert hub.poll({"a": 2})["a"][0] == "snapshot"
+    assert hub.poll({"a": 3})["a"][0] == "batches"
+    assert hub.publish("a", [_batch(7, 7)]) == {"resync": True}  # a gap: the hub asks
+    assert hub.poll({"a": 5}) == {"a": ("gone", None)}
+    assert hub.publish("a", [], KVSnapshot(7, {1: 0, 7: 1})) == {"resync": False}
+    assert hub.poll({"a": -1})["a"][1].blocks.keys() == {1, 7}
+    hub.publish("b", [_batch(1, 9)], now=0.0)
+    hub.publish("a", [_batch(8, 8)], now=1000.0)  # b silent for longer than forget_after_s
+    assert "b" not in hub.replicas()
+
+
+def test_kv_routing_follows_the_hub_and_checks_its_predictions() -> None:
+    hub = KVEventHub()
+    routing = KVRouting("app", BS, start=False)
+    register_kv_routing(routing)
+    prompt = list(range(40, 53))  # 13 tokens: 3 usable blocks
+    hashes = extend_block_hashes([], prompt, BS)
+    hub.publish("a", [_batch(1, *hashes[:2])])
+    hub.publish("b", [_batch(1, *hashes[:3])])
+    routing.set_live(["a", "b"])
+    routing.apply_poll(hub.poll(routing.cursors()))
+    assert routing.hit_tokens(prompt, ["a", "b"]) == {"a": 8, "b": 12}
+    routing.routed("req-1", 12, "cache")
+    note_cached("req-1", 12)
+    routing.routed("req-2", 8, "load")
+    note_cached("req-2", 4)
+    snap = routing.snapshot()
+    assert (snap["compared"], snap["exact"], snap["predicted_tokens"], snap["actual_tokens"]) == (
+        2,
+        1,
+        20,
+        16,
+    )
+    text = exposition("ing-1").decode()
+    assert 'stepserve:router_decisions_total{ingress="ing-1",reason="cache"} 1' in text
+    assert 'outcome="different"} 1' in text
+    routing.set_live(["a"])  # b left Serve: gone from the index at once
+    assert routing.hit_tokens(prompt, ["a", "b"]) == {"a": 8}
+    routing.stop()
+
+
+# -- the policy ---------------------------------------------------------------------------------
+def _stats(rid: str, ongoing: int, cached: int = 0) -> ReplicaStats:
+    return ReplicaStats(
+        rid, ongoing=ongoing, max_num_seqs=16, max_num_batched_tokens=1024, cached_tokens=cached
+    )
+
+
+def test_cache_term_wins_within_the_window_and_spills_beyond_it() -> None:
+    cfg = RoutingConfig(kv_events=True, weight_cache_hit=16, cache_bonus_cap=4)
+    policy = Policy(cfg)
+    # b holds 512 tokens of the prompt (8 queue units of bonus) and is 3 busier: it wins
+    replicas = [_stats("a", 1), _stats("b", 4, cached=512), _stats("c", 2)]
+    assert policy.rank(replicas)[0] == ["b"]
+    size = RequestSize.of(replicas)
+    assert decision_reason(replicas, cfg, "b", size) == "cache"
+    # 6 busier: outside the window, the request spills to the least loaded
+    replicas = [_stats("a", 1), _stats("b", 7, cached=512), _stats("c", 2)]
+    assert policy.rank(replicas)[0] == ["a"]
+    assert decision_reason(replicas, cfg, "a", size) == "spill"
+    # the longest hit wins among replicas in the window: a whole history over a system prompt
+    replicas = [_stats("a", 2, cached=128), _stats("b", 2, cached=640), _stats("c", 1)]
+    assert policy.rank(replicas)[0] == ["b"]
+
+
+def test_equal_scores_with_different_hits_are_different_tiers() -> None:
+    cfg = RoutingConfig(kv_events=True, weight_cache_hit=0.0, score_tolerance=5.0)
+    tiers = Policy(cfg).rank([_stats("a", 1), _stats("b", 1, cached=64), _stats("c", 1)])
+    assert tiers[0] == ["b"]  # Ray picks the tier's least loaded: never a replica without it
+    assert sorted(tiers[1]) == ["a", "c"]
