@@ -67,8 +67,7 @@ def router_config(router: str, model: Path, args: argparse.Namespace) -> Cluster
     router, _, fields = router.partition("/")
     policy, _, extra = router.partition("+")
     overrides = dict(item.split("=", 1) for item in fields.split(";") if item)
-    if extra == "kv":
-        overrides["kv_events"] = True
+    overrides.setdefault("kv_events", extra == "kv")  # on by default in RoutingConfig
     return ClusterConfig.model_validate(
         {
             "engine": {

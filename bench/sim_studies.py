@@ -226,9 +226,9 @@ def study_capacity(args, profile_name: str) -> dict:
     for rate in [float(x) for x in args.plan_rates.split(",")]:
         cmd = [
             sys.executable, "-m", "cluster.cli", "plan", "--profile", profile_name,
-            "--workload", "heterogeneous", "--rate", str(rate), "--num-requests",
+            "--workload", "random", "--rate", str(rate), "--num-requests",
             str(int(rate * 120)), "--input-len", "128", "--output-len", "32",
-            "--slo-ttft-ms", "2000", "--slo-tpot-ms", "300",
+            "--slo-ttft-ms", "2000", "--slo-tpot-ms", "300", "--max-replicas", "1024",
         ]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent.parent)

@@ -192,3 +192,14 @@ def get_kv_hub(app_name: str):
         )
         .remote()
     )
+
+
+def kill_kv_hub(app_name: str) -> bool:
+    """End the application's hub, if there is one (when the application is deleted)."""
+    import ray
+
+    try:
+        ray.kill(ray.get_actor(kv_hub_name(app_name), namespace=KV_HUB_NAMESPACE))
+    except ValueError:
+        return False
+    return True

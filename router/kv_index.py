@@ -177,15 +177,17 @@ class KVIndex:
     def hit_tokens(
         self, hashes: Sequence[int], replica_ids: Iterable[str] | None = None
     ) -> dict[str, int]:
-        """Per replica (of `replica_ids`, default all known), the prompt tokens it has cached:
-        the longest run of the prompt's leading blocks in its view. Stale views count 0."""
+        """Per replica (of `replica_ids`, default all known) that holds at least the prompt's
+        first block, the prompt tokens it has cached: the longest run of the prompt's leading
+        blocks in its view (replicas left out hold none; stale views count as none). Costs
+        O(prompt blocks) big-int operations, however many replicas there are."""
         with self._lock:
             views = self._views
             if replica_ids is None:
                 ids = list(views)
             else:
                 ids = [r for r in replica_ids if r in views]
-            out = dict.fromkeys(ids, 0)
+            out: dict[str, int] = {}
             alive = 0
             for rid in ids:
                 view = views[rid]
@@ -198,7 +200,7 @@ class KVIndex:
                     break
                 still = holders.get(h, 0) & alive
                 dropped = alive & ~still
-                while dropped:
+                while dropped and i:
                     low = dropped & -dropped
                     out[self._by_bit[low]] = i * bs
                     dropped ^= low

@@ -52,6 +52,11 @@ class KVRouting:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start polling the hub (once; later calls do nothing)."""
+        if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kv-index", daemon=True)
             self._thread.start()
 

@@ -107,7 +107,7 @@ class RoutingConfig(BaseModel):
         default=0.5, ge=0, description="replicas within this score of a tier's best share it"
     )
     kv_events: bool = Field(
-        default=False,
+        default=True,
         description="route by each replica's actual prefix cache, mirrored from its KV events "
         "(exact; replaces prefix_affinity's guess)",
     )
@@ -412,21 +412,33 @@ class Policy:
             request_tokens=request_tokens,
         )
 
-    def candidates(self, replica_ids: Sequence[str], prefix: int | None = None) -> list[str]:
+    def candidates(
+        self,
+        replica_ids: Sequence[str],
+        prefix: int | None = None,
+        cached: dict[str, int] | None = None,
+    ) -> list[str]:
         """The replicas to rank for one request: pow2's two random ones; for load_aware all of
-        them, or `max_candidates` sampled at random (the prefix's rendezvous replica always
-        included), so that a decision costs O(max_candidates) stats and scores at fleet scale."""
+        them, or `max_candidates` sampled at random, so that a decision costs O(max_candidates)
+        stats and scores at fleet scale. A sample always holds the prefix's rendezvous replica
+        (prefix affinity) and the replicas holding most of the prompt (`cached`: the KV index's
+        hits, up to a quarter of the sample)."""
         if self.cfg.policy == "pow2" and len(replica_ids) > 2:
             return self._rng.sample(list(replica_ids), 2)  # all pow2 looks at
         k = self.cfg.max_candidates
         if self.cfg.policy != "load_aware" or k <= 0 or len(replica_ids) <= k:
             return list(replica_ids)
-        sample = self._rng.sample(list(replica_ids), k)
+        must: list[str] = []
+        if cached:
+            holders = sorted(cached, key=lambda rid: (-cached[rid], rid))
+            must += holders[: max(1, k // 4)]
         if self.cfg.prefix_affinity and prefix is not None:
             preferred = preferred_replica(prefix, replica_ids)
-            if preferred is not None and preferred not in sample:
-                sample[-1] = preferred
-        return sample
+            if preferred is not None and preferred not in must:
+                must.append(preferred)
+        chosen = set(must)
+        sample = must + [r for r in self._rng.sample(list(replica_ids), k) if r not in chosen]
+        return sample[:k]
 
     def prefix_key(self, token_ids: Sequence[int], block_size: int) -> int | None:
         """The prefix key for `rank` per this config; None when prefix affinity is off."""

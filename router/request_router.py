@@ -49,11 +49,16 @@ class LoadAwareRouter(RequestRouter):
         self.kv: KVRouting | None = None
         self._hits: dict[str, tuple[dict[str, int], list[ReplicaStats]]] = {}
         if self.routing_config.kv_events:
-            try:
-                app = serve.get_replica_context().app_name
-            except Exception:
-                app = "default"
-            self.kv = KVRouting(app, block_size, self.routing_config.kv_events_poll_s)
+            deployment = getattr(self, "_deployment_id", None)
+            app = getattr(deployment, "app_name", None)
+            if app is None:
+                try:
+                    app = serve.get_replica_context().app_name
+                except Exception:
+                    app = "default"
+            # the poller starts with the first request this router routes (a handle that only
+            # makes other calls, as a driver's, never polls)
+            self.kv = KVRouting(app, block_size, self.routing_config.kv_events_poll_s, start=False)
             register_kv_routing(self.kv)
 
     def _stats_of(
@@ -76,11 +81,13 @@ class LoadAwareRouter(RequestRouter):
         now = time.time()
         request = _request(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ids = self.policy.candidates(list(by_id), request.prefix_key if request else None)
-        prefill = self.inflight.prefill_by_replica(now, ids)
         hits: dict[str, int] = {}
         if self.kv is not None and request is not None:
-            hits = self.kv.hit_tokens(request.prompt_token_ids, ids)
+            self.kv.start()
+            hits = self.kv.hit_tokens(request.prompt_token_ids, list(by_id))
+        prefix = request.prefix_key if request else None
+        ids = self.policy.candidates(list(by_id), prefix, hits)
+        prefill = self.inflight.prefill_by_replica(now, ids)
         stats = [self._stats_of(by_id[rid], now, prefill, hits.get(rid, 0)) for rid in ids]
         if self.kv is not None and request is not None and request.reports_progress:
             self._hits[request.request_id] = (hits, stats)  # for on_request_routed

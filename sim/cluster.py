@@ -278,13 +278,13 @@ class SimIngress:
         by_id = {r.rid: r for r in open_ if r.ongoing < cap}
         if not by_id:
             return False
-        ids = self.policy.candidates(list(by_id), req.prefix_key)
-        prefill = self.load.prefill_by_replica(now, ids)
         hits: dict[str, int] = {}
         if self.index is not None:
             if req.hashes is None:
                 req.hashes = self.index.prompt_hashes(req.spec.prompt_ids)
-            hits = self.index.hit_tokens(req.hashes, ids)
+            hits = self.index.hit_tokens(req.hashes, by_id)
+        ids = self.policy.candidates(list(by_id), req.prefix_key, hits)
+        prefill = self.load.prefill_by_replica(now, ids)
         stats = [
             replica_stats(
                 rid, by_id[rid].ongoing, by_id[rid].stats_for_router(now), self.load,

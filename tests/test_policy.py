@@ -539,3 +539,17 @@ def test_candidates_sample_for_pow2_and_max_candidates_keeping_the_prefix_replic
         assert preferred_replica(prefix, ids) in picked
     spread = {rid for _ in range(200) for rid in policy.candidates(ids)}
     assert len(spread) > 90  # a random sample each time, not a fixed subset
+
+
+def test_sampled_candidates_always_hold_the_replicas_with_the_prompt_cached():
+    import random as _random
+
+    from router.policy import Policy, RoutingConfig
+
+    ids = [f"r{i}" for i in range(1000)]
+    policy = Policy(RoutingConfig(max_candidates=16, kv_events=True), _random.Random(1))
+    cached = {"r7": 512, "r900": 256, "r3": 16, "r4": 16, "r5": 16}
+    for _ in range(20):
+        picked = policy.candidates(ids, None, cached)
+        assert len(picked) == 16 and len(set(picked)) == 16
+        assert {"r7", "r900", "r3", "r4"} <= set(picked)  # the top k // 4 holders

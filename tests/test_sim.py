@@ -293,12 +293,17 @@ def test_cli_simulate_and_plan(tmp_path, capsys) -> None:
     prof.write_text(json.dumps(_profile().as_dict()))
     out = tmp_path / "run"
     rc = main(["simulate", "--profile", str(prof), "--replicas", "2", "--workload",
-               f"trace:{TRACES / 'azure_sample.csv'}", "--num-requests", "100", "--out", str(out)])  # fmt: skip
+               f"trace:{TRACES / 'azure_sample.csv'}", "--num-requests", "100", "--out", str(out),
+               "--plots"])  # fmt: skip
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] == 100
     lines = (out / "requests.jsonl").read_text().splitlines()
     assert len(lines) == 100 and "ttft_s" in json.loads(lines[0])
+    assert (out / "latency_and_replicas.png").stat().st_size > 1000
+    assert (out / "replica_timelines.png").stat().st_size > 1000
+    timelines = json.loads((out / "timelines.json").read_text())
+    assert set(timelines) == {"replica-0", "replica-1"} and timelines["replica-0"]
     assert "ttft  ms" in capsys.readouterr().out
     rc = main(["plan", "--profile", str(prof), "--workload", "heterogeneous", "--rate", "20",
                "--num-requests", "300", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"])  # fmt: skip
