@@ -650,11 +650,13 @@ def test_redeploy_to_one_replica_drains_in_flight_streams(cluster):
                 asyncio.ensure_future(call(client, url, completion_body(LONG, True, seed=i)))
                 for i in range(n_streams)
             ]
+            # the application is built here, not in the thread: building a deployment
+            # (re)registers Ray's router module for pickling by value, which races with the
+            # same step in Ray's own threads (a rare ValueError in Ray 2.60)
+            app = build_app(make_config(cluster["model_dir"], cluster["port"], replicas=1))
             await wait_until_decoding(2)
             redeploy = asyncio.ensure_future(
-                asyncio.to_thread(
-                    deploy, make_config(cluster["model_dir"], cluster["port"], replicas=1)
-                )
+                asyncio.to_thread(serve.run, app, name=APP, route_prefix="/")
             )
             while not all(s.done() for s in streams):
                 if llm_replica_counts().get("STOPPING", 0) > 0:
