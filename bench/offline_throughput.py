@@ -456,6 +456,8 @@ def main() -> None:
 
 
 def build_report(args, workload: dict, results: dict[str, dict], wall: float) -> dict:
+    from replica.layers import cpu_isa
+
     ok = {k: v for k, v in results.items() if "error" not in v}
     rate = {k: v["output_tokens_per_s"] for k, v in ok.items()}
     ratios = {}
@@ -511,7 +513,7 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
         },
         "machine": {
             "cpu_count": os.cpu_count(),
-            "cpu": _cpu_model(),
+            "cpu": cpu_isa.cpu_model(),
             "python": platform.python_version(),
             "threads": args.threads,
         },
@@ -522,16 +524,6 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
         "agreement": agree,
         "systems": results,
     }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def print_report(report: dict) -> None:

@@ -83,6 +83,18 @@ def request_body(
     return body
 
 
+async def sse_events(resp: aiohttp.ClientResponse):
+    """The JSON events of an SSE response, up to `[DONE]`."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def send_request(
     session: aiohttp.ClientSession, url: str, body: dict, spec: RequestSpec, t_zero: float
 ) -> RequestResult:
@@ -98,14 +110,7 @@ async def send_request(
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in sse_events(resp):
                 if "error" in event:
                     result.error = str(event["error"].get("message", event["error"]))[:200]
                     return result
@@ -225,14 +230,7 @@ async def send_turn(
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return result, ids
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in sse_events(resp):
                 if "error" in event:
                     result.error = str(event["error"].get("message", event["error"]))[:200]
                     return result, ids

@@ -65,46 +65,31 @@ async def _stream(client, url: str, prompt: list[int], max_tokens: int) -> tuple
 
 
 async def _closed_loop(
-    base_url: str, concurrency: int, prompt_len: int, out_len: int, seconds: float, seed: int
-) -> list[float]:
+    base_url: str,
+    concurrency: int,
+    prompt_len: int,
+    out_len: int,
+    seconds: float,
+    seed: int,
+    at_least_one: bool = False,
+) -> list[tuple[float, float, int]]:
+    """`concurrency` streams of random prompts, each sent when the last ended, for `seconds`
+    (and until one has ended, with `at_least_one`): (TTFT, time per token, tokens) of each."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
     rng = random.Random(seed)
-    tpots: list[float] = []
+    samples: list[tuple[float, float, int]] = []
     deadline = time.perf_counter() + seconds
     async with httpx.AsyncClient(timeout=300) as client:
 
         async def worker() -> None:
-            while time.perf_counter() < deadline:
+            while time.perf_counter() < deadline or (at_least_one and not samples):
                 prompt = [rng.randrange(10, 500) for _ in range(prompt_len)]
-                _, tpot, n = await _stream(client, url, prompt, out_len)
-                if n > 1:
-                    tpots.append(tpot)
+                samples.append(await _stream(client, url, prompt, out_len))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return tpots
-
-
-async def _prefill_loop(
-    base_url: str, concurrency: int, prompt_len: int, seconds: float, seed: int
-) -> list[float]:
-    import httpx
-
-    url = base_url.rstrip("/") + "/v1/completions"
-    rng = random.Random(seed)
-    ttfts: list[float] = []
-    deadline = time.perf_counter() + seconds
-    async with httpx.AsyncClient(timeout=300) as client:
-
-        async def worker() -> None:
-            while time.perf_counter() < deadline or not ttfts:
-                prompt = [rng.randrange(10, 500) for _ in range(prompt_len)]
-                ttft, _, _ = await _stream(client, url, prompt, 1)
-                ttfts.append(ttft)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return ttfts
+    return samples
 
 
 def path_latency(base_url: str, profile: Profile, n: int = 12) -> float:
@@ -166,7 +151,8 @@ def measure_serving(
     """The serving calibration of a running cluster of `replicas` (module docstring)."""
     rows = []
     for c in concurrencies:
-        tpots = asyncio.run(_closed_loop(base_url, c, prompt_len, out_len, seconds, seed + c))
+        streams = asyncio.run(_closed_loop(base_url, c, prompt_len, out_len, seconds, seed + c))
+        tpots = [tpot for _, tpot, n in streams if n > 1]
         if not tpots:
             continue
         batch = max(1, round(c / replicas))
@@ -183,7 +169,10 @@ def measure_serving(
     latency = path_latency(base_url, profile)
     scales = []
     for prompt in (256, 1024):
-        ttfts = asyncio.run(_prefill_loop(base_url, replicas, prompt, seconds, seed + prompt))
+        streams = asyncio.run(
+            _closed_loop(base_url, replicas, prompt, 1, seconds, seed + prompt, at_least_one=True)
+        )
+        ttfts = [ttft for ttft, _, _ in streams]
         predicted = profile.model.predict(StepShape.of([(prompt, 0)], []))
         if ttfts and predicted > 0:
             scale = max(1.0, (statistics.median(ttfts) - 2 * latency) / predicted)

@@ -463,7 +463,7 @@ def measure(
         "model": str(engine.model_dir),
         "model_name": Path(engine.model_dir).name,
         "machine": platform.machine(),
-        "processor": _cpu_model(),
+        "processor": cpu_isa.cpu_model(),
         "cpu_isa": cpu_isa.active_level(),
         "threads": _torch_threads(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -485,16 +485,6 @@ def measure(
     }
     cap = {"num_kv_blocks": engine.num_kv_blocks, "max_model_len": engine.max_model_len}
     return Profile(meta, engine_fields, cap, points, held_out, model)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _torch_threads() -> int:

@@ -52,15 +52,25 @@ def is_x86() -> bool:
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The first value of `name` in /proc/cpuinfo (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.startswith(name):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    return frozenset((_cpuinfo_field("flags") or "").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; else what the platform module says)."""
+    return _cpuinfo_field("model name") or platform.processor()
 
 
 def detected_level(flags: frozenset[str] | None = None) -> str:
