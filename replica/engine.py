@@ -30,6 +30,7 @@ from replica.request import (
 )
 from replica.runner_protocol import Runner
 from replica.scheduler import Scheduler, SchedulerStats
+from replica.structured import StructuredOutputError, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.max_model_len)
         self._states: dict[str, _RequestState] = {}
         self.vocab_size = self.runner.vocab_size
+        # grammars of structured outputs, compiled for this tokenizer and vocabulary on first use
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
         self.step_listeners: list = []  # callables(engine, scheduler_output, outputs, step_time)
         # wall seconds the latest step spent in schedule(); the runner times its own phases
         # (runner.step_times), the rest of step_time is update_from_output and detokenizing
@@ -125,6 +128,22 @@ class Engine:
                 f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         self.scheduler.check_request(len(prompt_token_ids), params.max_tokens)
+        if params.logit_bias:
+            bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+            if bad is not None:
+                raise RequestRejected(
+                    f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                )
+
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a structured request (cached), or None for a free one;
+        RequestRejected names the problem when it cannot compile."""
+        if params.structured is None:
+            return None
+        try:
+            return self.structured.compile(params.structured)
+        except StructuredOutputError as exc:
+            raise RequestRejected(str(exc)) from None
 
     def add_request(
         self,
@@ -132,11 +151,17 @@ class Engine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        compiled_grammar=None,
     ) -> Request:
+        """Queue a request. A structured one's grammar is compiled here unless the caller
+        compiled it already (`compile_grammar`, off the engine thread)."""
         self.check_request(prompt_token_ids, params)
         request = Request(
             request_id, list(prompt_token_ids), params, self.eos_token_ids, arrival_time
         )
+        if params.structured is not None:
+            compiled = compiled_grammar or self.compile_grammar(params)
+            request.grammar = self.structured.new_state(params.structured, compiled)
         self.scheduler.add_request(request)
         detok = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
@@ -169,7 +194,10 @@ class Engine:
             return []
         runner_output = self.runner.execute(scheduler_output)
         step_outputs = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled, runner_output.logprobs
+            scheduler_output,
+            runner_output.sampled,
+            runner_output.logprobs,
+            runner_output.prompt_logprobs,
         )
         outputs = []
         for step in step_outputs:
@@ -195,6 +223,7 @@ class Engine:
                     new_logprobs=step.new_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     num_preemptions=request.num_preemptions,
+                    prompt_logprobs=step.prompt_logprobs,
                 )
             )
             if finish_reason is not None:
@@ -222,6 +251,8 @@ class CompletionOutput:
     logprobs: list[tuple[float, dict[int, float]]] | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # with SamplingParams.prompt_logprobs: per prompt token after the first, its logprobs
+    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
 
 
 class LLM:
@@ -286,6 +317,7 @@ class LLM:
                 logprobs=merged[rid].new_logprobs or None,
                 num_cached_tokens=merged[rid].num_cached_tokens,
                 num_preemptions=merged[rid].num_preemptions,
+                prompt_logprobs=merged[rid].prompt_logprobs,
             )
             for rid, ids in prompt_ids.items()
         ]
@@ -386,9 +418,12 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"duplicate request id {rid!r}")
+        compiled = None
+        if params.structured is not None:  # compiled in a worker thread, not between steps
+            compiled = await self._loop.run_in_executor(None, self.engine.compile_grammar, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        self._inbox.append(("add", rid, list(prompt_token_ids), params, arrival_time))
+        self._inbox.append(("add", rid, list(prompt_token_ids), params, arrival_time, compiled))
         self._wake.set()
         finished = False
         try:
@@ -439,11 +474,11 @@ class AsyncEngine:
         while self._inbox:
             command = self._inbox.popleft()
             if command[0] == "add":
-                _, rid, ids, params, arrival = command
+                _, rid, ids, params, arrival, compiled = command
                 if rid not in self._streams:
                     continue  # caller left before the request reached the engine
                 try:
-                    engine.add_request(rid, ids, params, arrival)
+                    engine.add_request(rid, ids, params, arrival, compiled)
                 except Exception as exc:  # surfaced to the caller, not fatal to the engine
                     self._deliver_error(rid, exc)
             elif command[0] == "call":

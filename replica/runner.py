@@ -34,6 +34,7 @@ from replica.loader import load_hf_config, load_model
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
 from replica.runner_protocol import RunnerOutput
 from replica.scheduler import ScheduledRequest, SchedulerOutput
+from replica.structured import fill_bitmask
 
 __all__ = ["ModelRunner", "RunnerOutput", "StepBatch", "StepTimes", "model_max_len"]
 
@@ -304,26 +305,96 @@ class ModelRunner:
             return RunnerOutput({}, None)
         sample_start = time.perf_counter()
         to_sample = [s for s in so.scheduled if s.sample]
-        params = [s.request.sampling_params for s in to_sample]
-        generators = [self._generator(s) for s in to_sample]
-        out = self.sampler(logits, params, generators, self.default_generator)
+        prompt_rows = self._prompt_logprob_rows(so)
+        prompt_logprobs = None
+        if prompt_rows:  # their rows follow the sampled ones (prepare_batch's layout)
+            prompt_logprobs = self._prompt_logprobs(logits[len(to_sample) :], prompt_rows)
+            logits = logits[: len(to_sample)]
+        out = self._sample(logits, to_sample)
         sampled = {s.request_id: t for s, t in zip(to_sample, out.token_ids)}
         logprobs = {s.request_id: lp for s, lp in zip(to_sample, out.logprobs) if lp is not None}
         # on CUDA the forward's kernels finish here: the sampled tokens' .tolist() waits for them
         self.step_times.sample = time.perf_counter() - sample_start
-        return RunnerOutput(sampled, logprobs or None)
+        return RunnerOutput(sampled, logprobs or None, prompt_logprobs)
+
+    def _sample(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]):
+        """The sampler over the sampled rows: each request's params and generator, its tokens
+        (for penalties) and, for constrained requests, its grammar's allowed-token mask."""
+        params = [s.request.sampling_params for s in to_sample]
+        generators = [self._generator(s) for s in to_sample]
+        requests = [s.request for s in to_sample]
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        bitmask = None
+        if constrained:
+            masks = fill_bitmask([requests[i].grammar for i in constrained], self.vocab_size)
+            bitmask = (constrained, masks.to(logits.device))
+        return self.sampler(
+            logits,
+            params,
+            generators,
+            self.default_generator,
+            histories=requests,
+            token_bitmask=bitmask,
+        )
+
+    @staticmethod
+    def _prompt_logprob_rows(so: SchedulerOutput) -> list[tuple[ScheduledRequest, int]]:
+        """(request, number of rows) for each scheduled chunk whose positions predict prompt
+        tokens of a request that wants prompt logprobs: positions start .. P-2 of the chunk
+        (position P-1 predicts the first output token: that is the sampled row)."""
+        rows = []
+        for s in so.scheduled:
+            request = s.request
+            if request.prompt_logprobs is None:
+                continue
+            end = min(s.start + s.num_tokens, request.num_prompt_tokens - 1)
+            if end > s.start:
+                rows.append((s, end - s.start))
+        return rows
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]]
+    ) -> dict[str, tuple[int, list[tuple[float, dict[int, float]]]]]:
+        """Per request: (index of its first entry, [(logprob of the next prompt token, top-k)])
+        from the model's raw distribution at each of its rows."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        out = {}
+        offset = 0
+        for s, n in rows:
+            block = logprobs[offset : offset + n]
+            offset += n
+            prompt = s.request.prompt_token_ids
+            targets = torch.tensor(prompt[s.start + 1 : s.start + 1 + n], device=block.device)
+            chosen = block.gather(1, targets[:, None])[:, 0].tolist()
+            k = s.request.sampling_params.prompt_logprobs or 0
+            if k:
+                values, ids = block.topk(k, dim=-1)
+                tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            else:
+                tops = [{} for _ in range(n)]
+            out[s.request_id] = (s.start, list(zip(chosen, tops)))
+        return out
 
     def prepare_batch(self, so: SchedulerOutput) -> StepBatch:
-        """The step's flat token stream and per-request layout (no tensors, no requests)."""
+        """The step's flat token stream and per-request layout (no tensors, no requests).
+        Logits rows: each sampled request's last row, in order, then the rows of prompt
+        positions whose logprobs are wanted (`_prompt_logprob_rows`)."""
         input_ids: list[int] = []
         starts, query_lens, block_ids, sample_rows = [], [], [], []
+        first_rows = []
         for s in so.scheduled:
+            first_rows.append(len(input_ids))
             input_ids += s.token_ids()
             starts.append(s.start)
             query_lens.append(s.num_tokens)
             block_ids.append(s.block_ids)
             if s.sample:
                 sample_rows.append(len(input_ids) - 1)
+        prompt_rows = self._prompt_logprob_rows(so)
+        if prompt_rows:
+            first_row = {id(s): row for s, row in zip(so.scheduled, first_rows)}
+            for s, n in prompt_rows:
+                sample_rows.extend(range(first_row[id(s)], first_row[id(s)] + n))
         return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows)
 
     @torch.inference_mode()

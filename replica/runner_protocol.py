@@ -16,6 +16,9 @@ class RunnerOutput:
     sampled: dict[str, int]  # per request whose scheduled chunk reached its end
     # per sampled request that asked for logprobs: (sampled token's logprob, top-k dict)
     logprobs: dict[str, tuple[float, dict[int, float]]] | None = None
+    # per request that wants prompt logprobs and ran prompt positions this step: (index of the
+    # first entry, [(logprob of the next prompt token, top-k dict)]) (Request.prompt_logprobs)
+    prompt_logprobs: dict[str, tuple[int, list[tuple[float, dict[int, float]]]]] | None = None
 
 
 @runtime_checkable

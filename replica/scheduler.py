@@ -4,12 +4,15 @@ preemption by recompute all fall out of one rule: run min(tokens not yet compute
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from replica.config import EngineConfig
 from replica.kv_cache import KVCacheManager
 from replica.request import Request, RequestRejected, RequestStatus, StepOutput
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RequestRejected", "ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
@@ -184,7 +187,10 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            if request.needs_prompt_logprobs:
+                hits, num_hit_tokens = [], 0  # every prompt position's logits are wanted
+            else:
+                hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -222,8 +228,13 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         sampled: dict[str, int],
         logprobs: dict[str, tuple[float, dict[int, float]]] | None = None,
+        prompt_logprobs: dict[str, tuple[int, list[tuple[float, dict[int, float]]]]] | None = None,
     ) -> list[StepOutput]:
-        """Append each sampled token, apply stop conditions, free finished requests."""
+        """Append each sampled token, apply stop conditions, free finished requests.
+        `prompt_logprobs`: per request, (index of the first entry, entries) computed this step
+        for its prompt tokens (see Request.prompt_logprobs)."""
+        if prompt_logprobs:
+            self._record_prompt_logprobs(prompt_logprobs)
         outputs = []
         block_size = self.block_size
         caching = self.kv.enable_caching
@@ -238,16 +249,25 @@ class Scheduler:
                 request.update_block_hashes(block_size)
             params = request.sampling_params
             status = None
-            if not params.ignore_eos and token in request.eos_token_ids:
+            if request.grammar is not None and not request.grammar.accept(token):
+                # the mask allows only tokens the grammar accepts; should this ever fail, the
+                # output cannot match, so it must not end as a clean "stop"
+                logger.error("request %s: sampled token %d outside its grammar", request, token)
+                status = RequestStatus.FINISHED_LENGTH
+            elif not params.ignore_eos and token in request.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
+            elif request.grammar is not None and request.grammar.terminated:
+                status = RequestStatus.FINISHED_STOPPED
             elif request.num_tokens >= request.max_total_tokens:
                 status = RequestStatus.FINISHED_LENGTH
             step = StepOutput(request.request_id, [token])
             if logprobs is not None and sched.request_id in logprobs:
                 step.new_logprobs = [logprobs[sched.request_id]]
+            if request.prompt_logprobs is not None and request.num_output_tokens == 1:
+                step.prompt_logprobs = request.prompt_logprobs
             if status is not None:
                 self._finish(request, status)
                 step.finish_reason = status.finish_reason
@@ -257,6 +277,19 @@ class Scheduler:
         if any_finished:  # one pass instead of a list.remove per finished request
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _record_prompt_logprobs(
+        self, prompt_logprobs: dict[str, tuple[int, list[tuple[float, dict[int, float]]]]]
+    ) -> None:
+        for rid, (first, entries) in prompt_logprobs.items():
+            request = self.requests.get(rid)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            have = request.prompt_logprobs
+            # a recomputed chunk (after a preemption) brings entries already recorded
+            skip = len(have) - first
+            if skip >= 0:
+                have.extend(entries[skip:])
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -12,12 +12,37 @@ from pathlib import Path
 TINY_VOCAB = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 TINY_EOS_ID = 2
+# ChatML; with tools (Hermes-style calls, as Qwen2.5's template renders them): the signatures
+# go into the system turn, assistant calls are <tool_call> JSON blocks, tool results user turns
+# in <tool_response>. Without tools it renders exactly as plain ChatML.
+# ChatML; with tools (Hermes-style calls, as Qwen2.5's template renders them): the signatures
+# go into the system turn, assistant calls are <tool_call> JSON blocks, tool results user turns
+# in <tool_response>. Without tools it renders exactly as plain ChatML. (Newlines are written
+# as expressions: transformers renders templates with trim_blocks, which eats a newline that
+# follows a block tag.)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ 'Tools you can call, one JSON signature per line:\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ '</tools>\\nTo call one, answer with <tool_call>\\n' }}"
+    '{{ \'{"name": <function name>, "arguments": <arguments as a JSON object>}\' }}'
+    "{{ '\\n</tool_call><|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls is defined "
+    "and message.tool_calls %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if message['content'] %}{{ message['content'] + '\\n' }}{% endif %}"
+    "{% for call in message.tool_calls %}"
+    '{{ \'<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' }}'
+    "{{ call.function.arguments | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' }}"
+    "{{ message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
 _PARAGRAPHS = [
     "A replica runs an engine that schedules requests step by step. Each step gives a budget "
     "of tokens to the running requests first and then admits waiting ones.",

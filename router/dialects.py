@@ -6,6 +6,7 @@ endpoint's whole answer (`response`) and, through a per-stream `StreamShape`, it
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
@@ -23,15 +24,38 @@ from router.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     CompletionStreamChunk,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     UsageInfo,
     chat_completion_id,
     completion_id,
     sse_event,
 )
+from router.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
 
-# (token id, (its logprob, {top token id: logprob})) per generated token
-TokenLogprobs = list[tuple[int, tuple[float, dict[int, float]]]]
+# (token id, (its logprob, {top token id: logprob})) per token; an echoed prompt's first token
+# has (None, {})
+TokenLogprobs = list[tuple[int, tuple[float | None, dict[int, float]]]]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion choice's echoed prompt (`echo`): its text, token ids and, when logprobs
+    were asked for, the logprobs of its tokens after the first (RequestOutput.prompt_logprobs).
+    `only`: max_tokens was 0, so the generated token is not returned."""
+
+    text: str
+    token_ids: list[int]
+    only: bool = False
+
+    def logprobs(self, prompt_logprobs: list | None) -> TokenLogprobs:
+        if not self.token_ids:
+            return []
+        entries = [(None, {})] + list(prompt_logprobs or [])
+        return list(zip(self.token_ids, entries, strict=False))
 
 
 def token_logprobs(out: RequestOutput) -> TokenLogprobs:
@@ -45,10 +69,28 @@ def finish_reason(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
+def without_generated(out: RequestOutput) -> RequestOutput:
+    """The delta with its generated tokens removed (echo with max_tokens 0 returns the prompt
+    alone): what stays is its finish and its prompt logprobs."""
+    return RequestOutput(
+        request_id=out.request_id,
+        new_token_ids=[],
+        new_text="",
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_output_tokens=0,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        new_logprobs=[] if out.new_logprobs is not None else None,
+        num_cached_tokens=out.num_cached_tokens,
+        num_preemptions=out.num_preemptions,
+        prompt_logprobs=out.prompt_logprobs,
+    )
+
+
 class Choice:
     """One choice's deltas, accumulated for a non-streaming answer."""
 
-    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs")
+    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "prompt_logprobs")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -56,11 +98,14 @@ class Choice:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.logprobs: TokenLogprobs = []
+        self.prompt_logprobs: list | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
         self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(token_logprobs(out))
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = finish_reason(out.finish_reason)
 
@@ -76,11 +121,18 @@ class Dialect:
         return self.tokenizer.decode([token_id])
 
     def response(
-        self, usage: UsageInfo, choices: list[Choice], logprobs: bool, token_ids: bool = False
+        self,
+        usage: UsageInfo,
+        choices: list[Choice],
+        logprobs: bool,
+        token_ids: bool = False,
+        **options,
     ) -> BaseModel:
+        """The whole answer. Options: completions take `echo` ({choice index: Echo});
+        chat takes `tool_mode` (none, auto, required, named: whether to parse tool calls)."""
         raise NotImplementedError
 
-    def stream(self, token_ids: bool = False) -> StreamShape:
+    def stream(self, token_ids: bool = False, **options) -> StreamShape:
         raise NotImplementedError
 
 
@@ -101,6 +153,13 @@ class StreamShape:
     def chunk(self, index: int, out: RequestOutput, logprobs: TokenLogprobs | None) -> BaseModel:
         raise NotImplementedError
 
+    def chunks(
+        self, index: int, out: RequestOutput, logprobs: TokenLogprobs | None
+    ) -> list[BaseModel]:
+        """The SSE chunks of one delta (one by default; none while a tool call is still
+        being buffered)."""
+        return [self.chunk(index, out, logprobs)]
+
     def usage(self, usage: UsageInfo) -> BaseModel:
         raise NotImplementedError
 
@@ -120,37 +179,61 @@ class CompletionDialect(Dialect):
         return out
 
     def response(
-        self, usage: UsageInfo, choices: list[Choice], logprobs: bool, token_ids: bool = False
+        self,
+        usage: UsageInfo,
+        choices: list[Choice],
+        logprobs: bool,
+        token_ids: bool = False,
+        echo: dict[int, Echo] | None = None,
+        **options,
     ) -> BaseModel:
-        return CompletionResponse(
-            model=self.model_name,
-            usage=usage,
-            choices=[
+        answers = []
+        for c in choices:
+            text, lps = c.text, c.logprobs
+            prompt = (echo or {}).get(c.index)
+            if prompt is not None:
+                text = prompt.text + text
+                lps = prompt.logprobs(c.prompt_logprobs) + lps if logprobs else lps
+            answers.append(
                 CompletionChoice(
                     index=c.index,
-                    text=c.text,
+                    text=text,
                     finish_reason=c.finish_reason,
-                    logprobs=self.logprobs(c.logprobs, 0) if logprobs else None,
+                    logprobs=self.logprobs(lps, 0) if logprobs else None,
                     token_ids=list(c.token_ids) if token_ids else None,
                 )
-                for c in choices
-            ],
-        )
+            )
+        return CompletionResponse(model=self.model_name, usage=usage, choices=answers)
 
-    def stream(self, token_ids: bool = False) -> StreamShape:
-        return CompletionStream(self, completion_id(), token_ids)
+    def stream(
+        self, token_ids: bool = False, echo: dict[int, Echo] | None = None, **options
+    ) -> StreamShape:
+        return CompletionStream(self, completion_id(), token_ids, echo)
 
 
 class CompletionStream(StreamShape):
     dialect: CompletionDialect
 
-    def __init__(self, dialect: CompletionDialect, stream_id: str, token_ids: bool = False) -> None:
+    def __init__(
+        self,
+        dialect: CompletionDialect,
+        stream_id: str,
+        token_ids: bool = False,
+        echo: dict[int, Echo] | None = None,
+    ) -> None:
         super().__init__(dialect, stream_id, token_ids)
         self.offsets: dict[int, int] = {}  # per choice: text sent so far (logprobs' offsets)
+        self.echo = dict(echo or {})  # prompts not yet echoed, by choice
 
     def chunk(self, index: int, out: RequestOutput, logprobs: TokenLogprobs | None) -> BaseModel:
+        text = out.new_text
+        prompt = self.echo.pop(index, None)  # the prompt goes ahead of the first delta
+        if prompt is not None:
+            text = prompt.text + text
+            if logprobs is not None:
+                logprobs = prompt.logprobs(out.prompt_logprobs) + logprobs
         offset = self.offsets.get(index, 0)
-        self.offsets[index] = offset + len(out.new_text)
+        self.offsets[index] = offset + len(text)
         return CompletionStreamChunk(
             id=self.id,
             created=self.created,
@@ -158,7 +241,7 @@ class CompletionStream(StreamShape):
             choices=[
                 CompletionChoice(
                     index=index,
-                    text=out.new_text,
+                    text=text,
                     finish_reason=finish_reason(out.finish_reason) if out.finished else None,
                     logprobs=self.dialect.logprobs(logprobs, offset)
                     if logprobs is not None
@@ -198,28 +281,58 @@ class ChatDialect(Dialect):
         return ChatChoiceLogprobs(content=content)
 
     def response(
-        self, usage: UsageInfo, choices: list[Choice], logprobs: bool, token_ids: bool = False
+        self,
+        usage: UsageInfo,
+        choices: list[Choice],
+        logprobs: bool,
+        token_ids: bool = False,
+        tool_mode: str = "none",
+        **options,
     ) -> BaseModel:
-        return ChatCompletionResponse(
-            model=self.model_name,
-            usage=usage,
-            choices=[
+        answers = []
+        for c in choices:
+            message = ChatResponseMessage(content=c.text)
+            reason = c.finish_reason
+            if tool_mode != "none":
+                parsed = parse_tool_calls(c.text)
+                message = ChatResponseMessage(
+                    content=parsed.content,
+                    tool_calls=[
+                        ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                        for t in parsed.tool_calls
+                    ],
+                )
+                reason = tool_finish_reason(reason, bool(parsed.tool_calls), tool_mode)
+            answers.append(
                 ChatCompletionChoice(
                     index=c.index,
-                    message=ChatResponseMessage(content=c.text),
-                    finish_reason=c.finish_reason,
+                    message=message,
+                    finish_reason=reason,
                     logprobs=self.logprobs(c.logprobs) if logprobs else None,
                 )
-                for c in choices
-            ],
-        )
+            )
+        return ChatCompletionResponse(model=self.model_name, usage=usage, choices=answers)
 
-    def stream(self, token_ids: bool = False) -> StreamShape:
-        return ChatStream(self, chat_completion_id())
+    def stream(self, token_ids: bool = False, tool_mode: str = "none", **options) -> StreamShape:
+        return ChatStream(self, chat_completion_id(), tool_mode=tool_mode)
+
+
+def tool_finish_reason(reason: str | None, called: bool, tool_mode: str) -> str | None:
+    """OpenAI's finish_reason for an answer that called tools: "tool_calls" when it stopped
+    after calling them, except for a named tool_choice, which ends with "stop" as OpenAI's
+    does."""
+    if called and reason == "stop" and tool_mode != "named":
+        return "tool_calls"
+    return reason
 
 
 class ChatStream(StreamShape):
     dialect: ChatDialect
+
+    def __init__(self, dialect: ChatDialect, stream_id: str, tool_mode: str = "none") -> None:
+        super().__init__(dialect, stream_id)
+        self.tool_mode = tool_mode
+        self.parsers: dict[int, ToolCallStreamParser] = {}  # per choice, when parsing tools
 
     def _chunk(self, choice: ChatCompletionStreamChoice) -> ChatCompletionStreamChunk:
         return ChatCompletionStreamChunk(
@@ -248,6 +361,47 @@ class ChatStream(StreamShape):
                 logprobs=self.dialect.logprobs(logprobs) if logprobs is not None else None,
             )
         )
+
+    def chunks(
+        self, index: int, out: RequestOutput, logprobs: TokenLogprobs | None
+    ) -> list[BaseModel]:
+        if self.tool_mode == "none":
+            return [self.chunk(index, out, logprobs)]
+        parser = self.parsers.setdefault(index, ToolCallStreamParser())
+        events = parser.feed(out.new_text)
+        if out.finished:
+            events += parser.finish()
+        deltas = []
+        for event in events:
+            if isinstance(event, ContentDelta):
+                deltas.append(DeltaMessage(content=event.text))
+            else:
+                call = DeltaToolCall(
+                    index=event.index,
+                    id=event.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=event.name, arguments=event.arguments),
+                )
+                deltas.append(DeltaMessage(tool_calls=[call]))
+        reason = None
+        if out.finished:
+            reason = tool_finish_reason(
+                finish_reason(out.finish_reason), parser.saw_tool_calls, self.tool_mode
+            )
+        if not deltas and (reason is not None or logprobs):
+            deltas.append(DeltaMessage())
+        lps = self.dialect.logprobs(logprobs) if logprobs is not None else None
+        return [
+            self._chunk(
+                ChatCompletionStreamChoice(
+                    index=index,
+                    delta=delta,
+                    finish_reason=reason if i == len(deltas) - 1 else None,
+                    logprobs=lps if i == 0 else None,
+                )
+            )
+            for i, delta in enumerate(deltas)
+        ]
 
     def usage(self, usage: UsageInfo) -> BaseModel:
         return ChatCompletionStreamChunk(

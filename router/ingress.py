@@ -18,7 +18,17 @@ from ray import serve
 
 from replica.metrics import HUB_NAME, HUB_NAMESPACE, merge_expositions
 from replica.request import SamplingParams
-from router.dialects import ChatDialect, Choice, CompletionDialect, Dialect, token_logprobs
+from replica.structured import StructuredOutputError
+from replica.structured import check as check_structured
+from router.dialects import (
+    ChatDialect,
+    Choice,
+    CompletionDialect,
+    Dialect,
+    Echo,
+    token_logprobs,
+    without_generated,
+)
 from router.errors import HTTPError, bad_request, classify_error, guarded
 from router.fanout import Job, ReplicaCalls
 from router.guard import RequestGuard
@@ -30,14 +40,19 @@ from router.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
     error_body,
     sse_event,
     validation_error_body,
 )
 from router.settings import IngressSettings
+from router.tool_calls import render_messages, template_supports_tools
 
 logger = logging.getLogger("ray.serve")
 
@@ -67,6 +82,8 @@ class IngressCore:
         self._info: dict | None = None
         self._info_lock = asyncio.Lock()
         self._warned_fields: set[str] = set()
+        self.template_tools = template_supports_tools(tokenizer)
+        self._checked_specs: dict = {}  # structured-output spec -> its error message or None
 
     @property
     def inflight(self) -> int:
@@ -90,11 +107,40 @@ class IngressCore:
             )
 
     def warn_ignored(self, fields: list[str]) -> None:
-        """Log, once per field name, request fields this server does not know and ignores."""
+        """Log, once per field name, the accepted-and-ignored request fields clients send."""
         new = [f for f in fields if f not in self._warned_fields]
         if new:
             self._warned_fields.update(new)
-            logger.warning("ignoring request fields this server does not implement: %s", new)
+            logger.info("accepting and ignoring request fields %s (README: request fields)", new)
+
+    @staticmethod
+    def refuse_unknown(fields: list[str]) -> None:
+        if fields:
+            raise bad_request(
+                f"unrecognized request field{'s' if len(fields) > 1 else ''} "
+                f"{', '.join(repr(f) for f in fields)}: this server does not implement "
+                f"{'them' if len(fields) > 1 else 'it'} (see the README's request fields)",
+                param=fields[0],
+            )
+
+    def check_structured(self, params: SamplingParams, req) -> None:
+        """400 now, before routing, for a constraint that cannot compile (cached by spec)."""
+        spec = params.structured
+        if spec is None:
+            return
+        if spec not in self._checked_specs:
+            try:
+                check_structured(spec)
+                error = None
+            except StructuredOutputError as exc:
+                error = str(exc)
+            if len(self._checked_specs) > 1024:
+                self._checked_specs.clear()
+            self._checked_specs[spec] = error
+        error = self._checked_specs[spec]
+        if error is not None:
+            param = "tools" if spec.kind == "tool_calls" else _constraint_field(req)
+            raise bad_request(error, param=param)
 
     async def sampling_for(self, req, prompt_ids: list[int]) -> SamplingParams:
         info = await self.model_info()
@@ -119,6 +165,7 @@ class IngressCore:
                 f"max_tokens={params.max_tokens} exceeds this server's cap of {cap}",
                 param="max_tokens",
             )
+        self.check_structured(params, req)
         if n_prompt + params.max_tokens > max_len:
             raise bad_request(
                 f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = "
@@ -143,15 +190,83 @@ class IngressCore:
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict], tools: list | None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The chat's prompt tokens: tools rendered by the model's chat template when it
+        supports them, else described in the system message (router/tool_calls.py)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions")
-        text = self.tokenizer.apply_chat_template(
-            req.template_messages(),
-            add_generation_prompt=req.add_generation_prompt,
-            tokenize=False,
-        )
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        rendered, template_tools = render_messages(messages, tool_dicts, self.template_tools)
+        kwargs = {"tools": template_tools} if template_tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                rendered, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+            )
+        except Exception as exc:  # a template that raises on these messages (jinja errors)
+            raise bad_request(
+                f"the model's chat template failed on these messages: {exc}"
+            ) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def request_chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        tools = req.tools if req.tool_mode != "none" else None  # "none": not offered
+        return self.chat_prompt(req.template_messages(), tools, req.add_generation_prompt)
+
+    def echoes(self, req: CompletionRequest, prompts: list[list[int]]) -> dict[int, Echo] | None:
+        """Per choice, the prompt to echo ahead of it (echo=true)."""
+        if not req.echo:
+            return None
+        texts = [
+            p if isinstance(p, str) else self.tokenizer.decode(ids)
+            for p, ids in zip(req.prompts, prompts)
+        ]
+        return {
+            p_index * req.n + j: Echo(texts[p_index], ids, only=req.echo_only)
+            for p_index, ids in enumerate(prompts)
+            for j in range(req.n)
+        }
+
+    # -- tokenizer endpoints --------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        self.guard.check_auth(request)
+        data = await self.guard.read_json(request)
+        try:
+            req = TokenizeRequest.model_validate(data)
+        except ValidationError as exc:
+            return JSONResponse(validation_error_body(exc.errors()), status_code=400)
+        self.check_model(req.model)
+        if req.messages is not None:
+            messages = [m.as_template_dict() for m in req.messages]
+            ids = self.chat_prompt(messages, req.tools, req.add_generation_prompt)
+            if req.add_special_tokens:
+                ids = self.tokenizer.build_inputs_with_special_tokens(ids)
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        info = await self.model_info()
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        body = TokenizeResponse(
+            count=len(ids), max_model_len=info["max_model_len"], tokens=ids, token_strs=strs
+        )
+        return JSONResponse(body.model_dump(exclude_none=True))
+
+    async def detokenize(self, request: Request) -> Response:
+        self.guard.check_auth(request)
+        data = await self.guard.read_json(request)
+        try:
+            req = DetokenizeRequest.model_validate(data)
+        except ValidationError as exc:
+            return JSONResponse(validation_error_body(exc.errors()), status_code=400)
+        self.check_model(req.model)
+        info = await self.model_info()
+        vocab = info["vocab_size"]
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return JSONResponse(
+            DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens)).model_dump()
+        )
 
     # -- answers --------------------------------------------------------------------------------
     @staticmethod
@@ -162,10 +277,20 @@ class IngressCore:
             per_prompt.setdefault(index // n, len(ids))
         return sum(per_prompt.values())
 
-    async def aggregate(self, jobs: list[Job], dialect: Dialect, req) -> BaseModel:
+    @staticmethod
+    def answer_options(req, echo: dict[int, Echo] | None) -> dict:
+        """The dialect's options for this request (tool parsing, echoed prompts)."""
+        if isinstance(req, ChatCompletionRequest):
+            return {"tool_mode": req.tool_mode}
+        return {"echo": echo}
+
+    async def aggregate(
+        self, jobs: list[Job], dialect: Dialect, req, echo: dict[int, Echo] | None = None
+    ) -> BaseModel:
         choices = {index: Choice(index) for index, _, _ in jobs}
+        echo_only = getattr(req, "echo_only", False)
         for index, out in await self.calls.complete_all(jobs):
-            choices[index].add(out)
+            choices[index].add(without_generated(out) if echo_only else out)
         usage = UsageInfo.of(
             self._prompt_tokens(jobs, req.n), sum(len(c.token_ids) for c in choices.values())
         )
@@ -175,28 +300,36 @@ class IngressCore:
             ordered,
             logprobs=jobs[0][2].logprobs is not None,
             token_ids=getattr(req, "return_token_ids", False),
+            **self.answer_options(req, echo),
         )
 
-    async def stream(self, jobs: list[Job], dialect: Dialect, req) -> AsyncIterator[str]:
+    async def stream(
+        self, jobs: list[Job], dialect: Dialect, req, echo: dict[int, Echo] | None = None
+    ) -> AsyncIterator[str]:
         """SSE events of an admitted request, which owns its in-flight slot until it ends.
         Nothing is yielded before the first text arrives, so a failure before it (replica
         queue full, replica lost) raises to the caller and becomes a plain HTTP error (429,
         503); a failure after it is sent as an error event."""
         token_ids = getattr(req, "return_token_ids", False)
-        shape = dialect.stream(token_ids)
+        shape = dialect.stream(token_ids, **self.answer_options(req, echo))
+        echo_only = getattr(req, "echo_only", False)
         completion_tokens = 0
         wants_logprobs = jobs[0][2].logprobs is not None
         pending = shape.preamble([index for index, _, _ in jobs])  # held until the first text
         started = False
         try:
             async for index, out in self.calls.fan_out(jobs):
+                if echo_only:
+                    out = without_generated(out)
                 completion_tokens += len(out.new_token_ids)
-                if not out.new_text and not out.finished and not token_ids:
+                if not out.new_text and not out.finished and not token_ids and not echo:
                     continue
                 lps = token_logprobs(out) if wants_logprobs else None
-                chunk = shape.chunk(index, out, lps)
+                events = "".join(sse_event(c) for c in shape.chunks(index, out, lps))
+                if not events:
+                    continue  # a tool call still being buffered
                 started = True
-                yield pending + sse_event(chunk)
+                yield pending + events
                 pending = ""
             if req.include_usage:
                 usage = UsageInfo.of(self._prompt_tokens(jobs, req.n), completion_tokens)
@@ -228,18 +361,20 @@ class IngressCore:
             except ValidationError as exc:
                 return JSONResponse(validation_error_body(exc.errors()), status_code=400)
             self.check_model(req.model)
+            self.refuse_unknown(req.unknown_fields)
             if req.ignored_fields:
                 self.warn_ignored(req.ignored_fields)
             if chat:
-                prompts = [self.chat_prompt(req)]
+                prompts = [self.request_chat_prompt(req)]
             else:
                 prompts = self.completion_prompts(req)
             if self.settings.log_prompts:
                 logger.info("prompt token counts %s", [len(p) for p in prompts])
             jobs = await self.prepare(req, prompts)
+            echo = None if chat else self.echoes(req, prompts)
             dialect = self.dialects[chat]
             if req.stream:
-                events = self.stream(jobs, dialect, req)
+                events = self.stream(jobs, dialect, req, echo)
                 owns_slot = False  # the stream frees it, however it ends
                 # Wait for the first event before answering, so that a refusal is a real 429
                 # (or 503) status. Once started, the stream's cleanup runs even if the response
@@ -250,7 +385,7 @@ class IngressCore:
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
-            result = await self.aggregate(jobs, dialect, req)
+            result = await self.aggregate(jobs, dialect, req, echo)
             return JSONResponse(result.model_dump(exclude_none=False))
         finally:
             if owns_slot:
@@ -264,6 +399,14 @@ async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
             yield item
     finally:
         await rest.aclose()
+
+
+def _constraint_field(req) -> str:
+    """The request field that carried the output constraint (an error's `param`)."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex"):
+        if getattr(req, name, None) is not None:
+            return name
+    return "guided_choice" if getattr(req, "guided_choice", None) else "guided_grammar"
 
 
 def request_body_spec(model: type[BaseModel]) -> dict:
@@ -324,6 +467,14 @@ class Ingress:
     )
     async def chat_completions(self, request: Request) -> Response:
         return await guarded(self.core.serve_request, request, True)
+
+    @fastapi_app.post("/tokenize", openapi_extra=request_body_spec(TokenizeRequest))
+    async def tokenize(self, request: Request) -> Response:
+        return await guarded(self.core.tokenize, request)
+
+    @fastapi_app.post("/detokenize", openapi_extra=request_body_spec(DetokenizeRequest))
+    async def detokenize(self, request: Request) -> Response:
+        return await guarded(self.core.detokenize, request)
 
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -36,6 +36,7 @@ from router.protocol import (
     DeltaMessage,
     ModelCard,
     ModelList,
+    ResponseFormat,
     UsageInfo,
     error_body,
     sse_event,
@@ -113,10 +114,72 @@ def test_null_means_default_for_non_nullable_fields() -> None:
     assert (request.temperature, request.top_p, request.n, request.stream) == (1.0, 1.0, 1, False)
 
 
-def test_unknown_fields_are_ignored_and_reported() -> None:
-    request = completion(service_tier="auto", metadata={"a": 1})
+def test_unknown_fields_are_refused_and_harmless_ones_accepted() -> None:
+    request = completion(service_tier="auto", metadata={"a": 1}, frobnicate=True)
     assert request.ignored_fields == ["metadata", "service_tier"]
-    assert completion().ignored_fields == []
+    assert request.unknown_fields == ["frobnicate"]
+    assert completion().ignored_fields == [] and completion().unknown_fields == []
+
+
+def test_sampling_controls_reach_sampling_params() -> None:
+    params = completion(
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_p=0.1,
+        min_tokens=2,
+        logit_bias={"7": -100, "9": 2.5},
+    ).to_sampling_params(16)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert (params.repetition_penalty, params.min_p, params.min_tokens) == (1.2, 0.1, 2)
+    assert params.logit_bias == {7: -100, 9: 2.5}
+
+
+def test_echo_asks_for_prompt_logprobs_and_max_tokens_zero_only_with_echo() -> None:
+    params = completion(echo=True, logprobs=2, max_tokens=0).to_sampling_params(16)
+    assert (params.max_tokens, params.prompt_logprobs, params.logprobs) == (1, 2, 2)
+    assert completion(echo=True).to_sampling_params(16).prompt_logprobs is None
+    error = rejection(CompletionRequest, {"prompt": "hi", "max_tokens": 0})
+    assert "max_tokens must be >= 1, got 0" in error["message"] and error["param"] == "max_tokens"
+
+
+def test_output_constraints_map_to_one_structured_output() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    spec = chat(response_format=fmt).to_sampling_params(8).structured
+    assert spec.kind == "json" and json.loads(spec.spec) == schema
+    assert chat(response_format={"type": "text"}).to_sampling_params(8).structured is None
+    kinds = {
+        "json_object": chat(response_format={"type": "json_object"}),
+        "regex": chat(structured_outputs={"regex": "a+"}),
+        "choice": chat(guided_choice=["a", "b"]),
+        "grammar": completion(guided_grammar='root ::= "a"'),
+    }
+    for kind, request in kinds.items():
+        assert request.to_sampling_params(8).structured.kind == kind
+    with pytest.raises(ValueError, match="one output constraint at a time"):
+        chat(response_format={"type": "json_object"}, guided_regex="a").to_sampling_params(8)
+
+
+def test_tool_choice_modes_and_their_grammars() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    other = {"type": "function", "function": {"name": "g"}}
+    assert chat().tool_mode == "none"
+    assert chat(tools=[tool]).tool_mode == "auto"
+    assert chat(tools=[tool]).to_sampling_params(8).structured is None  # auto: free text
+    strict = {"type": "function", "function": {"name": "f", "strict": True}}
+    assert chat(tools=[strict]).to_sampling_params(8).structured.kind == "tool_calls"
+    named = chat(tools=[tool, other], tool_choice={"type": "function", "function": {"name": "g"}})
+    plan = json.loads(named.to_sampling_params(8).structured.spec)
+    assert named.tool_mode == "named" and [t["name"] for t in plan["tools"]] == ["g"]
+    required = chat(tools=[tool, other], tool_choice="required", parallel_tool_calls=False)
+    plan = json.loads(required.to_sampling_params(8).structured.spec)
+    assert plan["mode"] == "required" and plan["parallel"] is False and len(plan["tools"]) == 2
+    assert chat(tools=[tool], tool_choice="none").tool_mode == "none"
+    with pytest.raises(ValueError, match="cannot be combined"):
+        required.model_copy(
+            update={"response_format": ResponseFormat(type="json_object")}
+        ).to_sampling_params(8)
 
 
 @pytest.mark.parametrize(
@@ -173,11 +236,23 @@ def test_include_usage_only_with_stream_options() -> None:
         ({"stop": ["a", ""]}, "stop", "stop sequences must not be empty strings"),
         ({"stop": [str(i) for i in range(17)]}, "stop", "at most 16 sequences, got 17"),
         ({"stop_token_ids": [-3]}, "stop_token_ids", "stop_token_ids must be >= 0, got -3"),
-        ({"echo": True}, "echo", "echo=true is not supported"),
         ({"best_of": 3}, "best_of", "best_of must equal n (1), got 3"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
-        ({"frequency_penalty": -1}, "frequency_penalty", "frequency_penalty is not supported"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias is not supported"),
+        ({"suffix": "x"}, "suffix", "suffix is not supported"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be in (0, 2]"),
+        ({"min_p": 1.5}, "min_p", "min_p must be in [0, 1], got 1.5"),
+        ({"min_tokens": -1}, "min_tokens", "min_tokens must be >= 0, got -1"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias", "keys must be token ids"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias[5] must be in [-100, 100]"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "response_format",
+            "needs a json_schema object",
+        ),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "Extra inputs"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
         ({"seed": 2**64}, "seed", "seed must be in [-9223372036854775808, 9223372036854775807]"),
     ],
@@ -195,7 +270,14 @@ def test_completion_rejections_name_field_limit_and_value(
     ("fields", "param", "message"),
     [
         ({"messages": []}, "messages", "messages must not be empty"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'tool'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "needs the tool_call_id"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'robot'"),
+        ({"messages": [{"role": "user"}]}, "messages.0", "a user message needs content"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools.0.function.name",
+            "function names are 1-64",
+        ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content",

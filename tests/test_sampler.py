@@ -1,15 +1,18 @@
-"""Sampler semantics (greedy, temperature, top-k, top-p, logprobs) and seeded sampling that
-reproduces across runs, batch compositions and preemption."""
+"""Sampler semantics (greedy, temperature, top-k, top-p, logprobs), the logits processors (grammar
+bitmask, logit_bias, min_tokens, penalties, min_p) against plain-loop references in mixed
+batches, and seeded sampling that reproduces across runs, batch compositions and preemption."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from replica.layers.sampler import Sampler
-from replica.request import SamplingParams
+from replica.layers.sampler import Sampler, process_logits, sampling_logits, unpack_bitmask
+from replica.request import Request, SamplingParams
 
 sampler = Sampler()
 
@@ -119,6 +122,440 @@ def test_logprobs_come_from_the_raw_distribution():
     assert sampled_lp == pytest.approx(raw[1, out.token_ids[1]].item())
     assert top == {}
     assert out.logprobs[2] is None
+
+
+# -- logits processors --------------------------------------------------------------------
+# Each processor is checked against a plain per-row loop over its formula, in a batch that mixes
+# rows with and without it (and different values per row).
+V = 48
+EOS = 2
+INF = float("-inf")
+
+
+def _request(prompt: list[int], output: list[int], params: SamplingParams, eos=(EOS,)):
+    request = Request("r", prompt, params, eos_token_ids=set(eos))
+    request.all_token_ids.extend(output)
+    return request
+
+
+def _without_processors(p: SamplingParams) -> SamplingParams:
+    """The same sampling (temperature, top-k/p, min_p, seed) with no logits processor."""
+    return dataclasses.replace(
+        p,
+        min_tokens=0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        logit_bias=None,
+    )
+
+
+def _random_logits(rows: int, vocab: int = V, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+Reference = Callable[[list[float], SamplingParams, Request, int], list[float]]
+
+
+def _check_against_reference(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    requests: list[Request],
+    reference: Reference,
+    uses: list[bool],
+    token_bitmask=None,
+) -> torch.Tensor:
+    """process_logits matches `reference` row by row; rows that do not use the processor are
+    bit-identical to a batch where no row uses it; greedy rows take the reference argmax; and
+    every row (sampled ones with their own seeded generator) draws exactly what the sampler
+    draws from the processed logits with no processor, i.e. from softmax(processed / T)."""
+    batch = len(params)
+    assert any(uses) and not all(uses)
+    assert any(p.greedy for p in params) and not all(p.greedy for p in params)
+    processed = process_logits(logits, params, histories=requests, token_bitmask=token_bitmask)
+    expected = torch.tensor(
+        [reference(logits[i].tolist(), params[i], requests[i], i) for i in range(batch)]
+    )
+    torch.testing.assert_close(processed, expected)
+
+    plain_params = [_without_processors(p) for p in params]
+    plain = process_logits(logits, plain_params, histories=requests)
+    assert torch.equal(plain, logits)
+    for i in range(batch):
+        if not uses[i]:
+            assert torch.equal(processed[i], plain[i])
+
+    def draws(x: torch.Tensor, ps: list[SamplingParams], **kwargs) -> list[list[int]]:
+        generators = [torch.Generator().manual_seed(100 + i) for i in range(batch)]
+        return [sampler(x, ps, generators, **kwargs).token_ids for _ in range(10)]
+
+    got = draws(logits, params, histories=requests, token_bitmask=token_bitmask)
+    assert got == draws(processed, plain_params)
+    for i, p in enumerate(params):
+        if p.greedy:
+            assert got[0][i] == expected[i].argmax().item()
+    return processed
+
+
+def _reference_penalties(row: list[float], p: SamplingParams, request: Request, i: int):
+    row = list(row)
+    output = list(request.output_token_ids)
+    if p.repetition_penalty != 1.0:
+        for t in set(request.prompt_token_ids) | set(output):
+            if row[t] > 0:
+                row[t] = row[t] / p.repetition_penalty
+            else:
+                row[t] = row[t] * p.repetition_penalty
+    for t in set(output):
+        count = output.count(t)
+        row[t] -= p.frequency_penalty * count + p.presence_penalty * (1 if count > 0 else 0)
+    return row
+
+
+PROMPTS = [[1, 5, 9, 9, 30], [3, 4], [7, 7, 7, 8, 40, 41], [0, 47], [12, 13, 14]]
+OUTPUTS = [[5, 6, 6, 6, 11], [4, 4, 20], [], [47, 1, 1, 1, 1, 2], [13, 33, 33]]
+
+
+def _penalty_batch(**per_row: list) -> tuple[list[SamplingParams], list[Request]]:
+    temperatures = [0.0, 0.8, 0.0, 1.2, 1.0]
+    params = [
+        SamplingParams(temperature=t, **{k: v[i] for k, v in per_row.items()})
+        for i, t in enumerate(temperatures)
+    ]
+    requests = [_request(PROMPTS[i], OUTPUTS[i], p) for i, p in enumerate(params)]
+    return params, requests
+
+
+def test_presence_penalty_matches_the_reference_per_row():
+    params, requests = _penalty_batch(presence_penalty=[1.5, -0.7, 0.0, 2.0, 0.0])
+    _check_against_reference(
+        _random_logits(5),
+        params,
+        requests,
+        _reference_penalties,
+        [p.uses_penalties for p in params],
+    )
+
+
+def test_frequency_penalty_matches_the_reference_per_row():
+    params, requests = _penalty_batch(frequency_penalty=[0.0, 1.0, 2.0, -1.5, 0.3])
+    _check_against_reference(
+        _random_logits(5, seed=1),
+        params,
+        requests,
+        _reference_penalties,
+        [p.uses_penalties for p in params],
+    )
+
+
+def test_repetition_penalty_matches_the_reference_per_row():
+    # prompt tokens count too: row 2 has no output yet and is still penalized
+    params, requests = _penalty_batch(repetition_penalty=[1.3, 1.0, 2.0, 0.5, 1.0])
+    processed = _check_against_reference(
+        _random_logits(5, seed=2),
+        params,
+        requests,
+        _reference_penalties,
+        [p.uses_penalties for p in params],
+    )
+    raw = _random_logits(5, seed=2)
+    assert not torch.equal(processed[2], raw[2])
+
+
+def test_all_penalties_together_match_the_reference():
+    params, requests = _penalty_batch(
+        repetition_penalty=[1.3, 1.0, 1.7, 0.8, 1.0],
+        frequency_penalty=[0.5, 0.0, -0.4, 1.0, 0.0],
+        presence_penalty=[0.2, 0.0, 0.9, -1.0, 0.0],
+    )
+    _check_against_reference(
+        _random_logits(5, seed=3),
+        params,
+        requests,
+        _reference_penalties,
+        [p.uses_penalties for p in params],
+    )
+
+
+def test_penalty_counts_are_right_for_a_token_repeated_many_times():
+    logits = torch.zeros(3, V)
+    logits[:, 5] = 10.0
+    logits[:, 7] = -2.0
+    logits[:, 8] = 0.5
+    penalized = SamplingParams(
+        temperature=0.0, frequency_penalty=0.25, presence_penalty=0.5, repetition_penalty=2.0
+    )
+    output = [5] * 60 + [7] * 3 + [9]
+    requests = [
+        _request([5, 8], output, penalized),
+        _request([1], [5] * 10, SamplingParams(temperature=0.0)),
+        _request([5, 8], output, penalized),  # same tokens in another row: no cross-talk
+    ]
+    params = [r.sampling_params for r in requests]
+    processed = process_logits(logits, params, histories=requests)
+    for row in (0, 2):
+        assert processed[row, 5].item() == pytest.approx(10.0 / 2.0 - 0.25 * 60 - 0.5)
+        assert processed[row, 7].item() == pytest.approx(-2.0 * 2.0 - 0.25 * 3 - 0.5)
+        assert processed[row, 9].item() == pytest.approx(0.0 - 0.25 - 0.5)
+        assert processed[row, 8].item() == 0.25  # in the prompt only: repetition alone
+        assert processed[row, 1].item() == 0.0
+    assert torch.equal(processed[1], logits[1])
+    assert sampler(logits, params, [None] * 3, histories=requests).token_ids == [8, 5, 8]
+
+
+def test_logit_bias_matches_the_reference_per_row():
+    biases = [{3: 5.0, 10: -100.0}, None, {0: 100.0}, None, {47: -2.5, 3: 0.5, 11: 1.0}]
+    params = [
+        SamplingParams(temperature=t, logit_bias=b)
+        for t, b in zip([0.0, 0.0, 0.9, 1.0, 0.0], biases)
+    ]
+    requests = [_request([1], [], p) for p in params]
+
+    def reference(row, p, request, i):
+        row = list(row)
+        for t, b in (p.logit_bias or {}).items():
+            row[t] += b
+        return row
+
+    _check_against_reference(
+        _random_logits(5, seed=4), params, requests, reference, [b is not None for b in biases]
+    )
+    # the rows need no histories
+    out = sampler(_random_logits(5, seed=4), params, [None] * 5, torch.Generator().manual_seed(0))
+    assert out.token_ids[2] == 0
+
+
+def test_logit_bias_past_the_vocabulary_is_rejected():
+    params = [SamplingParams(temperature=0.0, logit_bias={V: 1.0})]
+    with pytest.raises(ValueError, match=f"{V}.*{V}"):
+        sampler(_random_logits(1), params, [None])
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = _random_logits(6, seed=5)
+    logits[:, EOS] = 20.0  # EOS is every row's argmax
+    logits[:, 9] = 19.0
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9]),  # 1 output: masked
+        SamplingParams(temperature=0.0, min_tokens=2),  # 2 outputs: reached, unchanged
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, min_tokens=4, ignore_eos=True),  # masked anyway
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[9, 44]),
+    ]
+    outputs = [[4], [4, 5], [], [1, 2, 3], [], [1]]
+    eos_ids = [(EOS,), (EOS,), (EOS,), (EOS, 30), (EOS,), (EOS, 31, 1000)]  # 1000 >= V: ignored
+    requests = [_request([1], o, p, eos=e) for o, p, e in zip(outputs, params, eos_ids)]
+
+    def reference(row, p, request, i):
+        row = list(row)
+        if request.num_output_tokens < p.min_tokens:
+            for t in set(request.eos_token_ids) | set(p.stop_token_ids):
+                if t < V:
+                    row[t] = INF
+        return row
+
+    processed = _check_against_reference(
+        logits, params, requests, reference, [True, False, False, True, False, True]
+    )
+    assert processed[3, 30].item() == INF and processed[5, 44].item() == INF
+    tokens = sampler(logits, params, [None] * 6, histories=requests).token_ids
+    assert tokens[0] not in (EOS, 9) and tokens[1] == EOS and tokens[5] not in (EOS, 9, 44, 31)
+
+
+def test_processors_without_histories_are_an_error():
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, min_tokens=1)]
+    with pytest.raises(ValueError, match="histories"):
+        sampler(_random_logits(2), params, [None, None])
+    params[1] = SamplingParams(temperature=0.0, presence_penalty=0.5)
+    with pytest.raises(ValueError, match="histories"):
+        process_logits(_random_logits(2), params)
+
+
+def _reference_min_p(row: list[float], p: SamplingParams) -> set[int]:
+    """Tokens that survive min_p at the row's temperature."""
+    scaled = [x / p.temperature for x in row]
+    top = max(scaled)
+    weights = [math.exp(x - top) for x in scaled]
+    probs = [w / sum(weights) for w in weights]
+    return {t for t, q in enumerate(probs) if q >= p.min_p * max(probs)}
+
+
+def test_min_p_keeps_the_tokens_the_reference_keeps():
+    logits = _random_logits(5, seed=6)
+    params = [
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.3, min_p=0.3),
+        SamplingParams(temperature=0.0, min_p=0.5),  # greedy: min_p does not apply
+        SamplingParams(temperature=1.0, min_p=0.02),
+    ]
+    masked = sampling_logits(logits, params)
+    for i, p in enumerate(params):
+        t = p.temperature or 1.0
+        finite = set(torch.isfinite(masked[i]).nonzero()[:, 0].tolist())
+        if p.min_p > 0 and not p.greedy:
+            assert finite == _reference_min_p(logits[i].tolist(), p)
+            assert 1 < len(finite) < V
+        else:
+            assert finite == set(range(V))
+        kept = sorted(finite)
+        assert torch.equal(masked[i, kept], logits[i, kept] / t)
+    # rows without min_p are bit-identical to a batch without any
+    plain = sampling_logits(logits, [dataclasses.replace(p, min_p=0.0) for p in params])
+    assert torch.equal(masked[[1, 3]], plain[[1, 3]])
+    # the draws come only from the survivors
+    rows = 600
+    batch = logits[2].expand(rows, -1).clone()
+    tokens = set(sampler(batch, [params[2]] * rows, [None] * rows).token_ids)
+    assert 1 < len(tokens) and tokens <= _reference_min_p(logits[2].tolist(), params[2])
+
+
+def test_min_p_applies_after_temperature():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
+    survivors = {}
+    for t in (0.5, 1.0, 2.0):
+        p = SamplingParams(temperature=t, min_p=0.2)
+        masked = sampling_logits(logits, [p])
+        survivors[t] = set(torch.isfinite(masked[0]).nonzero()[:, 0].tolist())
+        assert survivors[t] == _reference_min_p(logits[0].tolist(), p)
+    # at T=1: p >= 0.2 * 0.5 keeps {0, 1, 2}; sharper (T=0.5) keeps fewer, flatter keeps more
+    assert survivors[1.0] == {0, 1, 2}
+    assert survivors[0.5] == {0, 1}
+    assert survivors[2.0] == {0, 1, 2, 3, 4}
+    # then top-k cuts further
+    p = SamplingParams(temperature=2.0, min_p=0.2, top_k=2)
+    assert set(torch.isfinite(sampling_logits(logits, [p])[0]).nonzero()[:, 0].tolist()) == {0, 1}
+
+
+def _pack_bitmask(allowed: list[set[int]], words: int) -> torch.Tensor:
+    """xgrammar's layout, by hand: bit j of word w set = token 32 * w + j allowed."""
+    packed = []
+    for tokens in allowed:
+        row = []
+        for w in range(words):
+            word = sum(1 << j for j in range(32) if 32 * w + j in tokens)
+            row.append(word - (1 << 32) if word >= 1 << 31 else word)  # as int32
+        packed.append(row)
+    return torch.tensor(packed, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("vocab, words", [(70, 3), (70, 2), (40, 3), (64, 2), (5, 1)])
+def test_bitmask_unpacks_for_any_vocab_size(vocab, words):
+    # bit 31 (the int32 sign bit) included; bits past the vocabulary must be ignored
+    allowed = [
+        {0, 31, 32, 63, 64, 69, 70, 95},
+        set(range(0, 96, 3)),
+        set(),
+        set(range(96)),
+    ]
+    unpacked = unpack_bitmask(_pack_bitmask(allowed, words), vocab)
+    assert unpacked.shape == (4, vocab) and unpacked.dtype == torch.bool
+    for i, tokens in enumerate(allowed):
+        # tokens past 32 * words are not covered by the mask: disallowed
+        expected = [t in tokens and t < 32 * words for t in range(vocab)]
+        assert unpacked[i].tolist() == expected
+
+
+def test_bitmask_matches_the_reference_on_its_rows_only():
+    vocab = 70
+    logits = _random_logits(5, vocab, seed=7)
+    params = [SamplingParams(temperature=t) for t in (0.0, 1.0, 0.0, 0.9, 0.0)]
+    requests = [_request([1], [], p) for p in params]
+    masked_rows = {0: {1, 31, 33, 64, 68, 69}, 3: set(range(0, 70, 4)) | {31, 69}}
+    bitmask = _pack_bitmask(list(masked_rows.values()), words=3)
+
+    def reference(row, p, request, i):
+        if i not in masked_rows:
+            return list(row)
+        return [x if t in masked_rows[i] else INF for t, x in enumerate(row)]
+
+    _check_against_reference(
+        logits,
+        params,
+        requests,
+        reference,
+        [i in masked_rows for i in range(5)],
+        token_bitmask=(list(masked_rows), bitmask),
+    )
+
+
+def test_bitmask_allowing_one_token_forces_it_at_temperature_one():
+    rows = 400
+    logits = _random_logits(rows, seed=8)
+    logits[:, 13] = -20.0  # the most unlikely token
+    params = [SamplingParams(temperature=1.0)] * rows
+    forced = list(range(0, rows, 2))
+    bitmask = _pack_bitmask([{13}] * len(forced), words=2)
+    out = sampler(
+        logits,
+        params,
+        [None] * rows,
+        torch.Generator().manual_seed(0),
+        token_bitmask=(forced, bitmask),
+    ).token_ids
+    assert {out[i] for i in forced} == {13}
+    assert 13 not in out[1::2] and len(set(out[1::2])) > 10
+
+
+def test_all_processors_compose_in_the_documented_order():
+    vocab = 40
+    logits = _random_logits(4, vocab, seed=9)
+    logits[0, 6] = -1.0  # bias then repetition: (-1 + 5) / 2 = 2, not -1 * 2 + 5 = 3
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            logit_bias={6: 5.0, 7: 1.0},
+            repetition_penalty=2.0,
+            frequency_penalty=0.5,
+            presence_penalty=0.25,
+            min_tokens=3,
+        ),
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=1.0, logit_bias={8: -3.0}, frequency_penalty=1.0, min_tokens=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, stop_token_ids=[3], min_tokens=9),
+    ]
+    outputs = [[6, 6, 7, 8], [1, 2], [8, 8, 9], [3, 4, 5]]
+    requests = [_request([6, 10, 11], o, p) for o, p in zip(outputs, params)]
+    masked_rows = {0: set(range(2, 30)), 2: set(range(0, 40, 2))}
+
+    def reference(row, p, request, i):
+        row = list(row)
+        if i in masked_rows:  # 2. grammar
+            row = [x if t in masked_rows[i] else INF for t, x in enumerate(row)]
+        for t, b in (p.logit_bias or {}).items():  # 3. logit_bias
+            row[t] += b
+        if request.num_output_tokens < p.min_tokens:  # 4. min_tokens
+            for t in set(request.eos_token_ids) | set(p.stop_token_ids):
+                row[t] = INF
+        return _reference_penalties(row, p, request, i)  # 5. repetition, 6. frequency/presence
+
+    processed = _check_against_reference(
+        logits,
+        params,
+        requests,
+        reference,
+        [True, False, True, True],
+        token_bitmask=(list(masked_rows), _pack_bitmask(list(masked_rows.values()), 2)),
+    )
+    assert processed[0, 6].item() == pytest.approx(2.0 - 0.5 * 2 - 0.25)
+
+
+def test_logprobs_stay_raw_with_processors():
+    logits = _random_logits(2, seed=10)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2, logit_bias={5: 50.0}, presence_penalty=1.0),
+        SamplingParams(temperature=0.5, logprobs=0),
+    ]
+    requests = [_request([1], [5, 6], p) for p in params]
+    raw = logits.clone()
+    out = sampler(logits, params, [None, None], torch.Generator(), histories=requests)
+    assert torch.equal(logits, raw)  # the caller's tensor is not modified
+    assert out.token_ids[0] == 5
+    lp, top = out.logprobs[0]
+    reference = torch.log_softmax(raw, dim=-1)
+    assert lp == pytest.approx(reference[0, 5].item())
+    assert list(top) == reference[0].topk(2).indices.tolist()
 
 
 # -- end to end through the runner ------------------------------------------------------------

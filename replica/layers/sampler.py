@@ -1,13 +1,59 @@
-"""Token sampling for one step: greedy, or temperature / top-k / top-p then a draw; seeded
-requests draw from their own torch.Generator so their output does not depend on the batch."""
+"""Token sampling for one step: the logits processors, then greedy, or temperature / min-p /
+top-k / top-p then a draw; seeded requests draw from their own torch.Generator so their output
+does not depend on the batch.
+
+Order of processing (vLLM V1's):
+
+1. The logits are widened to float32. A row that asks for logprobs gets them from this raw
+   distribution, before anything below.
+2. Grammar bitmask (structured outputs), on its rows: every token it does not allow -> -inf.
+3. logit_bias: the bias is added to the logit of each given token id.
+4. min_tokens: while a row has fewer than `min_tokens` output tokens, its EOS ids (even with
+   `ignore_eos`) and its `stop_token_ids` -> -inf.
+5. repetition_penalty (the CTRL formula): every token of the prompt or of the output so far:
+   logit / p if logit > 0, else logit * p.
+6. frequency and presence penalties (OpenAI's formula), over the output tokens only:
+   logit -= frequency_penalty * count + presence_penalty * (count > 0).
+7. Greedy rows (temperature 0) take the argmax of the processed logits. Others: divide by the
+   temperature, drop (-inf) every token whose probability at that temperature is below
+   min_p * the row's top probability, then top-k, then top-p, then draw (exponential race).
+
+Steps 2-6 are `process_logits`, step 7's masking is `sampling_logits`. Each processor is one
+batched tensor pass over the rows that use it (gathered, processed, written back) and costs
+nothing for a batch in which no row uses it; a row that uses none is left bit-identical.
+"""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from replica.request import SamplingParams
+
+
+class TokenHistory(Protocol):
+    """What the processors read of a row's request (replica.request.Request has it)."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+
+# (row indices, int32 [len(rows), words]) in xgrammar's packed layout: bit j of word w set
+# means token 32 * w + j is allowed
+TokenBitmask = tuple[Sequence[int], torch.Tensor]
 
 
 @dataclass
@@ -25,20 +71,34 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         default_generator: torch.Generator | None = None,
+        *,
+        histories: Sequence[TokenHistory] | None = None,
+        token_bitmask: TokenBitmask | None = None,
     ) -> SamplerOutput:
         """Sample one token per row of `logits` [B, V]. `generators[i]` is row i's own
-        generator (seeded request) or None (drawn from `default_generator` in one op)."""
+        generator (seeded request) or None (drawn from `default_generator` in one op).
+        `histories[i]` is row i's request, needed only when a row uses penalties or
+        min_tokens; `token_bitmask` masks the rows it names (see the module docstring)."""
         greedy = [p.temperature == 0.0 for p in params]
-        if all(greedy) and all(p.logprobs is None for p in params):
+        all_greedy = all(greedy)
+        any_logprobs = any(p.logprobs is not None for p in params)
+        plan = _plan(params, histories, token_bitmask)
+        if plan is None and all_greedy and not any_logprobs:
             # no logprobs to compute (bf16 is widened first: its CPU argmax is ~4x slower)
             return SamplerOutput(logits.float().argmax(dim=-1).tolist(), [None] * len(params))
-        logits = logits.float()
-        if all(greedy):
-            sampled = logits.argmax(dim=-1)
+        raw = logits.float()
+        processed = raw
+        if plan is not None:
+            # processed in place: on a copy when the raw logits are still needed (logprobs) or
+            # are the caller's own tensor
+            work = raw.clone() if any_logprobs or raw is logits else raw
+            processed = _apply(work, params, histories, token_bitmask, plan)
+        if all_greedy:
+            sampled = processed.argmax(dim=-1)
         else:
-            sampled = self._sample(logits, params, greedy, generators, default_generator)
+            sampled = self._sample(processed, params, greedy, generators, default_generator)
         token_ids = sampled.tolist()
-        return SamplerOutput(token_ids, self._logprobs(logits, params, sampled))
+        return SamplerOutput(token_ids, self._logprobs(raw, params, sampled))
 
     def _sample(
         self,
@@ -49,15 +109,7 @@ class Sampler:
         default_generator: torch.Generator | None,
     ) -> torch.Tensor:
         device = logits.device
-        temperatures = torch.tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device
-        )
-        scaled = logits / temperatures[:, None]
-        top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
-        top_ps = [p.top_p for p in params]
-        if any(top_ks) or any(p < 1.0 for p in top_ps):
-            scaled = _top_k_top_p(scaled, top_ks, top_ps)
-        probs = torch.softmax(scaled, dim=-1)
+        probs = torch.softmax(sampling_logits(logits, params), dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and needs exactly one
         # draw of V numbers per row, so a seeded row's stream is independent of the batch.
         noise = torch.empty_like(probs)
@@ -84,7 +136,8 @@ class Sampler:
         wanted = [p.logprobs for p in params]
         if all(k is None for k in wanted):
             return [None] * len(params)
-        # from the model's raw distribution (before temperature / top-k / top-p), as vLLM does
+        # from the model's raw distribution (before any processor, temperature, top-k, top-p),
+        # as vLLM does
         logprobs = torch.log_softmax(logits, dim=-1)
         chosen = logprobs.gather(1, sampled[:, None])[:, 0].tolist()
         k_max = max(k or 0 for k in wanted)
@@ -100,6 +153,241 @@ class Sampler:
             else:
                 out.append((chosen[i], dict(zip(top_ids[i][:k], top_values[i][:k]))))
         return out
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    *,
+    histories: Sequence[TokenHistory] | None = None,
+    token_bitmask: TokenBitmask | None = None,
+) -> torch.Tensor:
+    """`logits` [B, V] after steps 1-6 (float32: bitmask, logit_bias, min_tokens, repetition,
+    frequency and presence penalties). `logits` itself is never modified; when no processor
+    applies, the result is `logits.float()` (which is `logits` itself if already float32)."""
+    plan = _plan(params, histories, token_bitmask)
+    work = logits.float()
+    if plan is None:
+        return work
+    if work is logits:
+        work = work.clone()
+    return _apply(work, params, histories, token_bitmask, plan)
+
+
+def sampling_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The logits a sampled row draws from (softmax of the result): the processed `logits`
+    divided by the temperature, then min_p, top-k and top-p set dropped tokens to -inf. A
+    greedy row is kept at temperature 1 and without min_p (it takes the processed argmax)."""
+    device = logits.device
+    temperatures = [1.0 if p.temperature == 0.0 else p.temperature for p in params]
+    scaled = logits / torch.tensor(temperatures, device=device)[:, None]
+    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0 and p.temperature != 0.0]
+    if min_p_rows:
+        min_ps = torch.tensor([params[i].min_p for i in min_p_rows], device=device)
+
+        def drop_unlikely(rows: torch.Tensor) -> torch.Tensor:
+            probs = torch.softmax(rows, dim=-1)
+            threshold = min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
+            return rows.masked_fill(probs < threshold, float("-inf"))
+
+        _on_rows(scaled, min_p_rows, drop_unlikely)
+    top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(top_ks) or any(p < 1.0 for p in top_ps):
+        scaled = _top_k_top_p(scaled, top_ks, top_ps)
+    return scaled
+
+
+@dataclass
+class _Plan:
+    """The rows each processor applies to (bitmask rows come with the bitmask)."""
+
+    bias_rows: list[int]
+    min_tokens_rows: list[int]  # rows still short of min_tokens
+    penalty_rows: list[int]
+    has_bitmask: bool
+
+
+def _plan(
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory] | None,
+    token_bitmask: TokenBitmask | None,
+) -> _Plan | None:
+    """Which rows use which processor; None when no row uses any."""
+    if histories is not None and len(histories) != len(params):
+        raise ValueError(f"{len(histories)} histories for a batch of {len(params)} rows")
+    bias_rows: list[int] = []
+    min_tokens_rows: list[int] = []
+    penalty_rows: list[int] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            bias_rows.append(i)
+        if p.min_tokens > 0 or p.uses_penalties:
+            if histories is None:
+                raise ValueError(
+                    f"row {i} uses penalties or min_tokens: the sampler needs its histories"
+                )
+            if p.min_tokens > 0 and histories[i].num_output_tokens < p.min_tokens:
+                min_tokens_rows.append(i)
+            if p.uses_penalties:
+                penalty_rows.append(i)
+    has_bitmask = token_bitmask is not None and len(token_bitmask[0]) > 0
+    if not (bias_rows or min_tokens_rows or penalty_rows or has_bitmask):
+        return None
+    return _Plan(bias_rows, min_tokens_rows, penalty_rows, has_bitmask)
+
+
+def _apply(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory] | None,
+    token_bitmask: TokenBitmask | None,
+    plan: _Plan,
+) -> torch.Tensor:
+    """Steps 2-6 on `logits` (float32 [B, V], modified in place and returned)."""
+    if plan.has_bitmask:
+        rows, bitmask = token_bitmask
+        _apply_bitmask(logits, rows, bitmask)
+    if plan.bias_rows:
+        _apply_logit_bias(logits, params, plan.bias_rows)
+    if plan.min_tokens_rows:
+        _apply_min_tokens(logits, params, histories, plan.min_tokens_rows)
+    if plan.penalty_rows:
+        _apply_penalties(logits, params, histories, plan.penalty_rows)
+    return logits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [R, vocab_size] from xgrammar's packed int32 [R, words]: token t is allowed iff
+    bit t % 32 of word t // 32 is set. Tokens past 32 * words are disallowed; bits past
+    vocab_size are ignored."""
+    words = min(bitmask.shape[1], -(-vocab_size // 32))
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    # an arithmetic shift of a negative word (bit 31 set) still leaves the right bit at 0
+    bits = (bitmask[:, :words, None].to(torch.int32) >> shifts) & 1
+    bits = bits.reshape(bitmask.shape[0], words * 32)
+    if words * 32 >= vocab_size:
+        return bits[:, :vocab_size].bool()
+    return torch.nn.functional.pad(bits, (0, vocab_size - words * 32)).bool()
+
+
+def _apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    batch, vocab = logits.shape
+    if bitmask.dim() != 2 or bitmask.shape[0] != len(rows):
+        raise ValueError(
+            f"token bitmask of shape {tuple(bitmask.shape)} for {len(rows)} rows: expected "
+            f"[{len(rows)}, words]"
+        )
+    if any(not 0 <= r < batch for r in rows):
+        raise ValueError(f"token bitmask rows {list(rows)} out of range for {batch} rows")
+    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+    index = torch.as_tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def _apply_logit_bias(
+    logits: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]
+) -> None:
+    vocab = logits.shape[1]
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i in rows:
+        for token, bias in params[i].logit_bias.items():
+            if not 0 <= token < vocab:
+                raise ValueError(
+                    f"logit_bias token id {token} is out of range for a vocabulary of "
+                    f"{vocab} tokens"
+                )
+            row_ids.append(i)
+            token_ids.append(token)
+            biases.append(bias)
+    device = logits.device
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    values = torch.tensor(biases, dtype=logits.dtype, device=device)
+    logits.index_put_(index, values, accumulate=True)
+
+
+def _apply_min_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory],
+    rows: list[int],
+) -> None:
+    vocab = logits.shape[1]
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i in rows:
+        # an id past the logits (a tokenizer's id the model cannot emit) needs no mask
+        banned = {t for t in histories[i].eos_token_ids if 0 <= t < vocab}
+        banned.update(t for t in params[i].stop_token_ids if 0 <= t < vocab)
+        row_ids.extend([i] * len(banned))
+        token_ids.extend(banned)
+    if not token_ids:
+        return
+    device = logits.device
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    logits.index_put_(index, torch.tensor(float("-inf"), device=device))
+
+
+def _apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[TokenHistory],
+    rows: list[int],
+) -> None:
+    """Repetition, then frequency and presence penalties, on the gathered `rows` at once:
+    the output-token counts [R, V] come from one scatter_add over all rows' tokens."""
+    device = logits.device
+    num_rows, vocab = len(rows), logits.shape[1]
+    outputs = [histories[i].output_token_ids for i in rows]
+    repetition = [params[i].repetition_penalty for i in rows]
+    # the prompt is read only for the rows with a repetition penalty
+    prompts = [histories[i].prompt_token_ids if p != 1.0 else () for i, p in zip(rows, repetition)]
+    if not any(outputs) and not any(prompts):
+        return  # nothing generated yet and no repetition penalty: every penalty is 0
+
+    def flat_ids(token_lists: list[Sequence[int]]) -> torch.Tensor:
+        """row * V + token for every token of every row, one tensor."""
+        tokens = list(itertools.chain.from_iterable(token_lists))
+        tokens = torch.tensor(tokens, dtype=torch.long, device=device)
+        lengths = torch.tensor([len(t) for t in token_lists], device=device)
+        row_of = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+        return row_of * vocab + tokens
+
+    index = torch.tensor(rows, device=device)
+    sub = logits[index]
+    counts = torch.zeros(num_rows * vocab, dtype=sub.dtype, device=device)
+    if any(outputs):
+        output_ids = flat_ids(outputs)
+        counts.scatter_add_(0, output_ids, torch.ones_like(output_ids, dtype=sub.dtype))
+    counts = counts.view(num_rows, vocab)
+    generated = counts > 0
+
+    if any(p != 1.0 for p in repetition):
+        seen = generated.clone()
+        if any(prompts):
+            seen.view(-1)[flat_ids(prompts)] = True
+        penalty = torch.tensor(repetition, dtype=sub.dtype, device=device)[:, None]
+        # rows with p == 1 are unchanged exactly (x / 1 == x * 1 == x)
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+
+    frequency = [params[i].frequency_penalty for i in rows]
+    presence = [params[i].presence_penalty for i in rows]
+    if any(outputs) and (any(frequency) or any(presence)):
+        freq = torch.tensor(frequency, dtype=sub.dtype, device=device)[:, None]
+        pres = torch.tensor(presence, dtype=sub.dtype, device=device)[:, None]
+        sub = sub - (freq * counts + pres * generated)
+    logits[index] = sub
+
+
+def _on_rows(logits: torch.Tensor, rows: list[int], fn) -> None:
+    """logits[rows] = fn(logits[rows]) in place, without a gather when every row is in."""
+    if len(rows) == logits.shape[0]:
+        logits.copy_(fn(logits))
+        return
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = fn(logits[index])
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

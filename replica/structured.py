@@ -1,0 +1,262 @@
+"""Structured outputs: a `StructuredOutput` spec (replica/request.py) compiled into a token-level
+grammar with xgrammar, the grammar engine vLLM and SGLang use, and one matcher per constrained
+request that yields the step's allowed-token bitmask and is fed every sampled token.
+
+Only constrained requests pay: the runner fills bitmask rows for the requests that hold a
+`GrammarState` and the sampler masks those rows alone. Compiled grammars are cached by spec
+(xgrammar's compiler caches them per spec text too); the ingress builds the same grammar
+without a tokenizer (`check`) so a spec that cannot compile is a 400 before it is routed.
+
+JSON is generated compactly (no free whitespace between tokens: small models given free
+whitespace can loop on it until max_tokens); tool calls use the Hermes layout
+`<tool_call>\n{"name": "...", "arguments": {...}}\n</tool_call>` (router/tool_calls.py parses it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from replica.request import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GrammarState", "StructuredOutputError", "StructuredOutputs", "check", "tool_call_tag"]
+
+# the Hermes tool-call layout, split where the function name and its arguments go
+TOOL_CALL_BEGIN = '<tool_call>\n{"name": "'
+TOOL_CALL_ARGUMENTS = '", "arguments": '
+TOOL_CALL_END = "}\n</tool_call>"
+TOOL_CALL_TRIGGER = "<tool_call>"
+
+_CACHE_SIZE = 256
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+class StructuredOutputError(ValueError):
+    """The spec cannot be compiled into a grammar (a user error: HTTP 400)."""
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise StructuredOutputError(
+            "structured outputs need the xgrammar package (pip install xgrammar)"
+        ) from exc
+    return xgrammar
+
+
+def _clean(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _CPP_PREFIX.sub("", text)
+
+
+# xgrammar 0.2.9 writes a length-bounded JSON string's characters (maxLength, minLength) as
+# [^"\\\r\n], which lets control characters through, and JSON forbids them raw in strings
+# (an output then fails json.loads). Such grammars are re-read with the class JSON allows.
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _strict_strings(xgr, grammar):
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _json_schema_grammar(xgr, schema: Any):
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+    return _strict_strings(xgr, grammar)
+
+
+def tool_call_tag(tools: list[dict], mode: str, parallel: bool) -> dict:
+    """The xgrammar structural tag (as JSON) for Hermes tool calls. `tools`: [{"name",
+    "parameters"}]. mode "named": exactly the one tool; "required": one or more calls (one if
+    not `parallel`) and nothing else; "auto": free text in which every `<tool_call>` opened
+    must be a valid call of one of the tools."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": TOOL_CALL_BEGIN + tool["name"] + TOOL_CALL_ARGUMENTS,
+            "content": {
+                "type": "json_schema",
+                "json_schema": tool.get("parameters") or {"type": "object"},
+                "max_whitespace_cnt": 1,
+            },
+            "end": TOOL_CALL_END,
+        }
+        for tool in tools
+    ]
+    if not tags:
+        raise StructuredOutputError("tool calls need at least one tool")
+    if mode == "named":
+        if len(tags) != 1:
+            raise StructuredOutputError(f"a named tool choice takes one tool, got {len(tags)}")
+        fmt: dict = tags[0]
+    elif mode == "required":
+        fmt = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": "\n",
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
+    elif mode == "auto":
+        fmt = {
+            "type": "triggered_tags",
+            "triggers": [TOOL_CALL_TRIGGER],
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": not parallel,
+        }
+    else:
+        raise StructuredOutputError(f"tool call mode must be named, required or auto: {mode!r}")
+    return {"type": "structural_tag", "format": fmt}
+
+
+def build_grammar(spec: StructuredOutput):
+    """The xgrammar Grammar of a spec (no tokenizer needed); StructuredOutputError names the
+    problem when it cannot be built."""
+    xgr = _xgrammar()
+    kind, text = spec.kind, spec.spec
+    try:
+        if kind == "json":
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict | bool):
+                raise StructuredOutputError(
+                    f"a JSON schema must be an object, got {type(schema).__name__}"
+                )
+            return _json_schema_grammar(xgr, schema if schema is not True else {})
+        if kind == "json_object":
+            return _json_schema_grammar(xgr, {"type": "object"})
+        if kind == "regex":
+            return xgr.Grammar.from_regex(text)
+        if kind == "choice":
+            choices = json.loads(text)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise StructuredOutputError("choice must be a non-empty list of non-empty strings")
+            alternatives = " | ".join(json.dumps(c) for c in choices)
+            return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(text)
+        if kind == "structural_tag":
+            return _strict_strings(xgr, xgr.Grammar.from_structural_tag(text))
+        if kind == "tool_calls":
+            plan = json.loads(text)
+            tag = tool_call_tag(plan["tools"], plan["mode"], plan.get("parallel", True))
+            return _strict_strings(xgr, xgr.Grammar.from_structural_tag(json.dumps(tag)))
+    except StructuredOutputError:
+        raise
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
+        raise StructuredOutputError(
+            f"cannot compile the {kind} constraint: {_clean(exc)}"
+        ) from None
+    raise StructuredOutputError(f"unknown structured output kind {kind!r}")
+
+
+def check(spec: StructuredOutput) -> None:
+    """Raise StructuredOutputError if the spec cannot become a grammar (the ingress's check)."""
+    build_grammar(spec)
+
+
+class GrammarState:
+    """One constrained request's matcher: fills its bitmask row, accepts sampled tokens."""
+
+    __slots__ = ("matcher", "failed")
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self.failed = False
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over a sampled token; False if the grammar does not allow it (the request
+        then ends: its output could not match)."""
+        if not self.matcher.accept_token(token_id):
+            self.failed = True
+            return False
+        return True
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class StructuredOutputs:
+    """One engine's grammar compiler (for its tokenizer and vocabulary) and compiled-grammar
+    cache. Thread-safe: the async engine compiles off the engine thread."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self.num_compiled = 0  # compilations done (cache misses)
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            xgr = _xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer,
+                vocab_size=self.vocab_size,
+                stop_token_ids=self.eos_token_ids or None,
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    @property
+    def bitmask_words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def compile(self, spec: StructuredOutput):
+        """The compiled grammar of a spec, from the cache when seen before."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+                return compiled
+            compiler = self._get_compiler()
+        grammar = build_grammar(spec)
+        try:
+            compiled = compiler.compile_grammar(grammar)
+        except Exception as exc:
+            raise StructuredOutputError(
+                f"cannot compile the {spec.kind} constraint: {_clean(exc)}"
+            ) from None
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[spec] = compiled
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def new_state(self, spec: StructuredOutput, compiled=None) -> GrammarState:
+        """A fresh matcher for one request (compiling the spec unless `compiled` is given)."""
+        xgr = _xgrammar()
+        return GrammarState(xgr.GrammarMatcher(compiled or self.compile(spec)))
+
+
+def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
+    """The packed allowed-token bitmask [len(states), ceil(V/32)] int32 of the given matchers."""
+    bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for row, state in enumerate(states):
+        state.fill(bitmask, row)
+    return bitmask
