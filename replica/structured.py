@@ -62,16 +62,19 @@ def _clean(exc: BaseException) -> str:
 
 # xgrammar 0.2.9 writes a length-bounded JSON string's characters (maxLength, minLength) as
 # [^"\\\r\n], which lets control characters through, and JSON forbids them raw in strings
-# (an output then fails json.loads). Such grammars are re-read with the class JSON allows.
-_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+# (an output then fails json.loads); and its UTF-8 matching lets the encodings of surrogates
+# (U+D800-U+DFFF, invalid in UTF-8) through, which decode to three U+FFFD each and so break
+# maxLength. Such grammars are re-read with the class JSON strings allow.
+_STRING_CHAR_CLASSES = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]'
 
 
 def _strict_strings(xgr, grammar):
     text = str(grammar)
-    if _LOOSE_STRING_CHAR not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+    fixed = text
+    for loose in _STRING_CHAR_CLASSES:
+        fixed = fixed.replace(loose, _JSON_STRING_CHAR)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
 
 
 def _json_schema_grammar(xgr, schema: Any):

@@ -457,18 +457,30 @@ def test_bitmask_unpacks_for_any_vocab_size(vocab, words):
         assert unpacked[i].tolist() == expected
 
 
-def test_bitmask_matches_the_reference_on_its_rows_only():
-    vocab = 70
+@pytest.fixture(params=["xgrammar", "torch"])
+def bitmask_kernel(request, monkeypatch):
+    """Both ways of applying a grammar mask: xgrammar's kernel and the torch unpack."""
+    import replica.layers.sampler as sampler_module
+
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_module, "_xgrammar_apply", None)
+    elif sampler_module._xgrammar_apply is None:
+        pytest.skip("xgrammar is not installed")
+    return request.param
+
+
+@pytest.mark.parametrize("vocab", [70, 100])  # 100: past the 3-word mask's 96 tokens
+def test_bitmask_matches_the_reference_on_its_rows_only(bitmask_kernel, vocab):
     logits = _random_logits(5, vocab, seed=7)
     params = [SamplingParams(temperature=t) for t in (0.0, 1.0, 0.0, 0.9, 0.0)]
     requests = [_request([1], [], p) for p in params]
-    masked_rows = {0: {1, 31, 33, 64, 68, 69}, 3: set(range(0, 70, 4)) | {31, 69}}
+    masked_rows = {0: {1, 31, 33, 64, 68, 69}, 3: set(range(0, 70, 4)) | {31, 69, 95}}
     bitmask = _pack_bitmask(list(masked_rows.values()), words=3)
 
     def reference(row, p, request, i):
         if i not in masked_rows:
             return list(row)
-        return [x if t in masked_rows[i] else INF for t, x in enumerate(row)]
+        return [x if t in masked_rows[i] and t < 96 else INF for t, x in enumerate(row)]
 
     _check_against_reference(
         logits,
@@ -480,7 +492,7 @@ def test_bitmask_matches_the_reference_on_its_rows_only():
     )
 
 
-def test_bitmask_allowing_one_token_forces_it_at_temperature_one():
+def test_bitmask_allowing_one_token_forces_it_at_temperature_one(bitmask_kernel):
     rows = 400
     logits = _random_logits(rows, seed=8)
     logits[:, 13] = -20.0  # the most unlikely token

@@ -254,3 +254,34 @@ def test_default_model_answers_a_real_schema():
         jsonschema.validate(json.loads(out.text), schema)
     finally:
         llm.shutdown()
+
+
+def _byte_token(tokenizer, byte: int) -> int:
+    """The id of the byte-level BPE token of one byte (GPT-2's byte-to-unicode mapping)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return tokenizer.convert_tokens_to_ids(chars[byte])
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_json_strings_refuse_control_characters_and_surrogates(llm, bounded):
+    """Guards against two holes in xgrammar 0.2.9's JSON strings (replica/structured.py): raw
+    control characters in length-bounded strings, and UTF-8-encoded surrogates in any string."""
+    string = {"type": "string", "maxLength": 12} if bounded else {"type": "string"}
+    spec = json_spec({"type": "object", "properties": {"s": string}, "required": ["s"]})
+    structured = llm.engine.structured
+    tok = llm.tokenizer
+
+    def accepts(raw: bytes) -> bool:
+        state = structured.new_state(spec)
+        assert state.matcher.accept_string('{"s": "ab')
+        return all(state.accept(_byte_token(tok, b)) for b in raw)
+
+    assert accepts("é".encode())  # a real two-byte character
+    assert not accepts(b"\x0e")  # a raw control character
+    assert not accepts(b"\xed\xa9\xb1")  # the encoding of surrogate U+DA71

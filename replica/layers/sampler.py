@@ -257,6 +257,17 @@ def _apply(
     return logits
 
 
+def _load_xgrammar_apply():
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:  # the torch unpack below serves
+        return None
+    return apply_token_bitmask_inplace
+
+
+_xgrammar_apply = _load_xgrammar_apply()
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bool [R, vocab_size] from xgrammar's packed int32 [R, words]: token t is allowed iff
     bit t % 32 of word t // 32 is set. Tokens past 32 * words are disallowed; bits past
@@ -280,7 +291,19 @@ def _apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Ten
         )
     if any(not 0 <= r < batch for r in rows):
         raise ValueError(f"token bitmask rows {list(rows)} out of range for {batch} rows")
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if _xgrammar_apply is not None and logits.dtype == torch.float32:
+        # xgrammar's kernel (C++ on CPU, CUDA/Triton on GPUs): 3-4x faster than the unpack
+        # below, a visible share of a small model's step. It reads the mask by logits row.
+        words = bitmask.shape[1]
+        full = torch.full((batch, words), -1, dtype=torch.int32, device=logits.device)
+        full[list(rows)] = bitmask.to(torch.int32)
+        _xgrammar_apply(logits, full, vocab_size=min(vocab, words * 32), indices=list(rows))
+        if vocab > words * 32:  # past the mask's width nothing is allowed
+            index = torch.as_tensor(rows, dtype=torch.long, device=logits.device)
+            logits[index, words * 32 :] = float("-inf")
+        return
+    allowed = unpack_bitmask(bitmask, vocab)
     index = torch.as_tensor(rows, dtype=torch.long, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
