@@ -68,6 +68,13 @@ class EngineConfig(BaseModel):
         "oneDNN's weight packing may use; auto: the CPU's own, capped by STEPSERVE_CPU_ISA. A "
         "cap above the CPU's level is the CPU's level.",
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="priority",
+        description="priority: waiting requests in (priority, arrival) order, and a waiting "
+        "request preempts running ones of lower priority when seats or KV blocks are short "
+        "(lower value = more urgent, as vLLM's); with equal priorities it is fcfs. fcfs: "
+        "arrival order, preemption only for KV blocks, newest first.",
+    )
     max_queue_len: int = Field(
         default=1024, ge=1, description="Waiting requests beyond which the replica refuses more."
     )

@@ -33,6 +33,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     request_id: str  # the sender's id (a replica aborts it by this id; the router keys on it)
+    priority: int = 0  # lower is more urgent (the engine's priority scheduling policy)
     # routing hints
     prefix_key: int | None = None  # hash of the prompt's first blocks (prefix affinity), or None
     reports_progress: bool = False  # the sender reports the first token and the end (router tally)

@@ -138,7 +138,10 @@ class LLMServer:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """RequestOutput deltas of one choice; cancellation aborts the request."""
         async for out in self.engine.generate(
-            request.prompt_token_ids, request.sampling, request.request_id
+            request.prompt_token_ids,
+            request.sampling,
+            request.request_id,
+            priority=request.priority,
         ):
             yield out
 

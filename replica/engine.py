@@ -118,8 +118,15 @@ class Engine:
     def num_free_blocks(self) -> int:
         return self.scheduler.kv.pool.num_free_blocks
 
-    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def check_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         """Raise RequestRejected (a user error) for a request that can never be served."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise RequestRejected(
+                f"priority={priority} needs scheduling_policy='priority' (this replica runs "
+                f"{self.config.scheduling_policy!r})"
+            )
         if not prompt_token_ids:
             raise RequestRejected("prompt must contain at least one token")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -152,12 +159,19 @@ class Engine:
         params: SamplingParams,
         arrival_time: float | None = None,
         compiled_grammar=None,
+        priority: int = 0,
     ) -> Request:
         """Queue a request. A structured one's grammar is compiled here unless the caller
-        compiled it already (`compile_grammar`, off the engine thread)."""
-        self.check_request(prompt_token_ids, params)
+        compiled it already (`compile_grammar`, off the engine thread). `priority`: lower is
+        more urgent (scheduling_policy 'priority')."""
+        self.check_request(prompt_token_ids, params, priority)
         request = Request(
-            request_id, list(prompt_token_ids), params, self.eos_token_ids, arrival_time
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.eos_token_ids,
+            arrival_time,
+            priority=priority,
         )
         if params.structured is not None:
             compiled = compiled_grammar or self.compile_grammar(params)
@@ -393,6 +407,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream of RequestOutput deltas; the last has finish_reason set. Leaving the stream
         early (client gone, task cancelled) aborts the request and frees its KV blocks."""
@@ -401,7 +416,7 @@ class AsyncEngine:
             raise EngineOverloaded("replica is draining and takes no new requests")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        self.engine.check_request(prompt_token_ids, params)
+        self.engine.check_request(prompt_token_ids, params, priority)
         # Every request this replica holds has a stream (registered here at once, so a burst
         # that lands within one step is counted in full). Those beyond the seats that can run
         # are waiting: all max_num_seqs seats, unless the last step already left requests
@@ -423,7 +438,9 @@ class AsyncEngine:
             compiled = await self._loop.run_in_executor(None, self.engine.compile_grammar, params)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        self._inbox.append(("add", rid, list(prompt_token_ids), params, arrival_time, compiled))
+        self._inbox.append(
+            ("add", rid, list(prompt_token_ids), params, arrival_time, compiled, priority)
+        )
         self._wake.set()
         finished = False
         try:
@@ -474,11 +491,11 @@ class AsyncEngine:
         while self._inbox:
             command = self._inbox.popleft()
             if command[0] == "add":
-                _, rid, ids, params, arrival, compiled = command
+                _, rid, ids, params, arrival, compiled, priority = command
                 if rid not in self._streams:
                     continue  # caller left before the request reached the engine
                 try:
-                    engine.add_request(rid, ids, params, arrival, compiled)
+                    engine.add_request(rid, ids, params, arrival, compiled, priority)
                 except Exception as exc:  # surfaced to the caller, not fatal to the engine
                     self._deliver_error(rid, exc)
             elif command[0] == "call":

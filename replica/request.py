@@ -224,6 +224,7 @@ class Request:
         "max_total_tokens",
         "grammar",
         "prompt_logprobs",
+        "priority",
     )
 
     def __init__(
@@ -233,6 +234,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] | set[int] = frozenset(),
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -241,6 +243,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority  # lower is more urgent (vLLM's convention); the priority policy
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -275,6 +278,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """The priority policy's order: priority first (lower first), then arrival."""
+        return (self.priority, self.arrival_time)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -62,6 +62,10 @@ class SchedulerStats:
     prefix_cache_hits: int
 
 
+def _sort_key(request: Request) -> tuple[int, float]:
+    return request.sort_key
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
         # EngineConfig checks this itself only when it is given max_model_len; here it is known
@@ -73,6 +77,9 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
+        # fcfs: arrival order, a preempted request back at the front; priority: ordered by
+        # (priority, arrival time), so a preempted request keeps its place
+        self.by_priority = config.scheduling_policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_step: list[str] = []
@@ -107,7 +114,23 @@ class Scheduler:
             request.update_block_hashes(self.block_size)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, preempted: bool = False) -> None:
+        """Into the waiting queue: at the back (fcfs), at the front when preempted (fcfs: it
+        is older than any waiting request), or in (priority, arrival) order (priority)."""
+        if not self.by_priority:
+            if preempted:
+                self.waiting.appendleft(request)
+            else:
+                self.waiting.append(request)
+            return
+        key = request.sort_key
+        waiting = self.waiting
+        i = len(waiting)
+        while i > 0 and waiting[i - 1].sort_key > key:  # new arrivals: usually the back
+            i -= 1
+        waiting.insert(i, request)
 
     def abort_requests(self, request_ids) -> list[Request]:
         """End requests their caller gave up on; returns those that were still unfinished."""
@@ -158,13 +181,16 @@ class Scheduler:
                 i += 1
                 continue
             while kv.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_request_ids.append(victim.request_id)
+                # fcfs: the newest running request; priority: the lowest priority, newest
+                victim = max(self.running, key=_sort_key) if self.by_priority else self.running[-1]
+                position = self.running.index(victim) if self.by_priority else len(self.running) - 1
+                budget += self._preempt_running(victim, out)
+                if position < i:
+                    i -= 1  # it had been scheduled in this step: now undone
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
-                break  # the request itself was the newest: it waits at the queue's front now
+                break  # the request itself was the victim: it waits in the queue now
             scheduled.append(
                 ScheduledRequest(
                     request, request.num_computed_tokens, num_new, kv.block_ids(request.request_id)
@@ -185,8 +211,15 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, threshold: int) -> None:
         kv = self.kv
         chunked = self.config.enable_chunked_prefill
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs:
+                # priority: a seat is taken from a running request of lower priority
+                restored = self._preempt_lower_priority(request, out)
+                if restored is None:
+                    break
+                budget += restored
+                continue
             if request.needs_prompt_logprobs:
                 hits, num_hit_tokens = [], 0  # every prompt position's logits are wanted
             else:
@@ -199,7 +232,12 @@ class Scheduler:
                     break
                 num_new = budget
             if kv.allocate_slots(request, num_new, hits) is None:
-                break
+                # priority: KV blocks are taken from a running request of lower priority
+                restored = self._preempt_lower_priority(request, out)
+                if restored is None:
+                    break
+                budget += restored
+                continue
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -215,13 +253,38 @@ class Scheduler:
             request.num_computed_tokens += num_new
             budget -= num_new
 
+    def _preempt_lower_priority(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Under the priority policy, preempt the running request of the lowest priority (the
+        newest among equals) if its priority is strictly lower than `request`'s; returns the
+        budget it gives back (its tokens scheduled in this step), or None when none qualifies."""
+        if not self.by_priority or not self.running:
+            return None
+        victim = max(self.running, key=_sort_key)
+        if victim.priority <= request.priority:
+            return None
+        return self._preempt_running(victim, out)
+
+    def _preempt_running(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt a running request, undoing its share of this step if it was scheduled in
+        it; returns the tokens that gives back to the step's budget."""
+        self.running.remove(victim)
+        restored = 0
+        for j, sched in enumerate(out.scheduled):
+            if sched.request is victim:
+                restored = sched.num_tokens
+                del out.scheduled[j]
+                break
+        self._preempt(victim)
+        out.preempted_request_ids.append(victim.request_id)
+        return restored
+
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, preempted=True)
 
     def update_from_output(
         self,

@@ -27,10 +27,13 @@ class ReplicaCalls:
         self.policy = policy
         self.block_size = block_size
 
-    def request(self, prompt_ids: list[int], params: SamplingParams) -> GenerateRequest:
+    def request(
+        self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> GenerateRequest:
         return GenerateRequest(
             prompt_token_ids=prompt_ids,
             sampling=params,
+            priority=priority,
             request_id=uuid.uuid4().hex,
             prefix_key=self.policy.prefix_key(prompt_ids, self.block_size),
             # this ingress tells the router the request's first token and its end
@@ -38,9 +41,9 @@ class ReplicaCalls:
         )
 
     async def one_stream(
-        self, prompt_ids: list[int], params: SamplingParams
+        self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        request = self.request(prompt_ids, params)
+        request = self.request(prompt_ids, params, priority)
         first = True
         try:
             async for out in self.stream_handle.generate.remote(request):
@@ -53,7 +56,9 @@ class ReplicaCalls:
             note_finished(request.request_id)
             note_gone(request.request_id)
 
-    async def complete_all(self, jobs: list[Job]) -> list[tuple[int, RequestOutput]]:
+    async def complete_all(
+        self, jobs: list[Job], priority: int = 0
+    ) -> list[tuple[int, RequestOutput]]:
         """Every job run to completion concurrently, one unary call each (a non-streaming
         answer needs no per-token messages). Leaving early (client gone) cancels the calls,
         and so aborts each in its replica."""
@@ -61,7 +66,7 @@ class ReplicaCalls:
         async def one(index: int, ids: list[int], params: SamplingParams):
             if len(jobs) > 1:
                 own_serve_request_id()  # this task's context only
-            request = self.request(ids, params)
+            request = self.request(ids, params, priority)
             try:
                 out = await self.handle.generate_all.remote(request)
                 note_cached(request.request_id, out.num_cached_tokens)
@@ -79,12 +84,14 @@ class ReplicaCalls:
             for task in tasks:
                 task.cancel()
 
-    async def fan_out(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def fan_out(
+        self, jobs: list[Job], priority: int = 0
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every job concurrently; yield (choice index, delta) as they come. Leaving early
         cancels every choice (and so aborts it in its replica)."""
         if len(jobs) == 1:
             index, ids, params = jobs[0]
-            async for out in self.one_stream(ids, params):
+            async for out in self.one_stream(ids, params, priority):
                 yield index, out
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -93,7 +100,7 @@ class ReplicaCalls:
         async def pump(index: int, ids: list[int], params: SamplingParams) -> None:
             own_serve_request_id()  # this task's context only
             try:
-                async for out in self.one_stream(ids, params):
+                async for out in self.one_stream(ids, params, priority):
                     queue.put_nowait((index, out))
             except BaseException as exc:  # forwarded to the consumer, which raises it
                 queue.put_nowait((index, exc))

@@ -289,7 +289,7 @@ class IngressCore:
     ) -> BaseModel:
         choices = {index: Choice(index) for index, _, _ in jobs}
         echo_only = getattr(req, "echo_only", False)
-        for index, out in await self.calls.complete_all(jobs):
+        for index, out in await self.calls.complete_all(jobs, req.priority):
             choices[index].add(without_generated(out) if echo_only else out)
         usage = UsageInfo.of(
             self._prompt_tokens(jobs, req.n), sum(len(c.token_ids) for c in choices.values())
@@ -318,7 +318,7 @@ class IngressCore:
         pending = shape.preamble([index for index, _, _ in jobs])  # held until the first text
         started = False
         try:
-            async for index, out in self.calls.fan_out(jobs):
+            async for index, out in self.calls.fan_out(jobs, req.priority):
                 if echo_only:
                     out = without_generated(out)
                 completion_tokens += len(out.new_token_ids)

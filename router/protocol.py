@@ -213,6 +213,13 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = Field(default=None, description="vLLM (legacy)")
     guided_choice: list[str] | None = Field(default=None, description="vLLM (legacy)")
     guided_grammar: str | None = Field(default=None, description="vLLM (legacy)")
+    priority: int = Field(
+        default=0,
+        ge=-(2**31),
+        le=2**31 - 1,
+        description="extension (vLLM): lower is served first; a waiting request preempts "
+        "running ones of lower priority",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -598,3 +598,104 @@ def test_fake_runner_samples_only_chunks_that_reach_the_end():
     assert runner.execute(SchedulerOutput([ScheduledRequest(request, 0, 4, [0])], 4)).sampled == {}
     sampled = runner.execute(SchedulerOutput([ScheduledRequest(request, 4, 2, [0, 1])], 2)).sampled
     assert sampled == {"A": 42}
+
+
+# -- the priority policy -----------------------------------------------------------------------
+def prio_request(rid: str, seed: int, priority: int, n: int = 4, max_tokens: int = 8) -> Request:
+    request = make_request(rid, prompt(n, seed), max_tokens=max_tokens)
+    request.priority = priority
+    return request
+
+
+def test_a_waiting_request_of_higher_priority_takes_a_seat_from_the_lowest_running_one():
+    """vLLM cannot do this once max_num_seqs is reached (its issue 40004): here the urgent
+    request runs in the very next step, the preempted one keeps its place ahead of later
+    arrivals of its priority, and every request ends with the tokens it would get alone."""
+    sched = make_scheduler(max_num_seqs=2, max_model_len=64, scheduling_policy="priority")
+    runner = FakeRunner(block_size=16)
+    low_a, low_b = prio_request("low-a", 0, 5), prio_request("low-b", 1, 5)
+    sched.add_request(low_a)
+    sched.add_request(low_b)
+    step(sched, runner)
+    late_low = prio_request("late-low", 2, 5)
+    urgent = prio_request("urgent", 3, 0)
+    sched.add_request(late_low)
+    sched.add_request(urgent)
+    assert [r.request_id for r in sched.waiting] == ["urgent", "late-low"]
+    out, _ = step(sched, runner)
+    assert out.preempted_request_ids == ["low-b"]  # the lowest priority, the newest among equals
+    assert ("urgent", 0, 4) in chunks(out)
+    assert [r.request_id for r in sched.waiting] == ["low-b", "late-low"]  # kept its place
+    requests = [low_a, low_b, late_low, urgent]
+    run_to_completion(sched, runner)
+    for request in requests:
+        assert final(request) == alone(runner, request, 64), request.request_id
+    assert_all_blocks_free(sched)
+
+
+def test_equal_priorities_never_preempt_for_a_seat():
+    sched = make_scheduler(max_num_seqs=1, max_model_len=64, scheduling_policy="priority")
+    runner = FakeRunner(block_size=16)
+    sched.add_request(prio_request("first", 0, 1))
+    step(sched, runner)
+    sched.add_request(prio_request("second", 1, 1))
+    out, _ = step(sched, runner)
+    assert out.preempted_request_ids == [] and chunks(out) == [("first", 4, 1)]
+
+
+def test_fcfs_policy_keeps_arrival_order_whatever_the_priority():
+    sched = make_scheduler(max_num_seqs=1, max_model_len=64, scheduling_policy="fcfs")
+    runner = FakeRunner(block_size=16)
+    sched.add_request(prio_request("first", 0, 9))
+    step(sched, runner)
+    sched.add_request(prio_request("urgent", 1, 0))
+    out, _ = step(sched, runner)
+    assert out.preempted_request_ids == [] and chunks(out) == [("first", 4, 1)]
+
+
+def test_a_higher_priority_request_takes_kv_blocks_from_a_lower_one():
+    # 4 blocks of 4 tokens: two low-priority requests hold 2 each; the urgent one needs 2
+    sched = make_scheduler(
+        num_blocks=4, max_model_len=64, block_size=4, scheduling_policy="priority"
+    )
+    runner = FakeRunner(block_size=4)
+    lows = [prio_request(f"low-{i}", i, 3, n=7, max_tokens=4) for i in range(2)]
+    for request in lows:
+        sched.add_request(request)
+    step(sched, runner)
+    urgent = prio_request("urgent", 9, 1, n=6, max_tokens=2)
+    sched.add_request(urgent)
+    out, _ = step(sched, runner)
+    assert "urgent" in [s.request_id for s in out.scheduled]
+    assert out.preempted_request_ids  # blocks came from a low-priority request
+    assert all(rid.startswith("low") for rid in out.preempted_request_ids)
+    run_to_completion(sched, runner)
+    for request in [*lows, urgent]:
+        assert final(request) == alone(runner, request, 64), request.request_id
+    assert_all_blocks_free(sched)
+
+
+def test_a_victim_already_scheduled_in_the_step_is_taken_back_out_of_it():
+    """The running phase needs blocks for a high-priority request that sits after a
+    low-priority one in the running list: the low one, scheduled earlier in the same step, is
+    preempted and removed from the step, and its budget given back."""
+    sched = make_scheduler(
+        num_blocks=4, max_model_len=64, block_size=4, scheduling_policy="priority"
+    )
+    runner = FakeRunner(block_size=4)
+    low = prio_request("low", 0, 7, n=3, max_tokens=8)
+    sched.add_request(low)
+    step(sched, runner)  # low: 3 prompt tokens in block 1, then its first output token
+    high = prio_request("high", 1, 0, n=8, max_tokens=4)
+    sched.add_request(high)
+    step(sched, runner)  # low decodes into block 1; high's prompt takes blocks 2 and 3
+    assert [r.request_id for r in sched.running] == ["low", "high"]
+    # low's next token takes the last free block; high's needs one more: low gives its back
+    out, _ = step(sched, runner)
+    assert out.preempted_request_ids == ["low"]
+    assert chunks(out) == [("high", 8, 1)]
+    assert out.total_num_scheduled_tokens == 1
+    run_to_completion(sched, runner)
+    for request in (low, high):
+        assert final(request) == alone(runner, request, 64), request.request_id
+    assert_all_blocks_free(sched)

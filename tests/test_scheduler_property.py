@@ -26,6 +26,7 @@ class Arrival:
     prompt: list[int]
     params: SamplingParams
     abort_step: int | None
+    priority: int = 0
 
 
 @dataclass
@@ -45,7 +46,9 @@ def workloads(draw) -> Workload:
         budget = draw(st.integers(1, 128))
     else:
         budget = draw(st.integers(max_model_len, max_model_len + 64))
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
     config = EngineConfig(
+        scheduling_policy=policy,
         block_size=block_size,
         max_num_seqs=draw(st.integers(1, 8)),
         max_num_batched_tokens=budget,
@@ -74,6 +77,7 @@ def workloads(draw) -> Workload:
                 prefix + suffix,
                 params,
                 abort_step,
+                draw(st.integers(0, 2)) if policy == "priority" else 0,
             )
         )
     arrivals.sort(key=lambda a: a.step)
@@ -133,14 +137,15 @@ def test_random_workloads_keep_invariants_and_match_solo_outputs(w: Workload):
     outputs: dict[str, list[int]] = {}
     aborted: set[str] = set()
     pending = list(w.arrivals)
-    # Progress argument: the oldest running request is never preempted and runs >= 1 token a
-    # step, so each request is the head for at most max_total steps.
+    # Progress argument: the first request in (priority, arrival) order among those present is
+    # never preempted and runs >= 1 token a step, so each request is the head for at most
+    # max_total steps.
     bound = pending[-1].step + 1
     step = 0
     while pending or sched.has_unfinished():
         while pending and pending[0].step <= step:
             a = pending.pop(0)
-            request = Request(a.request_id, a.prompt, a.params, EOS)
+            request = Request(a.request_id, a.prompt, a.params, EOS, priority=a.priority)
             if should_reject(w, a):
                 try:
                     sched.add_request(request)
