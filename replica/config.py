@@ -75,6 +75,13 @@ class EngineConfig(BaseModel):
         "(lower value = more urgent, as vLLM's); with equal priorities it is fcfs. fcfs: "
         "arrival order, preemption only for KV blocks, newest first.",
     )
+    stall_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="seconds the engine may hold requests without finishing a step before "
+        "its replica reports unhealthy (its streams end with an error and Serve replaces it); "
+        "longer than the slowest single step",
+    )
     max_queue_len: int = Field(
         default=1024, ge=1, description="Waiting requests beyond which the replica refuses more."
     )

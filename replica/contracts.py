@@ -68,6 +68,8 @@ class RoutingStats:
     num_unfinished: int = 0  # requests with an open stream
     num_request_states: int = 0  # requests the engine keeps state for (0 when idle)
     cpu_threads: int = 0  # torch threads of the engine thread (0: not running yet)
+    healthy: bool = True  # False: the engine is dead or stalled (routers avoid the replica)
+    stalled_s: float = 0.0  # seconds the engine has held requests without finishing a step
 
     @classmethod
     def of_scheduler(

@@ -164,8 +164,10 @@ class LLMServer:
         }
 
     def routing_stats(self) -> RoutingStats:
-        """Engine counters as of the last step."""
+        """Engine counters as of the last step, and whether the engine is healthy."""
         engine = self.engine.engine
+        stalled = self.engine.stalled_s()
+        healthy = self.engine.error is None and stalled <= self.config.stall_timeout_s
         return RoutingStats.of_scheduler(
             self.replica_id,
             time.time(),
@@ -177,6 +179,8 @@ class LLMServer:
             num_unfinished=self.engine.num_unfinished(),
             num_request_states=engine.num_request_states,
             cpu_threads=self.engine.num_threads,
+            healthy=healthy,
+            stalled_s=stalled,
         )
 
     def stats(self) -> dict:
@@ -190,7 +194,16 @@ class LLMServer:
         return AutoscalingStats.of(self.routing_stats()).as_dict()
 
     async def check_health(self) -> None:
+        """Serve's liveness check (every health_check_period_s): raising makes Serve replace
+        this replica; the engine raises when dead or stalled (AsyncEngine.check_health)."""
         self.engine.check_health()
+
+    def inject_stall(self, seconds: float) -> None:
+        """Fault injection for tests: block the engine thread for `seconds`, as a stuck
+        forward would. Only with STEPSERVE_FAULT_INJECTION=1 in the replica's environment."""
+        if os.environ.get("STEPSERVE_FAULT_INJECTION") != "1":
+            raise PermissionError("fault injection is off (STEPSERVE_FAULT_INJECTION=1)")
+        self.engine.call_on_engine_thread(lambda engine: time.sleep(seconds))
 
     async def drain(self, timeout_s: float) -> bool:
         self.engine.start_draining()

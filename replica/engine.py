@@ -360,6 +360,9 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._stats = engine.stats()
         self.num_threads = 0  # torch intra-op threads of the engine thread, once it runs
+        # monotonic time the engine thread last finished a step or found nothing to do: with
+        # requests held and this too old, the engine is stuck (check_health)
+        self._progress_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="stepserve-engine", daemon=True)
         self._thread.start()
 
@@ -372,11 +375,34 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def stalled_s(self) -> float:
+        """Seconds the engine has held requests without finishing a step (0 when it is idle
+        or making progress)."""
+        if not self._streams:
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress_at)
+
     def check_health(self) -> None:
+        """Raise EngineDeadError when the engine cannot serve: its loop died, a tensor-parallel
+        rank is gone, or it has held requests for stall_timeout_s without finishing a step (a
+        stuck forward, a hung collective). A stalled engine's streams end with the error now,
+        rather than when the replica is replaced."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop died: {self.error!r}") from self.error
         if not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
+        stalled = self.stalled_s()
+        limit = self.config.stall_timeout_s
+        if stalled > limit:
+            error = EngineDeadError(
+                f"engine stalled: no step finished for {stalled:.1f} s with "
+                f"{len(self._streams)} requests in flight (stall_timeout_s={limit:g})"
+            )
+            if self.error is None:
+                self.error = error
+                for rid in list(self._streams):
+                    self._deliver_error(rid, error)
+            raise error
         self.engine.runner.check_health()  # a tensor-parallel group fails here when a rank dies
 
     def stats(self) -> SchedulerStats:
@@ -522,10 +548,12 @@ class AsyncEngine:
                 self._apply_inbox()
                 if not engine.has_unfinished():
                     self._stats = engine.stats()
+                    self._progress_at = time.monotonic()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
                 outputs = engine.step()
+                self._progress_at = time.monotonic()
                 self._stats = engine.stats()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)

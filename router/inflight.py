@@ -278,3 +278,42 @@ def inflight_state() -> list[dict]:
     the ingress's stats."""
     now = time.time()
     return [load.snapshot(now) for load in list(_INFLIGHT_LOADS)]
+
+
+# This process's request routers (LoadAwareRouter). Kept here, not in router/request_router.py:
+# Ray may ship a request-router class by value, with a private copy of its module's globals.
+_ROUTERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_router(router) -> None:
+    """Let `replica_readiness` see `router`'s replicas (dropped with the router)."""
+    _ROUTERS.add(router)
+
+
+def replica_readiness() -> list[dict]:
+    """Every replica this process's routers know, with what its last recorded stats say:
+    ready (healthy and reporting), or why not (the ingress's GET /health)."""
+    seen: dict[str, dict] = {}
+    now = time.time()
+    for router in list(_ROUTERS):
+        for replica in list(getattr(router, "curr_replicas", {}).values()):
+            rid = replica.replica_id.unique_id
+            stats = RoutingStats.from_dict(replica.routing_stats)
+            if stats is None:  # Serve routes only to replicas that started and passed a check
+                entry = {"replica_id": rid, "ready": True, "reason": "no stats reported yet"}
+            elif not stats.healthy:
+                entry = {
+                    "replica_id": rid,
+                    "ready": False,
+                    "reason": f"engine stalled for {stats.stalled_s:.1f} s",
+                }
+            else:
+                entry = {
+                    "replica_id": rid,
+                    "ready": True,
+                    "stats_age_s": round(stats.age_s(now), 2),
+                    "waiting": stats.waiting,
+                    "running": stats.running,
+                }
+            seen[rid] = entry
+    return sorted(seen.values(), key=lambda e: e["replica_id"])

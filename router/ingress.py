@@ -32,7 +32,7 @@ from router.dialects import (
 from router.errors import HTTPError, bad_request, classify_error, guarded
 from router.fanout import Job, ReplicaCalls
 from router.guard import RequestGuard
-from router.inflight import inflight_state
+from router.inflight import inflight_state, replica_readiness
 from router.kv_routing import exposition as kv_exposition
 from router.kv_routing import kv_index_contents, kv_routing_state
 from router.policy import Policy
@@ -501,9 +501,22 @@ class Ingress:
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:
+        """Readiness: 200 when a replica can serve, with each replica's state as this
+        ingress's routers see it (`replicas`: ready, or why not: a stalled engine); 503 when
+        every known replica is unhealthy or the model cannot be reached."""
+
         async def check() -> Response:
             info = await asyncio.wait_for(self.core.model_info(), timeout=10)
-            return JSONResponse({"status": "ok", "max_model_len": info["max_model_len"]})
+            replicas = replica_readiness()
+            ready = sum(1 for r in replicas if r["ready"])
+            ok = ready > 0 or not replicas  # no router view (pow2): the call above answered
+            body = {
+                "status": "ok" if ok else "unavailable",
+                "max_model_len": info["max_model_len"],
+                "ready_replicas": ready,
+                "replicas": replicas,
+            }
+            return JSONResponse(body, status_code=200 if ok else 503)
 
         return await guarded(check)
 

@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from replica.contracts import GenerateRequest, RoutingStats
-from router.inflight import InflightLoad, register_inflight, replica_stats
+from router.inflight import InflightLoad, register_inflight, register_router, replica_stats
 from router.kv_routing import KVRouting, register_kv_routing
 from router.policy import Policy, ReplicaStats, RequestSize, RoutingConfig, decision_reason
 
@@ -37,10 +37,24 @@ def _request(pending_request: PendingRequest | None) -> GenerateRequest | None:
     return request if isinstance(request, GenerateRequest) else None
 
 
+def healthy_replicas(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """The replicas whose last recorded stats do not say their engine is dead or stalled (all
+    of them when none qualifies: Serve is replacing them, and a request waits rather than
+    fails)."""
+    healthy = [r for r in replicas if _recorded_healthy(r)]
+    return healthy or replicas
+
+
+def _recorded_healthy(replica: RunningReplica) -> bool:
+    stats = RoutingStats.from_dict(replica.routing_stats)
+    return stats is None or stats.healthy
+
+
 class LoadAwareRouter(RequestRouter):
     def initialize_state(
         self, routing: dict | None = None, block_size: int = 16, **_: object
     ) -> None:
+        register_router(self)
         self.routing_config = RoutingConfig.model_validate(routing or {})
         self.policy = Policy(self.routing_config)
         self.inflight = InflightLoad()
@@ -80,6 +94,7 @@ class LoadAwareRouter(RequestRouter):
             return []
         now = time.time()
         request = _request(pending_request)
+        candidate_replicas = healthy_replicas(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         hits: dict[str, int] = {}
         if self.kv is not None and request is not None:

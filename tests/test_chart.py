@@ -680,17 +680,25 @@ def test_service_monitor_scrapes_ray_pods_through_a_headless_metrics_service(cha
     assert (app_port["port"], app_port["targetPort"]) == (9100, "app-metrics")
 
 
-def test_probes_are_left_to_kuberay_unless_configured(chart):
-    for template in pod_templates(only(render(chart), "RayService")):
-        container = ray_container(template)
-        assert "readinessProbe" not in container and "livenessProbe" not in container
-    probe = {"httpGet": {"path": "/health", "port": "serve"}, "periodSeconds": 10}
-    rayservice = only(
-        render(chart, {"probes": {"worker": {"readinessProbe": probe}}}), "RayService"
-    )
-    assert "readinessProbe" not in ray_container(head_spec(rayservice)["template"])
+def test_worker_readiness_is_the_applications_health_and_the_rest_kuberays(chart):
+    rayservice = only(render(chart), "RayService")
+    head = ray_container(head_spec(rayservice)["template"])
+    assert "readinessProbe" not in head and "livenessProbe" not in head
     for group in worker_specs(rayservice):
-        assert ray_container(group["template"])["readinessProbe"] == probe
+        container = ray_container(group["template"])
+        probe = container["readinessProbe"]
+        assert probe["httpGet"] == {"path": "/health", "port": "serve"}
+        assert "serve" in ports_by_name(container) and "livenessProbe" not in container
+    custom = {"httpGet": {"path": "/health", "port": "serve"}, "periodSeconds": 3}
+    rayservice = only(
+        render(chart, {"probes": {"worker": {"readinessProbe": custom}}}), "RayService"
+    )
+    for group in worker_specs(rayservice):  # Helm merges the values into the defaults
+        probe = ray_container(group["template"])["readinessProbe"]
+        assert probe["periodSeconds"] == 3 and probe["httpGet"] == custom["httpGet"]
+    rayservice = only(render(chart, {"probes": {"worker": {"readinessProbe": None}}}), "RayService")
+    for group in worker_specs(rayservice):  # null: KubeRay's own
+        assert "readinessProbe" not in ray_container(group["template"])
 
 
 # ---------------------------------------------------------------------------------------------
