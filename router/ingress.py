@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator
 
 import ray
@@ -20,6 +22,7 @@ from replica.metrics import HUB_NAME, HUB_NAMESPACE, merge_expositions
 from replica.request import SamplingParams
 from replica.structured import StructuredOutputError
 from replica.structured import check as check_structured
+from router.admission import Admission
 from router.dialects import (
     ChatDialect,
     Choice,
@@ -74,6 +77,7 @@ class IngressCore:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer = tokenizer
         self.guard = RequestGuard(settings.http, settings.auth)
+        self.admission = Admission()  # admission by expected wait (router/admission.py)
         self.calls = ReplicaCalls(handle, Policy(settings.routing), settings.engine.block_size)
         self.dialects: dict[bool, Dialect] = {  # by `chat`
             False: CompletionDialect(tokenizer, settings.model_name),
@@ -285,11 +289,20 @@ class IngressCore:
         return {"echo": echo}
 
     async def aggregate(
-        self, jobs: list[Job], dialect: Dialect, req, echo: dict[int, Echo] | None = None
+        self, jobs: list[Job], dialect: Dialect, req, ticket: "Ticket", echo=None
     ) -> BaseModel:
+        """The whole answer, within the request's deadline (408 past it: the calls are
+        cancelled, which aborts them in their replicas and frees their blocks)."""
         choices = {index: Choice(index) for index, _, _ in jobs}
         echo_only = getattr(req, "echo_only", False)
-        for index, out in await self.calls.complete_all(jobs, req.priority):
+        try:
+            results = await asyncio.wait_for(
+                self.calls.complete_all(jobs, req.priority), ticket.remaining_s()
+            )
+        except asyncio.TimeoutError:
+            raise ticket.timeout_error() from None
+        self.admission.started(ticket.key)
+        for index, out in results:
             choices[index].add(without_generated(out) if echo_only else out)
         usage = UsageInfo.of(
             self._prompt_tokens(jobs, req.n), sum(len(c.token_ids) for c in choices.values())
@@ -304,12 +317,15 @@ class IngressCore:
         )
 
     async def stream(
-        self, jobs: list[Job], dialect: Dialect, req, echo: dict[int, Echo] | None = None
+        self, jobs: list[Job], dialect: Dialect, req, ticket: "Ticket", echo=None
     ) -> AsyncIterator[str]:
         """SSE events of an admitted request, which owns its in-flight slot until it ends.
-        Nothing is yielded before the first text arrives, so a failure before it (replica
-        queue full, replica lost) raises to the caller and becomes a plain HTTP error (429,
-        503); a failure after it is sent as an error event."""
+        The first item comes within a second: the first event, or a keep-alive comment when
+        the request is still queued (a failure before it, such as a replica refusing, raises
+        to the caller and becomes a plain HTTP error). After that a comment follows every
+        http.keepalive_s without an event, a failure is sent as an error event, and past the
+        deadline the request ends with a timeout error event (its calls cancelled, so its
+        replicas free its blocks)."""
         token_ids = getattr(req, "return_token_ids", False)
         shape = dialect.stream(token_ids, **self.answer_options(req, echo))
         echo_only = getattr(req, "echo_only", False)
@@ -317,8 +333,21 @@ class IngressCore:
         wants_logprobs = jobs[0][2].logprobs is not None
         pending = shape.preamble([index for index, _, _ in jobs])  # held until the first text
         started = False
+        first_token = False
+        keepalive = self.settings.http.keepalive_s
+        paced = _paced(
+            self.calls.fan_out(jobs, req.priority), min(FIRST_EVENT_WAIT_S, keepalive), keepalive
+        )
         try:
-            async for index, out in self.calls.fan_out(jobs, req.priority):
+            async for item in _until(paced, ticket):
+                if item is _KEEPALIVE:
+                    started = True
+                    yield KEEPALIVE_COMMENT
+                    continue
+                index, out = item
+                if not first_token:
+                    first_token = True
+                    self.admission.started(ticket.key)
                 if echo_only:
                     out = without_generated(out)
                 completion_tokens += len(out.new_token_ids)
@@ -346,14 +375,51 @@ class IngressCore:
             logger.warning("stream %s failed: %s", shape.id, err.message)
             yield f"data: {json.dumps(error_body(err.message, err.type, err.status))}\n\n"
         finally:
-            self.guard.release()
+            self.admission.leave(ticket.key)
+            ticket.slot.release()
         yield SSE_DONE
+
+    def deadline_s(self, request: Request) -> float:
+        """The request's deadline: http.request_timeout_s, or less when the client asks for
+        less with X-Request-Timeout."""
+        limit = self.settings.http.request_timeout_s
+        header = request.headers.get(TIMEOUT_HEADER)
+        if header is None:
+            return limit
+        try:
+            value = float(header)
+        except ValueError:
+            raise bad_request(f"{TIMEOUT_HEADER} must be seconds, got {header!r}") from None
+        if not 0 < value <= limit:
+            raise bad_request(
+                f"{TIMEOUT_HEADER} must be in (0, {limit:g}] seconds (http.request_timeout_s), "
+                f"got {header!r}"
+            )
+        return value
+
+    def admit_by_wait(self, req, deadline_s: float) -> None:
+        """Refuse now (429, Retry-After) a request whose expected wait for its first token
+        exceeds its deadline (router/admission.py)."""
+        verdict = self.admission.judge(deadline_s, req.priority)
+        if not verdict.admit:
+            raise HTTPError(
+                429,
+                f"server overloaded: the first token is expected in {verdict.expected_wait_s:.1f}"
+                f" s ({self.admission.num_queued} requests queued ahead at priority <= "
+                f"{req.priority}), past this request's deadline of {deadline_s:g} s; retry "
+                f"in {verdict.retry_after_s} s",
+                "rate_limit_error",
+                headers={"Retry-After": str(verdict.retry_after_s)},
+            )
 
     async def serve_request(self, request: Request, chat: bool) -> Response:
         self.guard.check_auth(request)
-        self.guard.admit()  # before any parsing: an overloaded server spends nothing on it
+        # before any parsing: an overloaded server spends nothing on it
+        slot = self.guard.admit(self.guard.client_key(request))
         owns_slot = True
+        ticket = None
         try:
+            deadline_s = self.deadline_s(request)
             data = await self.guard.read_json(request)
             cls = ChatCompletionRequest if chat else CompletionRequest
             try:
@@ -371,25 +437,107 @@ class IngressCore:
             if self.settings.log_prompts:
                 logger.info("prompt token counts %s", [len(p) for p in prompts])
             jobs = await self.prepare(req, prompts)
+            self.admit_by_wait(req, deadline_s)
+            ticket = Ticket(slot, deadline_s)
+            self.admission.enter(ticket.key, req.priority)
             echo = None if chat else self.echoes(req, prompts)
             dialect = self.dialects[chat]
             if req.stream:
-                events = self.stream(jobs, dialect, req, echo)
+                events = self.stream(jobs, dialect, req, ticket, echo)
                 owns_slot = False  # the stream frees it, however it ends
-                # Wait for the first event before answering, so that a refusal is a real 429
-                # (or 503) status. Once started, the stream's cleanup runs even if the response
-                # is never iterated (the event loop finalizes started async generators).
+                # The first item comes within a second (an event, or a keep-alive while
+                # queued), so a quick refusal by a replica is still a real 429 (or 503).
+                # Once started, the stream's cleanup runs even if the response is never
+                # iterated (the event loop finalizes started async generators).
                 first = await anext(events)
                 return StreamingResponse(
                     _prepend(first, events),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
-            result = await self.aggregate(jobs, dialect, req, echo)
+            result = await self.aggregate(jobs, dialect, req, ticket, echo)
             return JSONResponse(result.model_dump(exclude_none=False))
         finally:
             if owns_slot:
-                self.guard.release()
+                if ticket is not None:
+                    self.admission.leave(ticket.key)
+                slot.release()
+
+
+class Ticket:
+    """An admitted request: its slot, its key in the admission queue, its deadline."""
+
+    __slots__ = ("slot", "key", "deadline_s", "deadline_at")
+
+    def __init__(self, slot, deadline_s: float) -> None:
+        self.slot = slot
+        self.key = uuid.uuid4().hex
+        self.deadline_s = deadline_s
+        self.deadline_at = time.monotonic() + deadline_s
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline_at - time.monotonic())
+
+    def timeout_error(self) -> HTTPError:
+        return HTTPError(
+            408,
+            f"request timed out: no answer within its deadline of {self.deadline_s:g} s "
+            f"(http.request_timeout_s, or the {TIMEOUT_HEADER} header); it was cancelled",
+            "timeout_error",
+        )
+
+
+FIRST_EVENT_WAIT_S = 1.0  # a stream's headers wait this long for a quick refusal
+KEEPALIVE_COMMENT = ": keep-alive\n\n"
+TIMEOUT_HEADER = "X-Request-Timeout"
+_KEEPALIVE = object()
+
+
+async def _paced(events: AsyncIterator, first_wait_s: float, every_s: float) -> AsyncIterator:
+    """The items of `events`, with _KEEPALIVE between them whenever one takes longer than
+    `every_s` (`first_wait_s` for the first). Closing this closes `events`."""
+    pending = None
+    wait = first_wait_s
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=wait)
+            if not done:
+                yield _KEEPALIVE
+                wait = every_s
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            yield item
+            wait = every_s
+    finally:
+        if pending is not None:
+            pending.cancel()
+            try:
+                await pending
+            except BaseException:
+                pass
+        await events.aclose()
+
+
+async def _until(items: AsyncIterator, ticket: Ticket) -> AsyncIterator:
+    """`items` until the ticket's deadline, then a timeout error (and `items` closed)."""
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(anext(items), ticket.remaining_s())
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise ticket.timeout_error() from None
+            yield item
+    finally:
+        await items.aclose()
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

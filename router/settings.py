@@ -22,13 +22,24 @@ class HttpConfig(BaseModel):
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
     max_tokens_cap: int = Field(default=4096, ge=1, description="largest max_tokens accepted")
     max_pending_requests: int = Field(
-        default=1024, ge=1, description="requests in flight at the ingress before 429"
+        default=4096,
+        ge=1,
+        description="requests in flight at the ingress before 429 (a memory bound: admission "
+        "is by expected wait, request_timeout_s)",
     )
     request_timeout_s: float = Field(
         default=600.0,
         gt=0,
-        description="seconds; accepted, not yet enforced (a later issue makes it the "
-        "admission deadline)",
+        description="seconds a request may take; a request expected to wait longer for its "
+        "first token is refused at once (429, Retry-After), one past it ends with a timeout "
+        "error. A client may ask for less with the header X-Request-Timeout (seconds)",
+    )
+    keepalive_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="an admitted stream gets an SSE comment after this many seconds without "
+        "an event (queued, or a long step), so clients and proxies see it is alive",
     )
     ingress_replicas: int = Field(
         default=1,
