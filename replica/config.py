@@ -83,7 +83,10 @@ class EngineConfig(BaseModel):
         "longer than the slowest single step",
     )
     max_queue_len: int = Field(
-        default=1024, ge=1, description="Waiting requests beyond which the replica refuses more."
+        default=4096,
+        ge=1,
+        description="Waiting requests beyond which the replica refuses more (a memory bound: "
+        "the ingress admits by expected wait, http.request_timeout_s).",
     )
 
     @model_validator(mode="after")

@@ -2,13 +2,16 @@
 expected to take fits within the request's deadline, and refuses it at once (429, Retry-After
 drawn from the same estimate) when it does not.
 
-The estimate is the ingress's own queue over its own service rate (Little's law): the requests
-it admitted that are still waiting for their first token (streams) or their answer (unary),
-counting only those of equal or higher priority (lower value) since the replicas serve those
-first, divided by the rate at which its requests have left that queue over the last window. So
-the lowest priority is refused first, and each ingress of several judges by its own share.
-Before any request has left the queue there is no rate: requests are admitted (the hard count
-limit, http.max_pending_requests, still holds), and a deadline ends those that wait too long.
+The estimate is the ingress's own queue over its own service rate: the requests it admitted
+that are still waiting for their first token (streams) or their answer (unary), counting only
+those of equal or higher priority (lower value) since the replicas serve those first, divided
+by the rate at which its started requests have ended over the last window. In a saturated
+replica a queued request starts when a running one ends, so the queue drains at the departure
+rate (the rate of first tokens would overstate it: a batch's worth starts at once when a burst
+arrives, then none until they end). So the lowest priority is refused first, and each ingress
+of several judges by its own share. Before any started request has ended there is no rate:
+requests are admitted (the hard count limit, http.max_pending_requests, still holds), and a
+deadline ends those that wait too long.
 """
 
 from __future__ import annotations
@@ -38,15 +41,16 @@ class Admission:
         # while it decodes): a rate over less than this would take one wave for the pace
         self.min_span_s = min_span_s
         self._queued: dict[str, int] = {}  # request key -> priority
-        self._started: deque[float] = deque()  # times requests left the queue, last window
-        self._peak_rate = 0.0
+        self._running: set[str] = set()  # started, not ended
+        self._started: deque[float] = deque()  # times started requests ended, last window
+        self._last_rate = 0.0
 
     @property
     def num_queued(self) -> int:
         return len(self._queued)
 
     def service_rate(self, now: float | None = None) -> float | None:
-        """Requests per second leaving the queue over the window (the peak seen when the
+        """Requests per second leaving the queue over the window (the last such rate when the
         window holds too few to measure but the queue is not empty), or None when unknown."""
         now = time.monotonic() if now is None else now
         started = self._started
@@ -54,9 +58,9 @@ class Admission:
             started.popleft()
         if len(started) >= self.min_samples:
             rate = len(started) / max(now - started[0], self.min_span_s)
-            self._peak_rate = max(self._peak_rate, rate)
+            self._last_rate = rate
             return rate
-        return self._peak_rate or None
+        return self._last_rate or None
 
     def expected_wait(self, priority: int = 0, now: float | None = None) -> float | None:
         """Seconds a newcomer of this priority is expected to wait for its first token."""
@@ -78,14 +82,18 @@ class Admission:
     def enter(self, key: str, priority: int = 0) -> None:
         self._queued[key] = priority
 
-    def started(self, key: str, now: float | None = None) -> None:
+    def started(self, key: str) -> None:
         """The request left the queue: its first token (or its answer) arrived."""
         if self._queued.pop(key, None) is not None:
-            self._started.append(time.monotonic() if now is None else now)
+            self._running.add(key)
 
-    def leave(self, key: str) -> None:
-        """The request ended without starting (refused by a replica, cancelled, timed out)."""
+    def leave(self, key: str, now: float | None = None) -> None:
+        """The request ended. One that had started counts as a departure (the service rate);
+        one that never started (refused by a replica, cancelled, timed out) does not."""
         self._queued.pop(key, None)
+        if key in self._running:
+            self._running.discard(key)
+            self._started.append(time.monotonic() if now is None else now)
 
     def state(self) -> dict:
         rate = self.service_rate()

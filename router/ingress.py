@@ -301,7 +301,7 @@ class IngressCore:
             )
         except asyncio.TimeoutError:
             raise ticket.timeout_error() from None
-        self.admission.started(ticket.key)
+        self.admission.started(ticket.key)  # and ends (serve_request's finally)
         for index, out in results:
             choices[index].add(without_generated(out) if echo_only else out)
         usage = UsageInfo.of(
@@ -397,11 +397,12 @@ class IngressCore:
             )
         return value
 
-    def admit_by_wait(self, req, deadline_s: float) -> None:
+    def admit_by_wait(self, req, deadline_s: float) -> float | None:
         """Refuse now (429, Retry-After) a request whose expected wait for its first token
-        exceeds its deadline (router/admission.py)."""
+        exceeds its deadline (router/admission.py); else the expected wait (None: unknown)."""
         verdict = self.admission.judge(deadline_s, req.priority)
-        if not verdict.admit:
+        if verdict.admit:
+            return verdict.expected_wait_s
             raise HTTPError(
                 429,
                 f"server overloaded: the first token is expected in {verdict.expected_wait_s:.1f}"
@@ -437,7 +438,7 @@ class IngressCore:
             if self.settings.log_prompts:
                 logger.info("prompt token counts %s", [len(p) for p in prompts])
             jobs = await self.prepare(req, prompts)
-            self.admit_by_wait(req, deadline_s)
+            expected_wait = self.admit_by_wait(req, deadline_s)
             ticket = Ticket(slot, deadline_s)
             self.admission.enter(ticket.key, req.priority)
             echo = None if chat else self.echoes(req, prompts)
@@ -450,10 +451,11 @@ class IngressCore:
                 # Once started, the stream's cleanup runs even if the response is never
                 # iterated (the event loop finalizes started async generators).
                 first = await anext(events)
+                headers = {"Cache-Control": "no-cache"}
+                if expected_wait is not None:  # what admission expected for the first token
+                    headers[EXPECTED_WAIT_HEADER] = f"{expected_wait:.2f}"
                 return StreamingResponse(
-                    _prepend(first, events),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"},
+                    _prepend(first, events), media_type="text/event-stream", headers=headers
                 )
             result = await self.aggregate(jobs, dialect, req, ticket, echo)
             return JSONResponse(result.model_dump(exclude_none=False))
@@ -490,6 +492,7 @@ class Ticket:
 FIRST_EVENT_WAIT_S = 1.0  # a stream's headers wait this long for a quick refusal
 KEEPALIVE_COMMENT = ": keep-alive\n\n"
 TIMEOUT_HEADER = "X-Request-Timeout"
+EXPECTED_WAIT_HEADER = "X-Expected-Wait-S"
 _KEEPALIVE = object()
 
 

@@ -23,10 +23,12 @@ def test_no_rate_measured_admits_and_an_empty_queue_waits_nothing():
 
 
 def fill(admission: Admission, started: int, queued: dict[str, int], t0: float = 100.0) -> float:
-    """`started` requests left the queue over 10 s before t0; `queued` wait (key -> priority)."""
+    """`started` requests started and ended over 10 s before t0; `queued` wait (key ->
+    priority)."""
     for i in range(started):
         admission.enter(f"s{i}")
-        admission.started(f"s{i}", now=t0 - 10 + 10 * i / started)
+        admission.started(f"s{i}")
+        admission.leave(f"s{i}", now=t0 - 10 + 10 * i / started)
     for key, priority in queued.items():
         admission.enter(key, priority)
     return t0
@@ -54,11 +56,15 @@ def test_the_lowest_priority_is_refused_first():
     assert not admission.judge(3.0, priority=5, now=now).admit  # 18 ahead: 9.5 s
 
 
-def test_a_request_that_leaves_without_starting_does_not_count_as_served():
+def test_only_started_requests_that_end_count_as_served():
     admission = Admission(min_samples=1)
     admission.enter("x")
-    admission.leave("x")
+    admission.leave("x")  # never started: refused by a replica, cancelled
+    admission.enter("y")
+    admission.started("y")  # running: not a departure yet
     assert admission.service_rate() is None and admission.num_queued == 0
+    admission.leave("y")
+    assert admission.service_rate() is not None
 
 
 def guard(limit: int, keys: list[str]) -> RequestGuard:

@@ -152,3 +152,87 @@ def test_a_stalled_engine_is_unhealthy_its_streams_end_and_it_is_replaced(
         assert body["ready_replicas"] >= 1 and all(rep["ready"] for rep in body["replicas"])
     finally:
         serve.delete(name)
+
+
+async def raw_stream(client, url, body, headers) -> dict:
+    """A stream's status, headers, SSE comments and events, with the time each arrived."""
+    start = time.monotonic()
+    items = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+        status, head = r.status_code, dict(r.headers)
+        buffer = b""
+        async for chunk in r.aiter_bytes():
+            buffer += chunk
+            *blocks, buffer = buffer.split(b"\n\n")
+            items += [(time.monotonic() - start, b.decode()) for b in blocks if b]
+    return {"status": status, "headers": head, "items": items}
+
+
+def test_a_queued_stream_is_kept_alive_and_its_deadline_ends_it(ray_serve, tiny_llama_dir):
+    """One seat and three long requests: a stream queued behind them with a 3 s deadline is
+    answered at once, gets a keep-alive comment about every 2 s while queued, and ends at its
+    deadline with a timeout error event; the long requests are unaffected."""
+    url, name = ray_serve["url"], "pressure-deadline"
+    deploy(tiny_llama_dir, ray_serve["port"], name, max_num_seqs=1)
+    hog = {"prompt": "The cache", "max_tokens": 400, "ignore_eos": True, "stream": True,
+           "temperature": 0}  # fmt: skip
+    queued = {**hog, "max_tokens": 8}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            longs = [asyncio.ensure_future(stream_completion(client, url, hog)) for _ in range(3)]
+            await asyncio.sleep(0.5)
+            short = await raw_stream(client, url, queued, {"X-Request-Timeout": "3"})
+            return short, await asyncio.gather(*longs)
+
+    try:
+        short, longs = asyncio.run(main())
+        assert short["status"] == 200
+        kinds = [(t, "comment" if text.startswith(":") else text) for t, text in short["items"]]
+        comments = [t for t, kind in kinds if kind == "comment"]
+        assert comments and comments[0] < 1.5  # answered within about a second
+        assert all(b - a < 2.5 for a, b in zip(comments, comments[1:]))
+        errors = [text for _, text in kinds if text != "comment" and '"error"' in text]
+        assert errors and "timeout_error" in errors[0] and "deadline of 3 s" in errors[0]
+        assert kinds[-1][1] == "data: [DONE]" and 2.9 < kinds[-1][0] < 8
+        assert all(r["error"] is None and r["finish"] == "length" for r in longs)
+    finally:
+        serve.delete(name)
+
+
+def test_a_request_expected_to_wait_past_its_deadline_is_refused_at_once(ray_serve, tiny_llama_dir):
+    """One seat and a queue of long requests: once the ingress has measured how fast its
+    queue moves, a newcomer whose expected wait exceeds its deadline gets a 429 at once, with
+    a Retry-After from the estimate; one with room in its deadline is admitted."""
+    url, name = ray_serve["url"], "pressure-admission"
+    deploy(tiny_llama_dir, ray_serve["port"], name, max_num_seqs=1)
+    body = {"prompt": "The cache", "max_tokens": 300, "ignore_eos": True, "stream": True,
+            "temperature": 0}  # fmt: skip
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            queue = [asyncio.ensure_future(stream_completion(client, url, body)) for _ in range(12)]
+            await asyncio.sleep(4.0)  # a few have started: the service rate is measured
+            started = time.monotonic()
+            refused = await client.post(
+                f"{url}/v1/completions",
+                json={**body, "stream": False, "max_tokens": 4},
+                headers={"X-Request-Timeout": "0.5"},
+            )
+            refused_after = time.monotonic() - started
+            admitted = await client.post(
+                f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 4}
+            )
+            return refused, refused_after, admitted, await asyncio.gather(*queue)
+
+    try:
+        refused, refused_after, admitted, queue = asyncio.run(main())
+        assert refused.status_code == 429, refused.text
+        assert refused_after < 1.0
+        message = refused.json()["error"]["message"]
+        assert "expected in" in message and "deadline of 0.5 s" in message
+        assert int(refused.headers["retry-after"]) >= 1
+        assert admitted.status_code == 200
+        assert all(r["finish"] == "length" for r in queue)  # the queue itself was served
+    finally:
+        serve.delete(name)
