@@ -206,6 +206,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--model", default="default")
     parser.add_argument("--deadline", type=float, default=30.0)
+    parser.add_argument(
+        "--phases",
+        default="burst,deadline",
+        help="burst (no deadline), deadline (X-Request-Timeout, retry after Retry-After); "
+        "warmup:N is a burst of N requests to measure the service rate first",
+    )
     parser.add_argument("--out", default=str(RESULTS / "overload.json"))
     args = parser.parse_args()
     port = free_port()
@@ -213,12 +219,16 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     report = {"machine": machine_info(), "requests": args.requests, "phases": {}}
     try:
-        for name, deadline, retry in [("burst", None, False), ("deadline", args.deadline, True)]:
+        for phase in args.phases.split(","):
+            name, _, count = phase.partition(":")
+            n = int(count) if count else args.requests
+            deadline, retry = (args.deadline, True) if name == "deadline" else (None, False)
             started = time.monotonic()
-            results = asyncio.run(burst(url, args.requests, deadline, retry))
+            results = asyncio.run(burst(url, n, deadline, retry))
             summary = summarize(results)
             summary["wall_s"] = time.monotonic() - started
             summary["deadline_s"] = deadline or 600.0
+            summary["requests"] = n
             report["phases"][name] = summary
             report.setdefault("raw", {})[name] = results
             print(name, json.dumps(summary, indent=1), flush=True)

@@ -403,15 +403,15 @@ class IngressCore:
         verdict = self.admission.judge(deadline_s, req.priority)
         if verdict.admit:
             return verdict.expected_wait_s
-            raise HTTPError(
-                429,
-                f"server overloaded: the first token is expected in {verdict.expected_wait_s:.1f}"
-                f" s ({self.admission.num_queued} requests queued ahead at priority <= "
-                f"{req.priority}), past this request's deadline of {deadline_s:g} s; retry "
-                f"in {verdict.retry_after_s} s",
-                "rate_limit_error",
-                headers={"Retry-After": str(verdict.retry_after_s)},
-            )
+        raise HTTPError(
+            429,
+            f"server overloaded: the first token is expected in {verdict.expected_wait_s:.1f}"
+            f" s ({self.admission.num_queued} requests queued ahead at priority <= "
+            f"{req.priority}), past this request's deadline of {deadline_s:g} s; retry "
+            f"in {verdict.retry_after_s} s",
+            "rate_limit_error",
+            headers={"Retry-After": str(verdict.retry_after_s)},
+        )
 
     async def serve_request(self, request: Request, chat: bool) -> Response:
         self.guard.check_auth(request)
