@@ -41,6 +41,9 @@ class Admission:
         # while it decodes): a rate over less than this would take one wave for the pace
         self.min_span_s = min_span_s
         self._queued: dict[str, int] = {}  # request key -> priority
+        # retry times promised to refused requests (Retry-After), still ahead: they will come
+        # back, so each later refusal is told to come back after them, not with them
+        self._promised: deque[float] = deque()
         self._running: set[str] = set()  # started, not ended
         self._started: deque[float] = deque()  # times started requests ended, last window
         self._last_rate = 0.0
@@ -73,11 +76,21 @@ class Admission:
         return (ahead + 1) / rate
 
     def judge(self, deadline_s: float, priority: int = 0, now: float | None = None) -> Verdict:
+        now = time.monotonic() if now is None else now
         wait = self.expected_wait(priority, now)
         if wait is None or wait <= deadline_s:
             return Verdict(True, wait)
-        # the queue ahead shrinks at the service rate: after (wait - deadline) it would fit
-        return Verdict(False, wait, max(1, math.ceil(wait - deadline_s)))
+        # the queue ahead shrinks at the service rate: after (wait - deadline) it would fit,
+        # behind the refused requests already told to come back before then
+        promised = self._promised
+        while promised and promised[0] <= now:
+            promised.popleft()
+        rate = self.service_rate(now) or 1.0
+        retry_after = max(1, math.ceil(wait + len(promised) / rate - deadline_s))
+        promised.append(now + retry_after)
+        if len(promised) > 1 and promised[-1] < promised[-2]:  # keep it sorted (rate changes)
+            promised[-1] = promised[-2]
+        return Verdict(False, wait, retry_after)
 
     def enter(self, key: str, priority: int = 0) -> None:
         self._queued[key] = priority

@@ -431,6 +431,8 @@ class IngressCore:
             self.refuse_unknown(req.unknown_fields)
             if req.ignored_fields:
                 self.warn_ignored(req.ignored_fields)
+            # before the chat template and tokenizer: a refusal under a burst costs little
+            expected_wait = self.admit_by_wait(req, deadline_s)
             if chat:
                 prompts = [self.request_chat_prompt(req)]
             else:
@@ -438,7 +440,6 @@ class IngressCore:
             if self.settings.log_prompts:
                 logger.info("prompt token counts %s", [len(p) for p in prompts])
             jobs = await self.prepare(req, prompts)
-            expected_wait = self.admit_by_wait(req, deadline_s)
             ticket = Ticket(slot, deadline_s)
             self.admission.enter(ticket.key, req.priority)
             echo = None if chat else self.echoes(req, prompts)
