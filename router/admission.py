@@ -17,6 +17,7 @@ deadline ends those that wait too long.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,9 +42,7 @@ class Admission:
         # while it decodes): a rate over less than this would take one wave for the pace
         self.min_span_s = min_span_s
         self._queued: dict[str, int] = {}  # request key -> priority
-        # retry times promised to refused requests (Retry-After), still ahead: they will come
-        # back, so each later refusal is told to come back after them, not with them
-        self._promised: deque[float] = deque()
+        self._rng = random.Random()
         self._running: set[str] = set()  # started, not ended
         self._started: deque[float] = deque()  # times started requests ended, last window
         self._last_rate = 0.0
@@ -80,16 +79,11 @@ class Admission:
         wait = self.expected_wait(priority, now)
         if wait is None or wait <= deadline_s:
             return Verdict(True, wait)
-        # the queue ahead shrinks at the service rate: after (wait - deadline) it would fit,
-        # behind the refused requests already told to come back before then
-        promised = self._promised
-        while promised and promised[0] <= now:
-            promised.popleft()
-        rate = self.service_rate(now) or 1.0
-        retry_after = max(1, math.ceil(wait + len(promised) / rate - deadline_s))
-        promised.append(now + retry_after)
-        if len(promised) > 1 and promised[-1] < promised[-2]:  # keep it sorted (rate changes)
-            promised[-1] = promised[-2]
+        # the queue ahead shrinks at the service rate: after (wait - deadline) it would fit.
+        # A burst's refusals all see the same queue: up to half as much again at random, so
+        # they do not all come back in the same second
+        base = wait - deadline_s
+        retry_after = max(1, math.ceil(base * (1.0 + 0.5 * self._rng.random())))
         return Verdict(False, wait, retry_after)
 
     def enter(self, key: str, priority: int = 0) -> None:
