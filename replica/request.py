@@ -225,6 +225,7 @@ class Request:
         "grammar",
         "prompt_logprobs",
         "priority",
+        "seq",
     )
 
     def __init__(
@@ -244,6 +245,7 @@ class Request:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority  # lower is more urgent (vLLM's convention); the priority policy
+        self.seq = 0  # the scheduler's arrival count: breaks ties between equal arrival times
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -280,9 +282,10 @@ class Request:
         return self.status.is_finished
 
     @property
-    def sort_key(self) -> tuple[int, float]:
-        """The priority policy's order: priority first (lower first), then arrival."""
-        return (self.priority, self.arrival_time)
+    def sort_key(self) -> tuple[int, float, int]:
+        """The priority policy's order: priority first (lower first), then arrival (the
+        order requests reached the scheduler when their arrival times are equal)."""
+        return (self.priority, self.arrival_time, self.seq)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -62,7 +62,7 @@ class SchedulerStats:
     prefix_cache_hits: int
 
 
-def _sort_key(request: Request) -> tuple[int, float]:
+def _sort_key(request: Request) -> tuple[int, float, int]:
     return request.sort_key
 
 
@@ -80,6 +80,7 @@ class Scheduler:
         # fcfs: arrival order, a preempted request back at the front; priority: ordered by
         # (priority, arrival time), so a preempted request keeps its place
         self.by_priority = config.scheduling_policy == "priority"
+        self._num_added = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_since_step: list[str] = []
@@ -113,6 +114,8 @@ class Scheduler:
         if self.kv.enable_caching:
             request.update_block_hashes(self.block_size)
         request.status = RequestStatus.WAITING
+        self._num_added += 1
+        request.seq = self._num_added
         self.requests[request.request_id] = request
         self._enqueue(request)
 
