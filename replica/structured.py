@@ -30,11 +30,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GrammarState", "StructuredOutputError", "StructuredOutputs", "check", "tool_call_tag"]
 
-# the Hermes tool-call layout, split where the function name and its arguments go
-TOOL_CALL_BEGIN = '<tool_call>\n{"name": "'
+# the Hermes tool-call tags (router/tool_calls.py parses and renders with these) and the
+# layout of one call, split where the function name and its arguments go
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+TOOL_CALL_BEGIN = TOOL_CALL_OPEN + '\n{"name": "'
 TOOL_CALL_ARGUMENTS = '", "arguments": '
-TOOL_CALL_END = "}\n</tool_call>"
-TOOL_CALL_TRIGGER = "<tool_call>"
+TOOL_CALL_END = "}\n" + TOOL_CALL_CLOSE
 
 _CACHE_SIZE = 256
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "
@@ -118,7 +120,7 @@ def tool_call_tag(tools: list[dict], mode: str, parallel: bool) -> dict:
     elif mode == "auto":
         fmt = {
             "type": "triggered_tags",
-            "triggers": [TOOL_CALL_TRIGGER],
+            "triggers": [TOOL_CALL_OPEN],
             "tags": tags,
             "at_least_one": False,
             "stop_after_first": not parallel,
@@ -179,11 +181,10 @@ def check(spec: StructuredOutput) -> None:
 class GrammarState:
     """One constrained request's matcher: fills its bitmask row, accepts sampled tokens."""
 
-    __slots__ = ("matcher", "failed")
+    __slots__ = ("matcher",)
 
     def __init__(self, matcher) -> None:
         self.matcher = matcher
-        self.failed = False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -191,10 +192,7 @@ class GrammarState:
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False if the grammar does not allow it (the request
         then ends: its output could not match)."""
-        if not self.matcher.accept_token(token_id):
-            self.failed = True
-            return False
-        return True
+        return self.matcher.accept_token(token_id)
 
     @property
     def terminated(self) -> bool:
@@ -224,10 +222,6 @@ class StructuredOutputs:
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
-
-    @property
-    def bitmask_words(self) -> int:
-        return (self.vocab_size + 31) // 32
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar of a spec, from the cache when seen before."""

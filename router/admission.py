@@ -101,11 +101,3 @@ class Admission:
         if key in self._running:
             self._running.discard(key)
             self._started.append(time.monotonic() if now is None else now)
-
-    def state(self) -> dict:
-        rate = self.service_rate()
-        return {
-            "queued": len(self._queued),
-            "service_rate_per_s": rate,
-            "expected_wait_s": self.expected_wait(),
-        }

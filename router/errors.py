@@ -9,7 +9,7 @@ import logging
 from fastapi.responses import JSONResponse, Response
 
 from replica.request import EngineDeadError, EngineOverloaded, RequestRejected
-from router.protocol import error_body
+from router.protocol import error_body, validation_error_body
 
 logger = logging.getLogger("ray.serve")
 
@@ -29,6 +29,13 @@ class HTTPError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> HTTPError:
     return HTTPError(400, message, "invalid_request_error", param)
+
+
+def invalid_request(errors) -> HTTPError:
+    """The 400 of a body that failed validation (pydantic's errors): validation_error_body's
+    message and param."""
+    detail = validation_error_body(errors)["error"]
+    return HTTPError(400, detail["message"], detail["type"], detail["param"])
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -32,7 +32,7 @@ from router.dialects import (
     token_logprobs,
     without_generated,
 )
-from router.errors import HTTPError, bad_request, classify_error, guarded
+from router.errors import HTTPError, bad_request, classify_error, guarded, invalid_request
 from router.fanout import Job, ReplicaCalls
 from router.guard import RequestGuard
 from router.inflight import inflight_state, replica_readiness
@@ -52,7 +52,6 @@ from router.protocol import (
     UsageInfo,
     error_body,
     sse_event,
-    validation_error_body,
 )
 from router.settings import IngressSettings
 from router.tool_calls import render_messages, template_supports_tools
@@ -233,14 +232,20 @@ class IngressCore:
         }
 
     # -- tokenizer endpoints --------------------------------------------------------------------
-    async def tokenize(self, request: Request) -> Response:
-        self.guard.check_auth(request)
+    async def read_request(self, request: Request, cls: type[BaseModel]):
+        """The body as `cls`, for the model this server serves: 400 (invalid JSON, a field
+        that fails validation, naming it) or 404 (another model) otherwise."""
         data = await self.guard.read_json(request)
         try:
-            req = TokenizeRequest.model_validate(data)
+            req = cls.model_validate(data)
         except ValidationError as exc:
-            return JSONResponse(validation_error_body(exc.errors()), status_code=400)
+            raise invalid_request(exc.errors()) from None
         self.check_model(req.model)
+        return req
+
+    async def tokenize(self, request: Request) -> Response:
+        self.guard.check_auth(request)
+        req = await self.read_request(request, TokenizeRequest)
         if req.messages is not None:
             messages = [m.as_template_dict() for m in req.messages]
             ids = self.chat_prompt(messages, req.tools, req.add_generation_prompt)
@@ -257,12 +262,7 @@ class IngressCore:
 
     async def detokenize(self, request: Request) -> Response:
         self.guard.check_auth(request)
-        data = await self.guard.read_json(request)
-        try:
-            req = DetokenizeRequest.model_validate(data)
-        except ValidationError as exc:
-            return JSONResponse(validation_error_body(exc.errors()), status_code=400)
-        self.check_model(req.model)
+        req = await self.read_request(request, DetokenizeRequest)
         info = await self.model_info()
         vocab = info["vocab_size"]
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
@@ -421,13 +421,9 @@ class IngressCore:
         ticket = None
         try:
             deadline_s = self.deadline_s(request)
-            data = await self.guard.read_json(request)
-            cls = ChatCompletionRequest if chat else CompletionRequest
-            try:
-                req = cls.model_validate(data)
-            except ValidationError as exc:
-                return JSONResponse(validation_error_body(exc.errors()), status_code=400)
-            self.check_model(req.model)
+            req = await self.read_request(
+                request, ChatCompletionRequest if chat else CompletionRequest
+            )
             self.refuse_unknown(req.unknown_fields)
             if req.ignored_fields:
                 self.warn_ignored(req.ignored_fields)
