@@ -95,21 +95,26 @@ class LoadAwareRouter(RequestRouter):
         now = time.time()
         request = _request(pending_request)
         candidate_replicas = healthy_replicas(candidate_replicas)
+        if request is None:
+            # a control call (model_info, stats): no load worth balancing, and ranking it by
+            # load would send every one to the same idlest replica; one replica per tier, in
+            # random order, so each is asked in turn (Ray would otherwise pick the tier's
+            # replica with the fewest in-flight requests)
+            order = list(candidate_replicas)
+            self._rng.shuffle(order)
+            return [[replica] for replica in order]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         hits: dict[str, int] = {}
-        if self.kv is not None and request is not None:
+        if self.kv is not None:
             self.kv.start()
             hits = self.kv.hit_tokens(request.prompt_token_ids, list(by_id))
-        prefix = request.prefix_key if request else None
+        prefix = request.prefix_key
         ids = self.policy.candidates(list(by_id), prefix, hits)
         prefill = self.inflight.prefill_by_replica(now, ids)
         stats = [self._stats_of(by_id[rid], now, prefill, hits.get(rid, 0)) for rid in ids]
-        if self.kv is not None and request is not None and request.reports_progress:
+        if self.kv is not None and request.reports_progress:
             self._hits[request.request_id] = (hits, stats)  # for on_request_routed
-        if request is None:
-            tiers = self.policy.rank(stats)
-        else:
-            tiers = self.policy.rank(stats, request.prefix_key, request.footprint_tokens)
+        tiers = self.policy.rank(stats, request.prefix_key, request.footprint_tokens)
         ranked = []
         for tier in tiers:
             replicas = [by_id[rid] for rid in tier if rid in by_id]

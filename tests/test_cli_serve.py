@@ -1,5 +1,6 @@
 """`stepserve serve` as a user runs it: embedded Ray, the default model, a real chat answer,
-a SIGTERM that lets an in-flight stream finish before the process exits."""
+a kill -9 that leaves the port free, a SIGTERM that lets an in-flight stream finish before the
+process exits."""
 
 from __future__ import annotations
 
@@ -45,19 +46,65 @@ def _environ_of(title: str) -> dict[str, str]:
     raise AssertionError(f"no process {title!r}")
 
 
-def test_serve_default_model_answers_and_shuts_down(default_model_dir, tmp_path):
-    port = free_port()
-    log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)]
+def _listening_pids(port: int) -> list[int]:
+    from cluster.processes import find_listeners
+
+    return [listener.pid for listener in find_listeners(port)]
+
+
+def _start_serve(port: int, log: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # a session of its own: the test kills the whole group, as a crash or OOM kill would
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while "ready at" not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, "server did not become ready: " + log.read_text()[-3000:]
+        time.sleep(1)
+
+
+def _answer(port: int) -> str:
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_serve_survives_sigkill_then_answers_and_drains_on_sigterm(default_model_dir, tmp_path):
+    """A user's server over its life, in one test (each start of the default model costs
+    ~25 s): kill -9 of the first server's whole process group (a crash, an OOM kill) leaves
+    nothing on its port (HAProxy dies with its Ray actor); a second server on the same port
+    comes up, runs HAProxy in front of the ingress, answers a chat from the default model, and
+    on SIGTERM lets an in-flight stream finish before it exits 0."""
+    port = free_port()
+    proc = _start_serve(port, tmp_path / "first.log")
     try:
-        deadline = time.time() + 240
-        while "ready at" not in log.read_text():
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.time() < deadline, "server did not become ready"
-            time.sleep(1)
+        _wait_ready(proc, tmp_path / "first.log")
+        first = _answer(port)
+        holders = _listening_pids(port)
+        assert holders, "nothing listens on the serving port"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    deadline = time.time() + 60
+    while _listening_pids(port):
+        assert time.time() < deadline, f"port {port} still held by {_listening_pids(port)}"
+        time.sleep(0.5)
+    log = tmp_path / "second.log"
+    proc = _start_serve(port, log)
+    try:
+        _wait_ready(proc, log)
+        assert _answer(port) == first
         assert f"http://127.0.0.1:{port}/v1" in log.read_text()
         # HAProxy, not Ray's Python proxy, listens on the port
         assert any("haproxy" in cmd for cmd in _process_commands()), "no HAProxy process"
@@ -107,9 +154,9 @@ def test_serve_default_model_answers_and_shuts_down(default_model_dir, tmp_path)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(timeout=60)
+                proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 raise
     assert code == 0, log.read_text()[-3000:]
     text = log.read_text()
@@ -122,71 +169,6 @@ def test_serve_default_model_answers_and_shuts_down(default_model_dir, tmp_path)
     # load balancers (35 s from the SIGTERM was seen on a host with both cores loaded, the
     # stream's own decoding included)
     assert drain_s < 30, drain_s
-
-
-def _listening_pids(port: int) -> list[int]:
-    from cluster.processes import find_listeners
-
-    return [listener.pid for listener in find_listeners(port)]
-
-
-def _start_serve(port: int, log: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
-    with open(log, "w") as out:
-        # a session of its own: the test kills the whole group, as a crash or OOM kill would
-        return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-
-def _wait_ready(proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.time() + timeout_s
-    while "ready at" not in log.read_text():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.time() < deadline, "server did not become ready: " + log.read_text()[-3000:]
-        time.sleep(1)
-
-
-def _answer(port: int) -> str:
-    r = httpx.post(
-        f"http://127.0.0.1:{port}/v1/completions",
-        json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-def test_sigkilled_serve_leaves_nothing_on_its_port_and_starts_again(default_model_dir, tmp_path):
-    """kill -9 of the server's whole process group (a crash, an OOM kill): nothing it started
-    keeps the port (HAProxy dies with its Ray actor), and a new server on the same port comes
-    up and answers."""
-    port = free_port()
-    proc = _start_serve(port, tmp_path / "first.log")
-    try:
-        _wait_ready(proc, tmp_path / "first.log")
-        first = _answer(port)
-        holders = _listening_pids(port)
-        assert holders, "nothing listens on the serving port"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    deadline = time.time() + 60
-    while _listening_pids(port):
-        assert time.time() < deadline, f"port {port} still held by {_listening_pids(port)}"
-        time.sleep(0.5)
-    second = _start_serve(port, tmp_path / "second.log")
-    try:
-        _wait_ready(second, tmp_path / "second.log")
-        assert _answer(port) == first
-    finally:
-        second.send_signal(signal.SIGINT)
-        try:
-            second.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(second.pid, signal.SIGKILL)
-            raise
 
 
 def test_a_taken_port_is_a_clear_error_naming_its_holder(tmp_path):
