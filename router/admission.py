@@ -5,19 +5,21 @@ drawn from the same estimate) when it does not.
 The estimate is the ingress's own queue over its own service rate: the requests it admitted
 that are still waiting for their first token (streams) or their answer (unary), counting only
 those of equal or higher priority (lower value) since the replicas serve those first, divided
-by the rate at which its started requests have ended over the last window. In a saturated
-replica a queued request starts when a running one ends, so the queue drains at the departure
-rate (the rate of first tokens would overstate it: a batch's worth starts at once when a burst
-arrives, then none until they end). So the lowest priority is refused first, and each ingress
-of several judges by its own share. Before any started request has ended there is no rate:
-requests are admitted (the hard count limit, http.max_pending_requests, still holds), and a
-deadline ends those that wait too long.
+by the rate at which its started requests have ended while requests were queued. In a
+saturated replica a queued request starts when a running one ends, so the queue drains at the
+departure rate (the rate of first tokens would overstate it: a batch's worth starts at once
+when a burst arrives, then none until they end). Only departures while the queue was not empty
+count, over the time it was not empty: a lightly loaded server's departures measure its load,
+not its capacity, and counting them made a server that had refused a burst look slower than it
+was (its estimate rose as it idled, so it refused the burst's retries too). So the lowest
+priority is refused first, and each ingress of several judges by its own share. Before any
+such departure there is no rate: requests are admitted (the hard count limit,
+http.max_pending_requests, still holds), and a deadline ends those that wait too long.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -42,24 +44,37 @@ class Admission:
         # while it decodes): a rate over less than this would take one wave for the pace
         self.min_span_s = min_span_s
         self._queued: dict[str, int] = {}  # request key -> priority
-        self._rng = random.Random()
+        self._next_return = 0.0  # when the next refused request is told to come back
         self._running: set[str] = set()  # started, not ended
-        self._started: deque[float] = deque()  # times started requests ended, last window
+        self._departures: deque[float] = deque()  # ends of started requests while queued
+        self._backlog_since: float | None = None  # the queue is not empty since then
+        self._backlogs: deque[tuple[float, float]] = deque()  # closed periods, last window
         self._last_rate = 0.0
 
     @property
     def num_queued(self) -> int:
         return len(self._queued)
 
+    def _backlogged_s(self, now: float) -> float:
+        """Seconds of the last window during which the queue was not empty."""
+        since = now - self.window_s
+        backlogs = self._backlogs
+        while backlogs and backlogs[0][1] <= since:
+            backlogs.popleft()
+        total = sum(end - max(start, since) for start, end in backlogs)
+        if self._backlog_since is not None:
+            total += now - max(self._backlog_since, since)
+        return total
+
     def service_rate(self, now: float | None = None) -> float | None:
-        """Requests per second leaving the queue over the window (the last such rate when the
-        window holds too few to measure but the queue is not empty), or None when unknown."""
+        """Requests per second leaving while requests were queued, over the window (the last
+        such rate when the window holds too few to measure), or None when unknown."""
         now = time.monotonic() if now is None else now
-        started = self._started
-        while started and now - started[0] > self.window_s:
-            started.popleft()
-        if len(started) >= self.min_samples:
-            rate = len(started) / max(now - started[0], self.min_span_s)
+        departures = self._departures
+        while departures and now - departures[0] > self.window_s:
+            departures.popleft()
+        if len(departures) >= self.min_samples:
+            rate = len(departures) / max(self._backlogged_s(now), self.min_span_s)
             self._last_rate = rate
             return rate
         return self._last_rate or None
@@ -79,25 +94,40 @@ class Admission:
         wait = self.expected_wait(priority, now)
         if wait is None or wait <= deadline_s:
             return Verdict(True, wait)
-        # the queue ahead shrinks at the service rate: after (wait - deadline) it would fit.
-        # A burst's refusals all see the same queue: up to half as much again at random, so
-        # they do not all come back in the same second
-        base = wait - deadline_s
-        retry_after = max(1, math.ceil(base * (1.0 + 0.5 * self._rng.random())))
-        return Verdict(False, wait, retry_after)
+        # The queue ahead shrinks at the service rate: after (wait - deadline) it would fit.
+        # But a burst's refusals all see the same queue, and told that they would all come
+        # back together and be refused again: each refusal takes the next return slot, the
+        # slots spaced at the service rate (slots nobody took lapse as time passes)
+        rate = self._last_rate
+        back_at = max(now + wait - deadline_s, self._next_return)
+        self._next_return = back_at + 1.0 / rate
+        return Verdict(False, wait, max(1, math.ceil(back_at - now)))
 
-    def enter(self, key: str, priority: int = 0) -> None:
+    def enter(self, key: str, priority: int = 0, now: float | None = None) -> None:
+        if not self._queued:
+            self._backlog_since = time.monotonic() if now is None else now
         self._queued[key] = priority
 
-    def started(self, key: str) -> None:
+    def _dequeue(self, key: str, now: float | None) -> bool:
+        if self._queued.pop(key, None) is None:
+            return False
+        if not self._queued and self._backlog_since is not None:
+            end = time.monotonic() if now is None else now
+            self._backlogs.append((self._backlog_since, end))
+            self._backlog_since = None
+        return True
+
+    def started(self, key: str, now: float | None = None) -> None:
         """The request left the queue: its first token (or its answer) arrived."""
-        if self._queued.pop(key, None) is not None:
+        if self._dequeue(key, now):
             self._running.add(key)
 
     def leave(self, key: str, now: float | None = None) -> None:
-        """The request ended. One that had started counts as a departure (the service rate);
-        one that never started (refused by a replica, cancelled, timed out) does not."""
-        self._queued.pop(key, None)
+        """The request ended. One that had started counts as a departure (the service rate)
+        when requests were queued behind it; one that never started (refused by a replica,
+        cancelled, timed out) does not."""
+        self._dequeue(key, now)
         if key in self._running:
             self._running.discard(key)
-            self._started.append(time.monotonic() if now is None else now)
+            if self._queued:
+                self._departures.append(time.monotonic() if now is None else now)

@@ -24,14 +24,14 @@ def test_no_rate_measured_admits_and_an_empty_queue_waits_nothing():
 
 
 def fill(admission: Admission, started: int, queued: dict[str, int], t0: float = 100.0) -> float:
-    """`started` requests started and ended over 10 s before t0; `queued` wait (key ->
-    priority)."""
-    for i in range(started):
-        admission.enter(f"s{i}")
-        admission.started(f"s{i}")
-        admission.leave(f"s{i}", now=t0 - 10 + 10 * i / started)
+    """`queued` (key -> priority) wait from t0 - 10 on, while `started` requests end over the
+    10 s before t0 (a saturated server)."""
     for key, priority in queued.items():
-        admission.enter(key, priority)
+        admission.enter(key, priority, now=t0 - 10)
+    for i in range(started):
+        admission.started(f"s{i}", now=t0 - 10)  # were running (not queued)
+        admission._running.add(f"s{i}")
+        admission.leave(f"s{i}", now=t0 - 10 + 10 * (i + 1) / started)
     return t0
 
 
@@ -45,12 +45,24 @@ def test_expected_wait_is_the_queue_ahead_over_the_service_rate():
     assert fits.admit
     refused = admission.judge(2.0, 0, now)
     assert not refused.admit
-    # the queue drains at the rate: after about (wait - deadline) the newcomer would fit;
-    # refusals are spread over up to half as much again, so a burst does not return at once
-    base = 10 / rate - 2.0
+    # the queue drains at the rate: after about (wait - deadline) the newcomer would fit
+    assert refused.retry_after_s == math.ceil(10 / rate - 2.0)
+
+
+def test_a_bursts_refusals_are_told_to_come_back_at_the_service_rate():
+    """Refusals that all see the same queue are not all told the same second (they would come
+    back together and be refused again): each takes the next return slot, slots spaced at the
+    service rate; slots that lapse unused are not held against later refusals."""
+    admission = Admission(window_s=10.0)
+    now = fill(admission, started=20, queued={f"q{i}": 0 for i in range(9)})  # 2 per second
+    rate = admission.service_rate(now)
+    first = 10 / rate - 2.0  # when the first refusal would fit
     retries = [admission.judge(2.0, 0, now).retry_after_s for _ in range(40)]
-    assert all(math.ceil(base) <= r <= math.ceil(1.5 * base) for r in retries)
-    assert len(set(retries)) > 1
+    assert retries == sorted(retries) and retries[0] == math.ceil(first)
+    assert retries[-1] == math.ceil(first + 39 / rate)  # 40 refusals: 20 s at 2 per second
+    assert max(retries.count(r) for r in retries) <= math.ceil(rate) + 1
+    later = now + 60  # the slots promised have passed
+    assert admission.judge(2.0, 0, later).retry_after_s == retries[0]
 
 
 def test_the_lowest_priority_is_refused_first():
@@ -61,15 +73,37 @@ def test_the_lowest_priority_is_refused_first():
     assert not admission.judge(3.0, priority=5, now=now).admit  # 18 ahead: 9.5 s
 
 
-def test_only_started_requests_that_end_count_as_served():
+def test_only_started_requests_that_end_behind_a_queue_count_as_served():
     admission = Admission(min_samples=1)
-    admission.enter("x")
-    admission.leave("x")  # never started: refused by a replica, cancelled
-    admission.enter("y")
-    admission.started("y")  # running: not a departure yet
-    assert admission.service_rate() is None and admission.num_queued == 0
-    admission.leave("y")
-    assert admission.service_rate() is not None
+    admission.enter("x", now=0.0)
+    admission.leave("x", now=0.5)  # never started: refused by a replica, cancelled
+    admission.enter("y", now=1.0)
+    admission.started("y", now=1.5)  # running: not a departure yet
+    assert admission.service_rate(2.0) is None and admission.num_queued == 0
+    admission.leave("y", now=2.0)  # nothing was queued behind it: load, not capacity
+    assert admission.service_rate(2.0) is None
+    admission.enter("z", now=3.0)
+    admission.started("z", now=3.1)
+    admission.enter("w", now=3.2)  # queued behind z
+    admission.leave("z", now=4.0)
+    assert admission.service_rate(4.0) == pytest.approx(1 / 5.0)  # min_span_s of 5 s
+
+
+def test_the_rate_counts_only_the_time_requests_were_queued():
+    """A server that measured 2 departures/s under a backlog and then idled keeps that rate:
+    idle seconds do not dilute it (they did, and a burst's retries met a server that thought
+    itself slower than it was)."""
+    admission = Admission(window_s=30.0, min_span_s=1.0)
+    for i in range(8):  # i0..i7 wait at t=0; r0..r7 run and end at 2 per second
+        admission.enter(f"q{i}", now=0.0)
+        admission._running.add(f"r{i}")
+    for i in range(8):
+        admission.leave(f"r{i}", now=0.5 * (i + 1))
+        admission.started(f"q{i}", now=0.5 * (i + 1))  # the queue is empty at t=4
+    for i in range(8):
+        admission.leave(f"q{i}", now=20.0 + i)  # ended while nothing was queued
+    admission.enter("late", now=25.0)
+    assert admission.service_rate(25.0) == pytest.approx(2.0)
 
 
 def guard(limit: int, keys: list[str]) -> RequestGuard:

@@ -21,6 +21,9 @@ from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from tests.helpers import free_port, loopback_serve, sse_data  # noqa: E402
 
+KEYS = ("key-a", "key-b")
+A, B = ({"Authorization": f"Bearer {k}"} for k in KEYS)
+
 
 @pytest.fixture(scope="module")
 def ray_serve():
@@ -29,7 +32,7 @@ def ray_serve():
         yield {"url": url, "port": port}
 
 
-def deploy(model_dir, port: int, name: str, **engine) -> None:
+def deploy(model_dir, port: int, name: str, http: dict | None = None, **engine) -> None:
     config = ClusterConfig.model_validate(
         {
             "name": name,
@@ -43,19 +46,20 @@ def deploy(model_dir, port: int, name: str, **engine) -> None:
             },
             "replicas": 1,
             "num_cpus_per_replica": 0.5,
-            "http": {"host": "127.0.0.1", "port": port},
+            "http": {"host": "127.0.0.1", "port": port, **(http or {})},
+            "auth": {"api_keys": list(KEYS)},
         }
     )
     serve.run(build_app(config), name=name, route_prefix="/")
 
 
-async def stream_completion(client, url, body) -> dict:
+async def stream_completion(client, url, body, headers: dict | None = None) -> dict:
     """One streamed completion: its TTFT, tokens and how it ended (finish reason or error)."""
     start = time.monotonic()
     first = None
     tokens = 0
     result = {"finish": None, "error": None}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             return {**result, "error": f"HTTP {r.status_code}", "ttft": None, "tokens": 0}
         async for data in sse_data(r):
@@ -84,7 +88,7 @@ def test_high_priority_burst_gets_ahead_of_a_full_replica(ray_serve, tiny_llama_
     high = {**low, "max_tokens": 8, "priority": 0}
 
     async def main():
-        async with httpx.AsyncClient(timeout=300) as client:
+        async with httpx.AsyncClient(timeout=300, headers=A) as client:
             lows = [asyncio.ensure_future(stream_completion(client, url, low)) for _ in range(8)]
             await asyncio.sleep(1.0)  # the low ones are running and queued
             highs = [stream_completion(client, url, high) for _ in range(4)]
@@ -115,7 +119,7 @@ def test_a_stalled_engine_is_unhealthy_its_streams_end_and_it_is_replaced(
             "temperature": 0}  # fmt: skip
 
     async def main():
-        async with httpx.AsyncClient(timeout=300) as client:
+        async with httpx.AsyncClient(timeout=300, headers=A) as client:
             streams = [
                 asyncio.ensure_future(stream_completion(client, url, body)) for _ in range(3)
             ]
@@ -137,6 +141,7 @@ def test_a_stalled_engine_is_unhealthy_its_streams_end_and_it_is_replaced(
                 r = httpx.post(
                     f"{url}/v1/completions",
                     json={"prompt": "hi", "max_tokens": 4, "temperature": 0},
+                    headers=A,
                     timeout=30,
                 )
                 health = httpx.get(f"{url}/health", timeout=30)
@@ -179,7 +184,7 @@ def test_a_queued_stream_is_kept_alive_and_its_deadline_ends_it(ray_serve, tiny_
     queued = {**hog, "max_tokens": 8}
 
     async def main():
-        async with httpx.AsyncClient(timeout=300) as client:
+        async with httpx.AsyncClient(timeout=300, headers=A) as client:
             longs = [asyncio.ensure_future(stream_completion(client, url, hog)) for _ in range(3)]
             await asyncio.sleep(0.5)
             short = await raw_stream(client, url, queued, {"X-Request-Timeout": "3"})
@@ -201,40 +206,58 @@ def test_a_queued_stream_is_kept_alive_and_its_deadline_ends_it(ray_serve, tiny_
 
 
 def test_a_request_expected_to_wait_past_its_deadline_is_refused_at_once(ray_serve, tiny_llama_dir):
-    """One seat and a queue of long requests: once the ingress has measured how fast its
-    queue moves, a newcomer whose expected wait exceeds its deadline gets a 429 at once, with
-    a Retry-After from the estimate; one with room in its deadline is admitted."""
+    """One seat and a queue of long requests from key A: once the ingress has measured how fast
+    its queue moves, a newcomer whose expected wait exceeds its deadline gets a 429 at once,
+    with a Retry-After from the estimate; one of higher priority with the same deadline, and
+    one with room in its deadline, are admitted. With 10 slots, A (8 held) is past its fair
+    share of two keys and refused; B, the other key, is admitted."""
     url, name = ray_serve["url"], "pressure-admission"
-    deploy(tiny_llama_dir, ray_serve["port"], name, max_num_seqs=1)
-    body = {"prompt": "The cache", "max_tokens": 300, "ignore_eos": True, "stream": True,
+    deploy(tiny_llama_dir, ray_serve["port"], name, {"max_pending_requests": 10}, max_num_seqs=1)
+    body = {"prompt": "The cache", "max_tokens": 120, "ignore_eos": True, "stream": True,
             "temperature": 0}  # fmt: skip
+    short = {**body, "stream": False, "max_tokens": 4}
+    completions = f"{url}/v1/completions"
 
     async def main():
-        async with httpx.AsyncClient(timeout=300) as client:
-            queue = [asyncio.ensure_future(stream_completion(client, url, body)) for _ in range(12)]
+        async with httpx.AsyncClient(timeout=300, headers=A) as client:
+            queue = [asyncio.ensure_future(stream_completion(client, url, body)) for _ in range(8)]
             pending = set(queue)
-            while len(pending) > 8:  # four have ended: the service rate is measured
+            while len(pending) > 4:  # four have ended: the service rate is measured
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             started = time.monotonic()
-            refused = await client.post(
-                f"{url}/v1/completions",
-                json={**body, "stream": False, "max_tokens": 4},
-                headers={"X-Request-Timeout": "0.5"},
-            )
+            tight = {"X-Request-Timeout": "0.5"}
+            refused = await client.post(completions, json=short, headers=tight)
             refused_after = time.monotonic() - started
-            admitted = await client.post(
-                f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 4}
+            # nothing of priority -1 is queued: expected to start at once, admitted
+            urgent = await client.post(completions, json={**short, "priority": -1}, headers=tight)
+            admitted = await client.post(completions, json=short)
+            # fair shares: A refills to 8 held of the 10 slots, B holds one
+            live = sum(not task.done() for task in queue)
+            queue += [
+                asyncio.ensure_future(stream_completion(client, url, body)) for _ in range(8 - live)
+            ]
+            await asyncio.sleep(0.5)
+            b_stream = asyncio.ensure_future(
+                stream_completion(client, url, body, headers=B)  # the 9th slot, B's first
             )
-            return refused, refused_after, admitted, await asyncio.gather(*queue)
+            await asyncio.sleep(0.5)
+            a_over = await client.post(completions, json=short)  # A holds 8 >= 10 / 2 keys
+            b_more = await client.post(completions, json=short, headers=B)  # B holds 1 < 5
+            return (refused, refused_after, urgent, admitted, a_over, b_more,
+                    await asyncio.gather(*queue, b_stream))  # fmt: skip
 
     try:
-        refused, refused_after, admitted, queue = asyncio.run(main())
+        refused, refused_after, urgent, admitted, a_over, b_more, queue = asyncio.run(main())
         assert refused.status_code == 429, refused.text
         assert refused_after < 1.0
         message = refused.json()["error"]["message"]
         assert "expected in" in message and "deadline of 0.5 s" in message
         assert int(refused.headers["retry-after"]) >= 1
-        assert admitted.status_code == 200
+        assert urgent.status_code == 200, urgent.text
+        assert admitted.status_code == 200, admitted.text
+        assert a_over.status_code == 429, a_over.text
+        assert "fair share" in a_over.json()["error"]["message"], a_over.text
+        assert b_more.status_code == 200, b_more.text
         assert all(r["finish"] == "length" for r in queue)  # the queue itself was served
     finally:
         serve.delete(name)
