@@ -5,13 +5,19 @@ naming the problem, a 429 with Retry-After, a 503 "replica failed", or ended by 
 purpose), every KV block free and no request state left in any replica or the ingress. Prints
 the figures and writes bench/results/soak.json; exits 1 if anything is unaccounted or leaked.
 
-Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/soak.py [--requests 3000]
+With --multinode the cluster is a head and one worker node per replica (several raylets on
+this machine), and what dies is the busiest replica's whole node; a fresh node joins
+--rejoin-after-s later, and the time back to full capacity is measured from the kill
+(bench/results/soak_multinode.json).
+
+Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/soak.py [--requests 3000] [--multinode]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -225,7 +231,14 @@ async def soak(url: str, args) -> tuple[list[dict], dict]:
         async def killer() -> None:
             while len(results) < kill_at:
                 await asyncio.sleep(0.05)
-            kill.update(await asyncio.to_thread(kill_busiest_replica))
+            if args.nodes is None:
+                kill.update(await asyncio.to_thread(kill_busiest_replica))
+            else:
+                kill.update(
+                    await asyncio.to_thread(
+                        lose_busiest_node, args.nodes, args.replicas, args.rejoin_after_s
+                    )
+                )
 
         await asyncio.gather(killer(), *(guarded(plan) for plan in plans))
     return results, kill
@@ -248,6 +261,39 @@ def kill_busiest_replica() -> dict:
         "running": victim["running"],
         "waiting": victim["waiting"],
         "at": time.time(),
+    }
+
+
+def lose_busiest_node(nodes, replicas: int, rejoin_after_s: float) -> dict:
+    """Kill the worker node of the busiest replica (every process on it, as a machine lost),
+    start a fresh worker node `rejoin_after_s` later, and time the way back to `replicas`
+    RUNNING replicas (full capacity) from the kill."""
+    from ray import serve
+
+    stats = replica_stats(replicas)
+    victim = max(stats.values(), key=lambda s: s["running"] + s["waiting"])
+    killed_at = time.monotonic()
+    nodes.kill(victim["node_id"])
+    time.sleep(rejoin_after_s)
+    joined_at = time.monotonic()
+    nodes.add_worker()
+    while True:
+        app = serve.status().applications.get(APP)
+        states = dict(app.deployments["LLMServer"].replica_states) if app else {}
+        if states == {"RUNNING": replicas}:
+            break
+        if time.monotonic() - killed_at > 300:
+            raise RuntimeError(f"not back to {replicas} replicas 300 s after the kill: {states}")
+        time.sleep(0.25)
+    return {
+        "replica_id": victim["replica_id"],
+        "node_id": victim["node_id"],
+        "running": victim["running"],
+        "waiting": victim["waiting"],
+        "at": time.time(),
+        "node_rejoined_after_s": round(joined_at - killed_at, 1),
+        "full_capacity_after_s": round(time.monotonic() - killed_at, 1),
+        "replacement_start_s": round(time.monotonic() - joined_at, 1),
     }
 
 
@@ -280,6 +326,18 @@ def leaks_of(stats: dict) -> list[str]:
     return leaks
 
 
+def deploy_on(config: ClusterConfig, port: int) -> str:
+    """Deploy on the running (multi-node) Serve at `port`, under /APP; returns its base URL."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    http = config.http.model_copy(update={"port": port})
+    config = config.model_copy(update={"name": APP, "http": http})
+    serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
+    return f"http://127.0.0.1:{port}/{APP}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
@@ -289,8 +347,17 @@ def main() -> int:
     parser.add_argument("--kill-at", type=float, default=0.4, help="fraction of requests sent")
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--multinode",
+        action="store_true",
+        help="a Ray cluster of a head and one worker node per replica on this machine; the "
+        "busiest replica's whole node is killed and a fresh node joins --rejoin-after-s later",
+    )
+    parser.add_argument("--rejoin-after-s", type=float, default=15.0)
     args = parser.parse_args()
+    args.out = args.out or (RESULTS.with_name("soak_multinode.json") if args.multinode else RESULTS)
+    args.nodes = None
 
     model = model_dir(args.model)
     config = ClusterConfig.model_validate(
@@ -303,15 +370,24 @@ def main() -> int:
             "routing": {"stats_period_s": 0.5},
         }
     )
-    cluster = LocalCluster()
-    try:
-        url = cluster.deploy(config, APP)
+    with contextlib.ExitStack() as stack:
+        if args.multinode:
+            # one CPU per replica, one CPU per worker: a replica lost with its node waits for
+            # a node to join (the recovery time is the node's return plus the replica's start)
+            config = config.model_copy(update={"num_cpus_per_replica": 1.0})
+            port = helpers.free_port()
+            args.nodes = stack.enter_context(
+                helpers.multinode_serve(port, workers=args.replicas, worker_cpus=1.0)
+            )
+            url = deploy_on(config, port)
+        else:
+            cluster = LocalCluster()
+            stack.callback(cluster.shutdown)
+            url = cluster.deploy(config, APP)
         t0 = time.monotonic()
         results, kill = asyncio.run(soak(url, args))
         duration = time.monotonic() - t0
         recovery_s, final_stats, ingress_inflight = wait_recovered(args.replicas, timeout_s=180)
-    finally:
-        cluster.shutdown()
 
     outcomes = Counter(r["outcome"] for r in results)
     by_kind = {
@@ -347,6 +423,8 @@ def main() -> int:
         "config": {
             "concurrency": args.concurrency,
             "replicas": args.replicas,
+            "multinode": args.multinode,
+            "rejoin_after_s": args.rejoin_after_s if args.multinode else None,
             "model": args.model,
             "seed": args.seed,
             "engine": engine_fields(Path(args.model)) | {"model": args.model},

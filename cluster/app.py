@@ -11,6 +11,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterConfig
 from replica.deployment import LLMServer
+from replica.metrics import ON_HEAD_NODE
 from router.ingress import make_ingress_deployment
 from router.settings import IngressSettings
 
@@ -102,6 +103,16 @@ def thread_settings(config: ClusterConfig) -> dict:
     }
 
 
+def ingress_actor_options(config: ClusterConfig) -> dict:
+    """The ingress takes no CPU from the replicas' share and, by default, runs on the head
+    node (a sliver of the resource Ray gives only the head), beside the HTTP proxy: a worker
+    node lost takes its replicas' streams with it, never the streams of the others."""
+    options: dict = {"num_cpus": 0}
+    if config.http.ingress_placement == "head":
+        options["resources"] = dict(ON_HEAD_NODE)
+    return options
+
+
 def ingress_settings(config: ClusterConfig) -> IngressSettings:
     return IngressSettings(
         model_name=config.model_name(),
@@ -120,7 +131,7 @@ def build_app(args: ClusterConfig) -> serve.Application:
     llm_app = llm.bind(config.engine.model_dump(), kv_events=config.routing.kv_events)
     ingress = make_ingress_deployment().options(
         num_replicas=config.http.ingress_replicas,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=ingress_actor_options(config),
         max_ongoing_requests=config.http.max_pending_requests + 64,
         graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,
     )

@@ -113,6 +113,8 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         data["replicas"] = args.replicas
     if args.cpu_threads is not None:
         data["cpu_threads_per_replica"] = args.cpu_threads
+    if args.num_cpus_per_replica is not None:
+        data["num_cpus_per_replica"] = args.num_cpus_per_replica
     scaling = data.setdefault("autoscaling", {})
     if args.min_replicas is not None or args.max_replicas is not None:
         scaling["enabled"] = True
@@ -318,8 +320,21 @@ def _deploy(config: ClusterConfig) -> str:
 
     serve.start(http_options={"host": config.http.host, "port": config.http.port})
     serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
-    host = "127.0.0.1" if config.http.host in ("0.0.0.0", "::") else config.http.host
-    return f"http://{host}:{config.http.port}"
+    # On a joined cluster whose Serve already runs, its HTTP options stand (serve.start does
+    # not change them): the URL is where that Serve listens, which may not be --port
+    from ray.serve.context import _get_global_client
+
+    http = _get_global_client().http_config
+    bound, port = http.host or config.http.host, http.port or config.http.port
+    if port != config.http.port:
+        print(
+            f"stepserve: this cluster's Serve already listens on port {port} "
+            f"(not {config.http.port}); the application is served there",
+            file=sys.stderr,
+            flush=True,
+        )
+    host = "127.0.0.1" if bound in ("0.0.0.0", "::") else bound
+    return f"http://{host}:{port}"
 
 
 def _stop_embedded() -> None:
@@ -424,6 +439,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--cpu-threads",
         type=int,
         help="torch threads per CPU replica (default: the usable cores divided among replicas)",
+    )
+    serve_p.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        help="Ray CPUs each replica reserves on its node (how many replicas a node holds)",
     )
     serve_p.add_argument("--host")
     serve_p.add_argument("--port", type=int)

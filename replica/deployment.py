@@ -20,7 +20,7 @@ from replica.contracts import AutoscalingStats, GenerateRequest, PreemptionRate,
 from replica.engine import AsyncEngine, Engine
 from replica.kv_events import get_kv_hub
 from replica.kv_publisher import KVEventPublisher
-from replica.metrics import HUB_NAME, HUB_NAMESPACE, EngineMetrics
+from replica.metrics import HUB_NAME, HUB_NAMESPACE, ON_HEAD_NODE, EngineMetrics
 from replica.request import RequestOutput
 
 logger = logging.getLogger("ray.serve")
@@ -184,8 +184,9 @@ class LLMServer:
         )
 
     def stats(self) -> dict:
-        """`routing_stats` as a dict (a handle call: tests, the soak, benchmarks)."""
-        return self.routing_stats().as_dict()
+        """`routing_stats` as a dict, and the Ray node this replica runs on (a handle call:
+        tests, the soak, benchmarks)."""
+        return self.routing_stats().as_dict() | {"node_id": _node_id()}
 
     async def record_routing_stats(self) -> dict:
         return self.routing_stats().as_dict()
@@ -254,10 +255,16 @@ class MetricsHub:
     def push(self, replica_id: str, text: bytes) -> None:
         self._latest[replica_id] = (time.time(), text)
 
-    def snapshot(self, max_age_s: float = 30.0) -> list[bytes]:
+    def snapshot(
+        self, max_age_s: float = 30.0, replica_ids: list[str] | None = None
+    ) -> list[bytes]:
+        """The fresh expositions; only those of `replica_ids` when given (an ingress asks for
+        the replicas its routers know alive, so a replica that died, with its node or alone,
+        leaves that ingress's /metrics at once, not when its last push ages out)."""
         now = time.time()
         self._latest = {k: v for k, v in self._latest.items() if now - v[0] <= max_age_s}
-        return [text for _, text in self._latest.values()]
+        wanted = self._latest.keys() if replica_ids is None else set(replica_ids)
+        return [text for rid, (_, text) in self._latest.items() if rid in wanted]
 
 
 def get_metrics_hub():
@@ -269,6 +276,15 @@ def get_metrics_hub():
             get_if_exists=True,
             lifetime="detached",
             num_cpus=0,
+            resources=ON_HEAD_NODE,  # not on the worker of the replica that asked first
+            # nor in its placement group (a tensor-parallel replica's): a detached actor
+            # created there would die when Serve removes that replica and its group
+            scheduling_strategy="DEFAULT",
         )
         .remote()
     )
+
+
+def _node_id() -> str | None:
+    """The Ray node this process runs on (None outside Ray)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

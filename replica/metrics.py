@@ -145,6 +145,9 @@ class EngineMetrics:
 # one local URL shows every replica. (The actor lives in replica/deployment.py, the Ray side.)
 HUB_NAME = "stepserve-metrics-hub"
 HUB_NAMESPACE = "stepserve"
+# The Ray resource only the head node has (a sliver of it pins an actor there): the hubs that
+# every replica and ingress share live on the head, so losing a worker node loses none of them.
+ON_HEAD_NODE = {"node:__internal_head__": 0.001}
 
 
 def merge_expositions(texts: list[bytes | str]) -> bytes:

@@ -11,9 +11,18 @@ departure rate (the rate of first tokens would overstate it: a batch's worth sta
 when a burst arrives, then none until they end). Only departures while the queue was not empty
 count, over the time it was not empty: a lightly loaded server's departures measure its load,
 not its capacity, and counting them made a server that had refused a burst look slower than it
-was (its estimate rose as it idled, so it refused the burst's retries too). So the lowest
-priority is refused first, and each ingress of several judges by its own share. Before any
-such departure there is no rate: requests are admitted (the hard count limit,
+was (its estimate rose as it idled, so it refused the burst's retries too).
+
+Streams give a better rate, by Little's law: the streams in a seat now (first token received,
+not ended) over the mean time the last streams held a seat (first token to end). It needs one
+stream to have ended, not a window of waves: counting departures reads low just after a burst,
+when a batch's worth runs and none has ended yet (in overload run 5, refusals told to come back
+at that rate left the server idle for minutes while their clients waited; bench/README.md).
+Departures remain the rate where no stream has ended (unary requests only: their first token
+is not seen).
+
+So the lowest priority is refused first, and each ingress of several judges by its own share.
+Before any rate there is none: requests are admitted (the hard count limit,
 http.max_pending_requests, still holds), and a deadline ends those that wait too long.
 """
 
@@ -36,7 +45,11 @@ class Admission:
     """One ingress's queue of admitted requests not yet started, and its service rate."""
 
     def __init__(
-        self, window_s: float = 10.0, min_samples: int = 3, min_span_s: float = 5.0
+        self,
+        window_s: float = 10.0,
+        min_samples: int = 3,
+        min_span_s: float = 5.0,
+        seat_window_s: float = 120.0,
     ) -> None:
         self.window_s = window_s
         self.min_samples = min_samples
@@ -45,7 +58,10 @@ class Admission:
         self.min_span_s = min_span_s
         self._queued: dict[str, int] = {}  # request key -> priority
         self._next_return = 0.0  # when the next refused request is told to come back
-        self._running: set[str] = set()  # started, not ended
+        # started, not ended -> when its first token came (None: unary, not seen)
+        self._running: dict[str, float | None] = {}
+        self.seat_window_s = seat_window_s
+        self._seat_times: deque[tuple[float, float]] = deque(maxlen=256)  # (ended, seconds)
         self._departures: deque[float] = deque()  # ends of started requests while queued
         self._backlog_since: float | None = None  # the queue is not empty since then
         self._backlogs: deque[tuple[float, float]] = deque()  # closed periods, last window
@@ -67,9 +83,19 @@ class Admission:
         return total
 
     def service_rate(self, now: float | None = None) -> float | None:
-        """Requests per second leaving while requests were queued, over the window (the last
-        such rate when the window holds too few to measure), or None when unknown."""
+        """Requests per second the queue drains at: streams in a seat over their mean seat
+        time, else departures while requests were queued over the window (the last rate when
+        neither can be measured now), or None when unknown."""
         now = time.monotonic() if now is None else now
+        seats = self._seat_times
+        while seats and now - seats[0][0] > self.seat_window_s:
+            seats.popleft()
+        in_seats = sum(1 for start in self._running.values() if start is not None)
+        if seats and in_seats:
+            mean_s = sum(s for _, s in seats) / len(seats)
+            rate = in_seats / max(mean_s, 1e-3)
+            self._last_rate = rate
+            return rate
         departures = self._departures
         while departures and now - departures[0] > self.window_s:
             departures.popleft()
@@ -117,10 +143,10 @@ class Admission:
             self._backlog_since = None
         return True
 
-    def started(self, key: str, now: float | None = None) -> None:
-        """The request left the queue: its first token (or its answer) arrived."""
+    def started(self, key: str, now: float | None = None, streamed: bool = True) -> None:
+        """The request left the queue: its first token (`streamed`), or its answer, arrived."""
         if self._dequeue(key, now):
-            self._running.add(key)
+            self._running[key] = (time.monotonic() if now is None else now) if streamed else None
 
     def leave(self, key: str, now: float | None = None) -> None:
         """The request ended. One that had started counts as a departure (the service rate)
@@ -128,6 +154,9 @@ class Admission:
         cancelled, timed out) does not."""
         self._dequeue(key, now)
         if key in self._running:
-            self._running.discard(key)
+            now = time.monotonic() if now is None else now
+            start = self._running.pop(key)
+            if start is not None:
+                self._seat_times.append((now, now - start))
             if self._queued:
-                self._departures.append(time.monotonic() if now is None else now)
+                self._departures.append(now)

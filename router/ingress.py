@@ -301,7 +301,8 @@ class IngressCore:
             )
         except asyncio.TimeoutError:
             raise ticket.timeout_error() from None
-        self.admission.started(ticket.key)  # and ends (serve_request's finally)
+        # and ends (serve_request's finally); its first token was not seen
+        self.admission.started(ticket.key, streamed=False)
         for index, out in results:
             choices[index].add(without_generated(out) if echo_only else out)
         usage = UsageInfo.of(
@@ -598,6 +599,7 @@ class Ingress:
         by tests and the soak)."""
         return {
             "inflight": self.core.inflight,
+            "node_id": ray.get_runtime_context().get_node_id(),
             "routers": inflight_state(),
             "kv_routing": kv_routing_state(),
         }
@@ -639,7 +641,9 @@ class Ingress:
         """Every replica's metrics, merged (replicas push them to the hub about once a second)."""
         try:
             hub = ray.get_actor(HUB_NAME, namespace=HUB_NAMESPACE)
-            texts = await hub.snapshot.remote()
+            # this application's replicas that its routers know alive (all, before they know)
+            live = [entry["replica_id"] for entry in replica_readiness()] or None
+            texts = await hub.snapshot.remote(replica_ids=live)
         except ValueError:  # no replica has pushed yet
             texts = []
         own = kv_exposition(self.ingress_id)  # this ingress's routers (KV-event routing)

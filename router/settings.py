@@ -5,6 +5,7 @@ cluster/); IngressSettings is what the ingress deployment is built with."""
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -46,6 +47,13 @@ class HttpConfig(BaseModel):
         ge=1,
         description="HTTP ingress replicas (validation, tokenization, SSE); each applies "
         "max_pending_requests on its own",
+    )
+    ingress_placement: Literal["head", "any"] = Field(
+        default="head",
+        description="where the ingress replicas run: 'head' (the Ray head node, where the "
+        "HTTP proxy is: losing a worker node never cuts the streams the ingress relays from "
+        "other nodes) or 'any' node Ray chooses (an ingress that lives on a worker dies "
+        "with it)",
     )
 
 

@@ -48,6 +48,89 @@ def loopback_serve(
         ray.shutdown()
 
 
+# A dead node is declared after 3 missed health checks a second apart (Ray's default is
+# 5 x 3 s): the multi-node tests kill nodes and should not wait 15 s for the verdict.
+FAST_NODE_DEATH = {
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+
+
+class MultiNode:
+    """A Ray cluster of several raylets on this machine (ray.cluster_utils.Cluster, as Ray's own
+    fault-tolerance tests run one): a head with no CPUs for replicas (as the chart's head)
+    and workers with `worker_cpus` each; nodes can be killed and added while it runs."""
+
+    def __init__(self, cluster, worker_cpus: float) -> None:
+        self.cluster = cluster
+        self.worker_cpus = worker_cpus
+        self.head_id = cluster.head_node.node_id
+
+    @property
+    def workers(self) -> list:
+        return list(self.cluster.worker_nodes)
+
+    def add_worker(self):
+        """A new worker node (from any thread: a worker node registers no exit handler, which
+        only the main thread may; `multinode_serve` ends its processes, and a raylet whose
+        cluster is gone exits on its own)."""
+        from cluster.cli import BUSY_HOST_RAY_ENV, environ_during
+
+        self.cluster._shutdown_at_exit = False
+        try:
+            with environ_during(
+                {k: v for k, v in BUSY_HOST_RAY_ENV.items() if k not in os.environ}
+            ):
+                return self.cluster.add_node(
+                    num_cpus=self.worker_cpus, object_store_memory=RAY_OBJECT_STORE_BYTES
+                )
+        finally:
+            self.cluster._shutdown_at_exit = True
+
+    def kill(self, node_id: str) -> None:
+        """SIGKILL every process of that worker node (a machine lost), as Ray's tests do."""
+        (node,) = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
+        self.cluster.remove_node(node, allow_graceful=False)
+
+
+@contextlib.contextmanager
+def multinode_serve(port: int, workers: int = 2, worker_cpus: float = 1.0) -> Iterator[MultiNode]:
+    """A head (0 CPUs) and `workers` worker nodes, Serve's proxy on the head only at
+    127.0.0.1:`port` (every node of this cluster shares one machine, hence one port space).
+    Shut down afterwards."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from cluster.cli import BUSY_HOST_RAY_ENV, environ_during
+
+    env = {k: v for k, v in BUSY_HOST_RAY_ENV.items() if k not in os.environ}
+    with environ_during(env):
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": RAY_OBJECT_STORE_BYTES,
+                "include_dashboard": False,
+                "_system_config": FAST_NODE_DEATH,
+            },
+        )
+    nodes = MultiNode(cluster, worker_cpus)
+    try:
+        for _ in range(workers):
+            nodes.add_worker()
+        ray.init(address=cluster.address)
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
+        yield nodes
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
 def replica_stats(app: str, n_replicas: int, max_calls: int = 40) -> dict[str, dict]:
     """stats() of each LLMServer replica of `app`, by replica id. The handle routes every call
     to some replica, so call until `n_replicas` were seen or `max_calls` calls were made."""

@@ -28,9 +28,8 @@ def fill(admission: Admission, started: int, queued: dict[str, int], t0: float =
     10 s before t0 (a saturated server)."""
     for key, priority in queued.items():
         admission.enter(key, priority, now=t0 - 10)
-    for i in range(started):
-        admission.started(f"s{i}", now=t0 - 10)  # were running (not queued)
-        admission._running.add(f"s{i}")
+    for i in range(started):  # unary requests (no seat times): the departures give the rate
+        admission._running[f"s{i}"] = None
         admission.leave(f"s{i}", now=t0 - 10 + 10 * (i + 1) / started)
     return t0
 
@@ -78,12 +77,12 @@ def test_only_started_requests_that_end_behind_a_queue_count_as_served():
     admission.enter("x", now=0.0)
     admission.leave("x", now=0.5)  # never started: refused by a replica, cancelled
     admission.enter("y", now=1.0)
-    admission.started("y", now=1.5)  # running: not a departure yet
+    admission.started("y", now=1.5, streamed=False)  # running: not a departure yet
     assert admission.service_rate(2.0) is None and admission.num_queued == 0
     admission.leave("y", now=2.0)  # nothing was queued behind it: load, not capacity
     assert admission.service_rate(2.0) is None
     admission.enter("z", now=3.0)
-    admission.started("z", now=3.1)
+    admission.started("z", now=3.1, streamed=False)
     admission.enter("w", now=3.2)  # queued behind z
     admission.leave("z", now=4.0)
     assert admission.service_rate(4.0) == pytest.approx(1 / 5.0)  # min_span_s of 5 s
@@ -96,14 +95,29 @@ def test_the_rate_counts_only_the_time_requests_were_queued():
     admission = Admission(window_s=30.0, min_span_s=1.0)
     for i in range(8):  # i0..i7 wait at t=0; r0..r7 run and end at 2 per second
         admission.enter(f"q{i}", now=0.0)
-        admission._running.add(f"r{i}")
+        admission._running[f"r{i}"] = None
     for i in range(8):
         admission.leave(f"r{i}", now=0.5 * (i + 1))
-        admission.started(f"q{i}", now=0.5 * (i + 1))  # the queue is empty at t=4
+        admission.started(f"q{i}", now=0.5 * (i + 1), streamed=False)  # queue empty at t=4
     for i in range(8):
         admission.leave(f"q{i}", now=20.0 + i)  # ended while nothing was queued
     admission.enter("late", now=25.0)
     assert admission.service_rate(25.0) == pytest.approx(2.0)
+
+
+def test_streams_give_the_rate_by_littles_law_from_the_first_that_ends():
+    """64 streams in their seats, the one that ended held its seat 16 s: 4 per second, known
+    from one departure (departures alone would need a window of waves, and just after a burst
+    read far too low)."""
+    admission = Admission()
+    for i in range(65):
+        admission.enter(f"s{i}", now=0.0)
+        admission.started(f"s{i}", now=1.0)
+    for i in range(10):
+        admission.enter(f"q{i}", now=2.0)
+    admission.leave("s0", now=17.0)
+    assert admission.service_rate(17.0) == pytest.approx(64 / 16.0)
+    assert admission.expected_wait(0, 17.0) == pytest.approx(11 / 4.0)
 
 
 def guard(limit: int, keys: list[str]) -> RequestGuard:

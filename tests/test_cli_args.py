@@ -143,6 +143,7 @@ def test_cpu_threads_and_replicas_reach_the_cluster_config():
     config = parse("--cpu-threads", "3", "--replicas", "2")
     assert (config.cpu_threads_per_replica, config.replicas) == (3, 2)
     assert parse().cpu_threads_per_replica is None  # auto: resolved on the replica's machine
+    assert parse("--num-cpus-per-replica", "1").num_cpus_per_replica == 1.0
 
 
 def test_embedded_ray_serve_mode_haproxy_when_a_binary_is_there():
