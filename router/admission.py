@@ -13,8 +13,11 @@ count, over the time it was not empty: a lightly loaded server's departures meas
 not its capacity, and counting them made a server that had refused a burst look slower than it
 was (its estimate rose as it idled, so it refused the burst's retries too).
 
-Streams give a better rate, by Little's law: the streams in a seat now (first token received,
-not ended) over the mean time the last streams held a seat (first token to end). It needs one
+Streams give a better rate, by Little's law: the most streams seen in their seats at once
+lately (first token received, not ended: the seats the replicas give this ingress) over the
+mean time the last streams held a seat (first token to end). Not the streams in their seats
+now: just after a burst arrives most of the admitted are still in prefill, few have a first
+token, and that count read as the capacity (run 6 left the server idle again). It needs one
 stream to have ended, not a window of waves: counting departures reads low just after a burst,
 when a batch's worth runs and none has ended yet (in overload run 5, refusals told to come back
 at that rate left the server idle for minutes while their clients waited; bench/README.md).
@@ -62,6 +65,8 @@ class Admission:
         self._running: dict[str, float | None] = {}
         self.seat_window_s = seat_window_s
         self._seat_times: deque[tuple[float, float]] = deque(maxlen=256)  # (ended, seconds)
+        self._in_seats = 0  # streams with a first token, not ended
+        self._peak_seats, self._peak_at = 0, 0.0  # the most at once lately, and when
         self._departures: deque[float] = deque()  # ends of started requests while queued
         self._backlog_since: float | None = None  # the queue is not empty since then
         self._backlogs: deque[tuple[float, float]] = deque()  # closed periods, last window
@@ -90,10 +95,11 @@ class Admission:
         seats = self._seat_times
         while seats and now - seats[0][0] > self.seat_window_s:
             seats.popleft()
-        in_seats = sum(1 for start in self._running.values() if start is not None)
-        if seats and in_seats:
+        if seats and self._peak_seats:
+            if now - self._peak_at > self.seat_window_s:  # the peak is old: start again
+                self._peak_seats, self._peak_at = self._in_seats, now
             mean_s = sum(s for _, s in seats) / len(seats)
-            rate = in_seats / max(mean_s, 1e-3)
+            rate = max(self._peak_seats, 1) / max(mean_s, 1e-3)
             self._last_rate = rate
             return rate
         departures = self._departures
@@ -146,7 +152,12 @@ class Admission:
     def started(self, key: str, now: float | None = None, streamed: bool = True) -> None:
         """The request left the queue: its first token (`streamed`), or its answer, arrived."""
         if self._dequeue(key, now):
-            self._running[key] = (time.monotonic() if now is None else now) if streamed else None
+            now = time.monotonic() if now is None else now
+            self._running[key] = now if streamed else None
+            if streamed:
+                self._in_seats += 1
+                if self._in_seats >= self._peak_seats:
+                    self._peak_seats, self._peak_at = self._in_seats, now
 
     def leave(self, key: str, now: float | None = None) -> None:
         """The request ended. One that had started counts as a departure (the service rate)
@@ -157,6 +168,7 @@ class Admission:
             now = time.monotonic() if now is None else now
             start = self._running.pop(key)
             if start is not None:
+                self._in_seats -= 1
                 self._seat_times.append((now, now - start))
             if self._queued:
                 self._departures.append(now)

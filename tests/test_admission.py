@@ -116,8 +116,24 @@ def test_streams_give_the_rate_by_littles_law_from_the_first_that_ends():
     for i in range(10):
         admission.enter(f"q{i}", now=2.0)
     admission.leave("s0", now=17.0)
-    assert admission.service_rate(17.0) == pytest.approx(64 / 16.0)
-    assert admission.expected_wait(0, 17.0) == pytest.approx(11 / 4.0)
+    assert admission.service_rate(17.0) == pytest.approx(65 / 16.0)
+    assert admission.expected_wait(0, 17.0) == pytest.approx(11 / (65 / 16.0))
+
+
+def test_the_seats_are_the_most_streams_seen_at_once_not_those_with_a_token_now():
+    """Just after a burst most admitted streams are still in prefill: the few with a first
+    token are not the capacity (reading them so told refusals to come back far too late)."""
+    admission = Admission()
+    for i in range(64):  # a first wave fills 64 seats, each holds its seat 10 s
+        admission.enter(f"w{i}", now=0.0)
+        admission.started(f"w{i}", now=1.0)
+    for i in range(64):
+        admission.leave(f"w{i}", now=11.0)
+    for i in range(100):  # a burst: 100 admitted, 2 have a first token so far
+        admission.enter(f"b{i}", now=12.0)
+    admission.started("b0", now=13.0)
+    admission.started("b1", now=13.0)
+    assert admission.service_rate(13.0) == pytest.approx(64 / 10.0)
 
 
 def guard(limit: int, keys: list[str]) -> RequestGuard:

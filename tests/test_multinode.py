@@ -1,7 +1,8 @@
 """Multi-node, on a real Ray cluster of three raylets on this machine (tests/helpers.py
 `multinode_serve`: a head with no CPUs for replicas, as the chart's head, and two workers of one
 CPU each, so each worker holds one replica): replicas spread over the workers, a tensor-parallel
-replica's ranks share a node, the ingress stays on the head; a worker node killed mid-load
+replica's ranks share a node (and answer like the tp=1 engine; a dead rank fails the stream and
+the health check), the ingress stays on the head; a worker node killed mid-load
 loses only its own streams (each ends with an error event, none hangs), the survivor keeps
 serving, the routers, KV index and metrics forget the dead replica, and a node that joins later
 takes the replacement; with autoscaling, a scale-up lands on a node that joined after the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -109,13 +111,46 @@ def ingress_stats(name: str = APP) -> dict:
     return handle.stats.remote().result(timeout_s=30)
 
 
-def test_replicas_spread_tp_ranks_pack_and_the_ingress_stays_on_the_head(nodes, tiny_llama_dir):
-    cluster, url = nodes["cluster"], nodes["url"]
+TP_ENGINE = {
+    "max_model_len": 512,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 32,  # prompts arrive in chunks: chunked prefill across ranks
+    "num_kv_blocks": 128,
+    "block_size": 8,
+}
+PROMPTS = [
+    "The quick brown fox",
+    "A block table maps each request's positions to the blocks it holds, so memory is never "
+    "fragmented and the key and value vectors",
+    "Numbers such as 12",
+]
+
+
+def rank_workers() -> list[dict]:
+    from ray._private.state import actors
+
+    return [
+        a
+        for a in actors().values()
+        if a["ActorClassName"] == "RayRankWorker" and a["State"] == "ALIVE"
+    ]
+
+
+def test_a_tp2_replica_packs_on_one_worker_answers_like_tp1_and_fails_when_a_rank_dies(
+    nodes, tiny_llama_dir
+):
+    """A tp=2 replica: rank 0 in the replica actor, rank 1 a Ray actor in the replica's
+    two-bundle STRICT_PACK placement group, both on one worker node; it answers HTTP like the
+    offline tp=1 engine, and when its worker rank dies the in-flight stream ends with an error
+    and the replica fails its health check."""
+    from replica.engine import LLM
+    from replica.request import SamplingParams
+
+    cluster, url, name = nodes["cluster"], nodes["url"], "multinode-tp"
     workers = {n.node_id for n in cluster.workers}
-    # a tp=2 replica: its two ranks in one STRICT_PACK placement group, on one worker
-    deploy(tiny_llama_dir, nodes["port"], "multinode-tp", replicas=1, num_cpus_per_replica=0.5,
-           engine={"model": str(tiny_llama_dir), "max_model_len": 256, "num_kv_blocks": 64,
-                   "block_size": 16, "tensor_parallel_size": 2})  # fmt: skip
+    engine = {"model": str(tiny_llama_dir), **TP_ENGINE, "tensor_parallel_size": 2}
+    deploy(tiny_llama_dir, nodes["port"], name, replicas=1, num_cpus_per_replica=0.5,
+           engine=engine)  # fmt: skip
     try:
         groups = [
             pg
@@ -124,17 +159,70 @@ def test_replicas_spread_tp_ranks_pack_and_the_ingress_stays_on_the_head(nodes, 
         ]
         assert len(groups) == 1, groups
         assert groups[0]["strategy"] == "STRICT_PACK"
-        (rank_nodes,) = [set(groups[0]["bundles_to_node_id"].values())]
+        rank_nodes = set(groups[0]["bundles_to_node_id"].values())
         assert len(rank_nodes) == 1 and rank_nodes <= workers, (rank_nodes, workers)
-        r = httpx.post(f"{url}/v1/completions", json=body(8, 1, False), timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        (worker,) = rank_workers()
+        assert worker["Address"]["NodeID"] in rank_nodes
+
+        async def complete_all() -> list[dict]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                responses = await asyncio.gather(
+                    *(
+                        client.post(
+                            f"{url}/v1/completions",
+                            json={
+                                "prompt": p,
+                                "max_tokens": 16,
+                                "temperature": 0,
+                                "ignore_eos": True,
+                            },
+                        )  # fmt: skip
+                        for p in PROMPTS
+                    )
+                )
+            assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+            return [r.json()["choices"][0]["text"] for r in responses]
+
+        texts = asyncio.run(complete_all())
+        offline = LLM(model=str(tiny_llama_dir), **TP_ENGINE, device="cpu")
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            assert texts == [o.text for o in offline.generate(PROMPTS, params)]
+        finally:
+            offline.shutdown()
+
+        events: list[dict] = []
+        started = None
+        long = {"prompt": "The key and value", "max_tokens": 480, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line[len("data: ") :]))
+                if started is None:  # generation is under way: take rank 1 down
+                    os.kill(worker["Pid"], signal.SIGKILL)
+                    started = time.monotonic()
+        assert time.monotonic() - started < 30
+        assert "error" in events[-1], events[-1]
+        finishes = [c.get("finish_reason") for e in events for c in e.get("choices", [])]
+        assert "length" not in finishes
+        handle = serve.get_deployment_handle("LLMServer", app_name=name)
+        with pytest.raises(Exception, match="rank 1"):
+            handle.check_health.remote().result(timeout_s=30)
     finally:
-        serve.delete("multinode-tp")
-    # two replicas of one CPU each: one per worker (Serve spreads them; each worker fits one)
+        serve.delete(name)
+
+
+def test_replicas_spread_over_the_workers_and_the_ingress_stays_on_the_head(nodes, tiny_llama_dir):
+    """Two replicas of one CPU each: one per worker (Serve spreads them; each worker fits
+    one); the ingress on the head node."""
+    cluster = nodes["cluster"]
     deploy(tiny_llama_dir, nodes["port"])
     wait_running(2)
     stats = helpers.replica_stats(APP, 2)
-    assert {s["node_id"] for s in stats.values()} == workers, stats
+    assert {s["node_id"] for s in stats.values()} == {n.node_id for n in cluster.workers}, stats
     assert ingress_stats()["node_id"] == cluster.head_id
 
 
