@@ -1,6 +1,6 @@
-"""Admission by expected wait: an ingress admits a request when the time its first token is
-expected to take fits within the request's deadline, and refuses it at once (429, Retry-After
-drawn from the same estimate) when it does not.
+"""Admission by expected wait: an ingress admits a request when the time it is expected to take
+(the wait for a seat, then a seat's time) fits within the request's deadline, and refuses it at
+once (429, Retry-After drawn from the same estimate) when it does not.
 
 The estimate is the ingress's own queue over its own service rate: the requests it admitted
 that are still waiting for their first token (streams) or their answer (unary), counting only
@@ -111,6 +111,11 @@ class Admission:
             return rate
         return self._last_rate or None
 
+    def mean_seat_s(self, now: float) -> float:
+        """The mean time the last streams held a seat (first token to end); 0 before any."""
+        seats = [s for t, s in self._seat_times if now - t <= self.seat_window_s]
+        return sum(seats) / len(seats) if seats else 0.0
+
     def expected_wait(self, priority: int = 0, now: float | None = None) -> float | None:
         """Seconds a newcomer of this priority is expected to wait for its first token."""
         ahead = sum(1 for p in self._queued.values() if p <= priority)
@@ -124,14 +129,19 @@ class Admission:
     def judge(self, deadline_s: float, priority: int = 0, now: float | None = None) -> Verdict:
         now = time.monotonic() if now is None else now
         wait = self.expected_wait(priority, now)
-        if wait is None or wait <= deadline_s:
+        # the deadline covers the whole request: behind a queue, a seat's time follows the
+        # wait (admitting by the first token alone, run 7 admitted 1047 retries that their
+        # deadline then cut off mid-stream). With nothing ahead the request is admitted
+        # whatever its deadline: a 429 would not help it
+        total = None if wait is None else wait + (self.mean_seat_s(now) if wait > 0 else 0.0)
+        if total is None or total <= deadline_s:
             return Verdict(True, wait)
-        # The queue ahead shrinks at the service rate: after (wait - deadline) it would fit.
+        # The queue ahead shrinks at the service rate: after (total - deadline) it would fit.
         # But a burst's refusals all see the same queue, and told that they would all come
         # back together and be refused again: each refusal takes the next return slot, the
         # slots spaced at the service rate (slots nobody took lapse as time passes)
         rate = self._last_rate
-        back_at = max(now + wait - deadline_s, self._next_return)
+        back_at = max(now + total - deadline_s, self._next_return)
         self._next_return = back_at + 1.0 / rate
         return Verdict(False, wait, max(1, math.ceil(back_at - now)))
 

@@ -136,6 +136,24 @@ def test_the_seats_are_the_most_streams_seen_at_once_not_those_with_a_token_now(
     assert admission.service_rate(13.0) == pytest.approx(64 / 10.0)
 
 
+def test_a_seats_time_counts_against_the_deadline_behind_a_queue():
+    """Streams hold a seat 16 s: a newcomer 3 s from a seat would end after 19 s; with a 10 s
+    deadline it is refused (admitted, its deadline would cut it off mid-stream). With nothing
+    ahead it is admitted, whatever its deadline."""
+    admission = Admission()
+    for i in range(9):
+        admission.enter(f"s{i}", now=0.0)
+        admission.started(f"s{i}", now=1.0)
+    admission.enter("q", now=2.0)
+    admission.leave("s0", now=17.0)  # 9 seats, 16 s each: 0.5625 per second
+    verdict = admission.judge(10.0, 0, now=17.0)
+    assert not verdict.admit and verdict.expected_wait_s == pytest.approx(2 / 0.5625)
+    assert verdict.retry_after_s == math.ceil(2 / 0.5625 + 16 - 10)
+    assert admission.judge(20.0, 0, now=17.0).admit
+    admission.started("q", now=17.0)
+    assert admission.judge(1.0, 0, now=17.0).admit  # nothing ahead
+
+
 def guard(limit: int, keys: list[str]) -> RequestGuard:
     return RequestGuard(
         HttpConfig(max_pending_requests=limit), AuthConfig(api_keys=keys, api_keys_env="NOPE_X")
