@@ -154,6 +154,24 @@ def test_a_seats_time_counts_against_the_deadline_behind_a_queue():
     assert admission.judge(1.0, 0, now=17.0).admit  # nothing ahead
 
 
+def test_a_steady_pace_of_departures_caps_the_seats_estimate():
+    """64 seats held 10 s each read as 6.4 per second; 40 departures behind a queue over the
+    last 10 s say the server's pace is 4: the rate is 4 (a seat's turnover is not in the seat
+    time). With fewer departures than `steady_samples`, Little's law stands."""
+    admission = Admission(steady_samples=20)
+    for i in range(64):
+        admission.enter(f"w{i}", now=0.0)
+        admission.started(f"w{i}", now=1.0)
+    for i in range(64):
+        admission.leave(f"w{i}", now=11.0)  # nothing queued: no departure counted
+    assert admission.service_rate(11.0) == pytest.approx(6.4)
+    admission.enter("q", now=11.0)
+    for i in range(40):
+        admission._running[f"d{i}"] = None
+        admission.leave(f"d{i}", now=11.0 + 10 * (i + 1) / 40)
+    assert admission.service_rate(21.0) == pytest.approx(4.0)
+
+
 def guard(limit: int, keys: list[str]) -> RequestGuard:
     return RequestGuard(
         HttpConfig(max_pending_requests=limit), AuthConfig(api_keys=keys, api_keys_env="NOPE_X")
