@@ -2,31 +2,34 @@
 (the wait for a seat, then a seat's time) fits within the request's deadline, and refuses it at
 once (429, Retry-After drawn from the same estimate) when it does not.
 
-The estimate is the ingress's own queue over its own service rate: the requests it admitted
-that are still waiting for their first token (streams) or their answer (unary), counting only
-those of equal or higher priority (lower value) since the replicas serve those first, divided
-by the rate at which its started requests have ended while requests were queued. In a
-saturated replica a queued request starts when a running one ends, so the queue drains at the
-departure rate (the rate of first tokens would overstate it: a batch's worth starts at once
-when a burst arrives, then none until they end). Only departures while the queue was not empty
-count, over the time it was not empty: a lightly loaded server's departures measure its load,
-not its capacity, and counting them made a server that had refused a burst look slower than it
-was (its estimate rose as it idled, so it refused the burst's retries too).
+The wait is the ingress's own queue over its service rate: the requests it admitted that are
+still waiting for their first token (streams) or their answer (unary), counting only those of
+equal or higher priority (lower value) since the replicas serve those first, divided by the
+rate at which the queue drains. So the lowest priority is refused first, and each ingress of
+several judges by its own share. Behind a queue a seat's time (the mean of the last streams',
+first token to end) is added: the deadline covers the whole request (bench/README.md, overload
+run 7: admitted by the first token alone, 1047 retries were cut off mid-stream).
 
-Streams give a better rate, by Little's law: the most streams seen in their seats at once
-lately (first token received, not ended: the seats the replicas give this ingress) over the
-mean time the last streams held a seat (first token to end). Not the streams in their seats
-now: just after a burst arrives most of the admitted are still in prefill, few have a first
-token, and that count read as the capacity (run 6 left the server idle again). It needs one
-stream to have ended, not a window of waves: counting departures reads low just after a burst,
-when a batch's worth runs and none has ended yet (in overload run 5, refusals told to come back
-at that rate left the server idle for minutes while their clients waited; bench/README.md).
-Departures remain the rate where no stream has ended (unary requests only: their first token
-is not seen).
-
-So the lowest priority is refused first, and each ingress of several judges by its own share.
+The rate, measured three ways because each fails somewhere (overload runs 3-9):
+- Little's law over streams: the most streams seen in their seats at once lately (the seats
+  the replicas give this ingress) over their mean seat time. It needs one stream to have ended,
+  where counting departures needs a window of waves and reads low just after a burst (a batch's
+  worth runs, none has ended). Not the streams in a seat now: just after a burst most admitted
+  streams are still in prefill (run 6). It reads high, though: a seat counts from its first
+  token, not from the next request's prefill in it (run 8: 5.5 per second promised by a server
+  serving about 4).
+- The pace of departures while requests were queued, over the time they were queued: once at
+  least `steady_samples` of them are in the window it caps Little's estimate. Only departures
+  behind a queue count: a lightly loaded server's departures measure its load, not its
+  capacity (counting them, an idle server looked slow and refused the retries too).
+- Departures alone where no stream has ended (unary requests only: their first token is not
+  seen).
 Before any rate there is none: requests are admitted (the hard count limit,
 http.max_pending_requests, still holds), and a deadline ends those that wait too long.
+
+A burst's refusals all see the same queue; told the same Retry-After they came back together and
+were refused again (run 3: 1055 of 1373). Each refusal takes the next return slot instead, the
+slots spaced at the service rate from when the request would fit; slots nobody took lapse.
 """
 
 from __future__ import annotations
