@@ -268,8 +268,6 @@ def lose_busiest_node(nodes, replicas: int, rejoin_after_s: float) -> dict:
     """Kill the worker node of the busiest replica (every process on it, as a machine lost),
     start a fresh worker node `rejoin_after_s` later, and time the way back to `replicas`
     RUNNING replicas (full capacity) from the kill."""
-    from ray import serve
-
     stats = replica_stats(replicas)
     victim = max(stats.values(), key=lambda s: s["running"] + s["waiting"])
     killed_at = time.monotonic()
@@ -277,14 +275,8 @@ def lose_busiest_node(nodes, replicas: int, rejoin_after_s: float) -> dict:
     time.sleep(rejoin_after_s)
     joined_at = time.monotonic()
     nodes.add_worker()
-    while True:
-        app = serve.status().applications.get(APP)
-        states = dict(app.deployments["LLMServer"].replica_states) if app else {}
-        if states == {"RUNNING": replicas}:
-            break
-        if time.monotonic() - killed_at > 300:
-            raise RuntimeError(f"not back to {replicas} replicas 300 s after the kill: {states}")
-        time.sleep(0.25)
+    helpers.wait_llm_replicas_running(APP, replicas, timeout_s=300 - (joined_at - killed_at))
+    back_at = time.monotonic()
     return {
         "replica_id": victim["replica_id"],
         "node_id": victim["node_id"],
@@ -292,8 +284,8 @@ def lose_busiest_node(nodes, replicas: int, rejoin_after_s: float) -> dict:
         "waiting": victim["waiting"],
         "at": time.time(),
         "node_rejoined_after_s": round(joined_at - killed_at, 1),
-        "full_capacity_after_s": round(time.monotonic() - killed_at, 1),
-        "replacement_start_s": round(time.monotonic() - joined_at, 1),
+        "full_capacity_after_s": round(back_at - killed_at, 1),
+        "replacement_start_s": round(back_at - joined_at, 1),
     }
 
 
@@ -306,8 +298,7 @@ def wait_recovered(replicas: int, timeout_s: float) -> tuple[float, dict[str, di
     deadline = t0 + timeout_s
     ingress = serve.get_deployment_handle("Ingress", app_name=APP)
     while True:
-        app = serve.status().applications.get(APP)
-        states = dict(app.deployments["LLMServer"].replica_states) if app else {}
+        states = helpers.llm_replica_states(APP)
         stats = replica_stats(replicas) if states == {"RUNNING": replicas} else {}
         inflight = ingress.stats.remote().result(timeout_s=30)["inflight"]
         idle = len(stats) == replicas and all(not leaks_of(s) for s in stats.values())

@@ -20,7 +20,7 @@ from replica.contracts import AutoscalingStats, GenerateRequest, PreemptionRate,
 from replica.engine import AsyncEngine, Engine
 from replica.kv_events import get_kv_hub
 from replica.kv_publisher import KVEventPublisher
-from replica.metrics import HUB_NAME, HUB_NAMESPACE, ON_HEAD_NODE, EngineMetrics
+from replica.metrics import HUB_ACTOR_OPTIONS, HUB_NAME, HUB_NAMESPACE, EngineMetrics
 from replica.request import RequestOutput
 
 logger = logging.getLogger("ray.serve")
@@ -270,17 +270,7 @@ class MetricsHub:
 def get_metrics_hub():
     return (
         ray.remote(MetricsHub)
-        .options(
-            name=HUB_NAME,
-            namespace=HUB_NAMESPACE,
-            get_if_exists=True,
-            lifetime="detached",
-            num_cpus=0,
-            resources=ON_HEAD_NODE,  # not on the worker of the replica that asked first
-            # nor in its placement group (a tensor-parallel replica's): a detached actor
-            # created there would die when Serve removes that replica and its group
-            scheduling_strategy="DEFAULT",
-        )
+        .options(name=HUB_NAME, namespace=HUB_NAMESPACE, **HUB_ACTOR_OPTIONS)
         .remote()
     )
 

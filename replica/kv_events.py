@@ -181,21 +181,11 @@ def get_kv_hub(app_name: str):
     so that it outlives the replica that happened to create it)."""
     import ray
 
-    from replica.metrics import ON_HEAD_NODE
+    from replica.metrics import HUB_ACTOR_OPTIONS
 
     return (
         ray.remote(KVEventHub)
-        .options(
-            name=kv_hub_name(app_name),
-            namespace=KV_HUB_NAMESPACE,
-            get_if_exists=True,
-            lifetime="detached",
-            num_cpus=0,
-            resources=ON_HEAD_NODE,  # not on the worker of the replica that asked first
-            # nor in its placement group (a tensor-parallel replica's): a detached actor
-            # created there would die when Serve removes that replica and its group
-            scheduling_strategy="DEFAULT",
-        )
+        .options(name=kv_hub_name(app_name), namespace=KV_HUB_NAMESPACE, **HUB_ACTOR_OPTIONS)
         .remote()
     )
 

@@ -148,6 +148,16 @@ HUB_NAMESPACE = "stepserve"
 # The Ray resource only the head node has (a sliver of it pins an actor there): the hubs that
 # every replica and ingress share live on the head, so losing a worker node loses none of them.
 ON_HEAD_NODE = {"node:__internal_head__": 0.001}
+# Ray options of such a shared hub (a named, detached actor, created by whichever process asks
+# first): on the head, not on the worker of the replica that asked first, nor in its placement
+# group (a tensor-parallel replica's), where it would die when Serve removes that replica
+HUB_ACTOR_OPTIONS = {
+    "get_if_exists": True,
+    "lifetime": "detached",
+    "num_cpus": 0,
+    "resources": ON_HEAD_NODE,
+    "scheduling_strategy": "DEFAULT",
+}
 
 
 def merge_expositions(texts: list[bytes | str]) -> bytes:

@@ -106,8 +106,7 @@ class Admission:
         if seats and self._peak_seats:
             if now - self._peak_at > self.seat_window_s:  # the peak is old: start again
                 self._peak_seats, self._peak_at = self._in_seats, now
-            mean_s = sum(s for _, s in seats) / len(seats)
-            little = max(self._peak_seats, 1) / max(mean_s, 1e-3)
+            little = max(self._peak_seats, 1) / max(self.mean_seat_s(now), 1e-3)
         departures = self._departures
         while departures and now - departures[0] > self.window_s:
             departures.popleft()

@@ -145,6 +145,26 @@ def replica_stats(app: str, n_replicas: int, max_calls: int = 40) -> dict[str, d
     return seen
 
 
+def llm_replica_states(app: str) -> dict[str, int]:
+    """Serve's count of `app`'s LLMServer replicas by state ({} before it is deployed)."""
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    if status is None or "LLMServer" not in status.deployments:
+        return {}
+    return dict(status.deployments["LLMServer"].replica_states)
+
+
+def wait_llm_replicas_running(app: str, n: int, timeout_s: float = 120) -> None:
+    """Until `app` has exactly `n` LLMServer replicas, all RUNNING."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while llm_replica_states(app) != {"RUNNING": n}:
+        assert time.monotonic() < deadline, f"replicas: {llm_replica_states(app)}, want {n} RUNNING"
+        time.sleep(0.5)
+
+
 def replica_actor_names(app: str) -> dict[str, str]:
     """LLMServer replica unique id -> its actor's name in the "serve" namespace."""
     import ray

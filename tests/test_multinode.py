@@ -65,17 +65,11 @@ def deploy(model_dir, port: int, name: str = APP, **overrides) -> None:
 
 
 def replica_counts(name: str = APP) -> dict[str, int]:
-    app = serve.status().applications.get(name)
-    if app is None or "LLMServer" not in app.deployments:
-        return {}
-    return dict(app.deployments["LLMServer"].replica_states)
+    return helpers.llm_replica_states(name)
 
 
 def wait_running(n: int, name: str = APP, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while replica_counts(name) != {"RUNNING": n}:
-        assert time.monotonic() < deadline, f"replicas {replica_counts(name)}, want {n} RUNNING"
-        time.sleep(0.5)
+    helpers.wait_llm_replicas_running(name, n, timeout_s)
 
 
 def body(tokens: int, seed: int, stream: bool) -> dict:

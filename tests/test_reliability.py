@@ -147,18 +147,8 @@ def wait_idle(n_replicas: int, timeout_s: float = 30) -> dict[str, dict]:
         time.sleep(0.3)
 
 
-def llm_replica_counts() -> dict[str, int]:
-    app = serve.status().applications.get(APP)
-    if app is None or "LLMServer" not in app.deployments:
-        return {}
-    return dict(app.deployments["LLMServer"].replica_states)
-
-
-def wait_replicas_running(n: int, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while llm_replica_counts() != {"RUNNING": n}:
-        assert time.monotonic() < deadline, f"replicas: {llm_replica_counts()}, want {n} RUNNING"
-        time.sleep(0.5)
+llm_replica_counts = functools.partial(helpers.llm_replica_states, APP)
+wait_replicas_running = functools.partial(helpers.wait_llm_replicas_running, APP)
 
 
 def completion_body(n_tokens: int, stream: bool, seed: int = 0, **extra) -> dict:
