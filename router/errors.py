@@ -43,6 +43,17 @@ def _root_cause(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
+# what Ray raises for a call whose replica actor died or cannot be reached (a node lost, the
+# process killed): the call never finished there, and another replica can take it
+REPLICA_LOST = frozenset({"ActorDiedError", "RayActorError", "ActorUnavailableError"})
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Whether a replica call failed because its replica actor is gone (not because of the
+    request): retried on another replica while nothing of it reached the client."""
+    return type(_root_cause(exc)).__name__ in REPLICA_LOST
+
+
 def classify_error(exc: BaseException) -> HTTPError:
     """Map what a replica (or Ray) raised to the HTTP error a client should see."""
     exc = _root_cause(exc)
@@ -55,12 +66,7 @@ def classify_error(exc: BaseException) -> HTTPError:
         return HTTPError(
             429, f"server overloaded: {exc}", "rate_limit_error", headers={"Retry-After": "1"}
         )
-    if isinstance(exc, EngineDeadError) or name in {
-        "ActorDiedError",
-        "RayActorError",
-        "ActorUnavailableError",
-        "ActorUnschedulableError",
-    }:
+    if isinstance(exc, EngineDeadError) or name in REPLICA_LOST | {"ActorUnschedulableError"}:
         return HTTPError(503, f"replica failed: {exc}", "service_unavailable")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))

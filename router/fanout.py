@@ -1,23 +1,35 @@
 """The ingress's calls to the LLM replicas: one `GenerateRequest` per choice through the
 deployment handle (routed by LoadAwareRouter), streamed or unary, several choices (n > 1, several
 prompts) at once; each request's first token and end are reported to the routers' tallies
-(router/inflight.py). Leaving early cancels the calls, which aborts each in its replica."""
+(router/inflight.py). Leaving early cancels the calls, which aborts each in its replica. A call
+whose replica was lost (actor died, node gone) before anything of it reached the client is sent
+again, to another replica (Serve's router drops a replica whose call raised ActorDiedError, and
+LoadAwareRouter avoids one whose actor was unreachable)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
 from replica.contracts import GenerateRequest
 from replica.request import RequestOutput, SamplingParams
+from router.errors import replica_lost
 from router.inflight import note_finished, note_first_token
 from router.kv_routing import note_cached, note_gone
 from router.policy import Policy
 
 # (choice index, prompt token ids, sampling params) of one choice
 Job = tuple[int, list[int], SamplingParams]
+
+logger = logging.getLogger("ray.serve")
+
+# sends of one call when its replica is lost before its first output: the first and two more
+# (a node that dies takes one replica; the retry goes elsewhere unless a second dies meanwhile)
+MAX_SENDS = 3
+RETRY_PAUSE_S = 0.05
 
 
 class ReplicaCalls:
@@ -26,6 +38,20 @@ class ReplicaCalls:
         self.stream_handle = handle.options(stream=True)
         self.policy = policy
         self.block_size = block_size
+        self.retries = 0  # calls sent again after their replica was lost (ingress metrics)
+
+    async def _lost(self, exc: BaseException, send: int, request_id: str) -> None:
+        """Raise `exc` unless it is a lost replica and another send is allowed; else note the
+        retry and pause briefly (the router learns of the loss meanwhile)."""
+        if send + 1 >= MAX_SENDS or not replica_lost(exc):
+            raise exc
+        self.retries += 1
+        own_serve_request_id()  # the next send is a call of its own to Serve's router
+        logger.warning(
+            "request %s: its replica was lost before its first output (%s); sending it again "
+            "(%d of %d)", request_id, type(exc).__name__, send + 2, MAX_SENDS
+        )  # fmt: skip
+        await asyncio.sleep(RETRY_PAUSE_S)
 
     def request(
         self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
@@ -43,18 +69,25 @@ class ReplicaCalls:
     async def one_stream(
         self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        request = self.request(prompt_ids, params, priority)
-        first = True
-        try:
-            async for out in self.stream_handle.generate.remote(request):
-                if first:  # prefill is over: tell the router (it weighs prefill still ahead)
-                    first = False
-                    note_first_token(request.request_id)
-                    note_cached(request.request_id, out.num_cached_tokens)
-                yield out
-        finally:
-            note_finished(request.request_id)
-            note_gone(request.request_id)
+        for send in range(MAX_SENDS):
+            request = self.request(prompt_ids, params, priority)
+            first = True
+            try:
+                async for out in self.stream_handle.generate.remote(request):
+                    if first:  # prefill is over: tell the router (it weighs prefill still ahead)
+                        first = False
+                        note_first_token(request.request_id)
+                        note_cached(request.request_id, out.num_cached_tokens)
+                    yield out
+                return
+            except Exception as exc:
+                if not first:  # the client has some of it: the stream ends with the error
+                    raise
+                lost = exc
+            finally:
+                note_finished(request.request_id)
+                note_gone(request.request_id)
+            await self._lost(lost, send, request.request_id)
 
     async def complete_all(
         self, jobs: list[Job], priority: int = 0
@@ -66,14 +99,19 @@ class ReplicaCalls:
         async def one(index: int, ids: list[int], params: SamplingParams):
             if len(jobs) > 1:
                 own_serve_request_id()  # this task's context only
-            request = self.request(ids, params, priority)
-            try:
-                out = await self.handle.generate_all.remote(request)
-                note_cached(request.request_id, out.num_cached_tokens)
-            finally:
-                note_finished(request.request_id)
-                note_gone(request.request_id)
-            return index, out
+            for send in range(MAX_SENDS):
+                request = self.request(ids, params, priority)
+                try:
+                    out = await self.handle.generate_all.remote(request)
+                    note_cached(request.request_id, out.num_cached_tokens)
+                    return index, out
+                except Exception as exc:
+                    lost = exc
+                finally:
+                    note_finished(request.request_id)
+                    note_gone(request.request_id)
+                await self._lost(lost, send, request.request_id)
+            raise AssertionError("unreachable: the last send's failure is raised")
 
         if len(jobs) == 1:
             return [await one(*jobs[0])]

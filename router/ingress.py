@@ -583,6 +583,15 @@ def request_body_spec(model: type[BaseModel]) -> dict:
 fastapi_app = FastAPI(title="stepserve", version="0.1.0")
 
 
+def retries_exposition(ingress_id: str, retries: int) -> bytes:
+    return (
+        "# HELP stepserve:ingress_replica_retries_total Calls sent again to another replica "
+        "because theirs was lost (actor died, node gone) before their first output.\n"
+        "# TYPE stepserve:ingress_replica_retries_total counter\n"
+        f'stepserve:ingress_replica_retries_total{{ingress="{ingress_id}"}} {retries}\n'
+    ).encode()
+
+
 @serve.ingress(fastapi_app)
 class Ingress:
     """The ingress replica: FastAPI routes over one IngressCore."""
@@ -602,6 +611,7 @@ class Ingress:
             "node_id": ray.get_runtime_context().get_node_id(),
             "routers": inflight_state(),
             "kv_routing": kv_routing_state(),
+            "replica_retries": self.core.calls.retries,
         }
 
     def kv_index(self) -> list[dict]:
@@ -646,10 +656,10 @@ class Ingress:
             texts = await hub.snapshot.remote(replica_ids=live)
         except ValueError:  # no replica has pushed yet
             texts = []
-        own = kv_exposition(self.ingress_id)  # this ingress's routers (KV-event routing)
-        return Response(
-            merge_expositions([*texts, own] if own else texts), media_type=CONTENT_TYPE_LATEST
-        )
+        # this ingress's own counters: calls resent after a lost replica, KV-event routing
+        own = retries_exposition(self.ingress_id, self.core.calls.retries)
+        own += kv_exposition(self.ingress_id)
+        return Response(merge_expositions([*texts, own]), media_type=CONTENT_TYPE_LATEST)
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:

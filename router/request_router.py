@@ -62,6 +62,10 @@ class LoadAwareRouter(RequestRouter):
         register_inflight(self.inflight)
         self.kv: KVRouting | None = None
         self._hits: dict[str, tuple[dict[str, int], list[ReplicaStats]]] = {}
+        # replicas a call found dead or unreachable (Serve's controller lists them until it
+        # declares them dead, a node's loss takes seconds): id -> the time stamp of the stats
+        # the replica had recorded then (-1: dead for good)
+        self._lost: dict[str, float] = {}
         if self.routing_config.kv_events:
             deployment = getattr(self, "_deployment_id", None)
             app = getattr(deployment, "app_name", None)
@@ -94,7 +98,7 @@ class LoadAwareRouter(RequestRouter):
             return []
         now = time.time()
         request = _request(pending_request)
-        candidate_replicas = healthy_replicas(candidate_replicas)
+        candidate_replicas = healthy_replicas(self._reachable(candidate_replicas))
         if request is None:
             # a control call (model_info, stats): no load worth balancing, and ranking it by
             # load would send every one to the same idlest replica; one replica per tier, in
@@ -125,9 +129,39 @@ class LoadAwareRouter(RequestRouter):
                 ranked.append(replicas)
         return ranked
 
+    def _reachable(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
+        """The replicas no call has found lost (all of them when every one was: a request
+        waits for Serve to replace them rather than fails). An unreachable replica is trusted
+        again once Serve's controller brings stats it recorded later (its own clock: no skew
+        between nodes)."""
+        if not self._lost:
+            return replicas
+        kept = []
+        for replica in replicas:
+            rid = replica.replica_id.unique_id
+            since = self._lost.get(rid)
+            if since is not None:
+                stats = RoutingStats.from_dict(replica.routing_stats)
+                if since < 0 or stats is None or stats.ts <= since:  # nothing newer
+                    continue
+                del self._lost[rid]  # it answered since
+            kept.append(replica)
+        return kept or replicas
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._lost[replica_id.unique_id] = -1.0  # dead for good (actor ids are not reused)
+
+    def on_replica_actor_unavailable(self, replica_id) -> None:
+        super().on_replica_actor_unavailable(replica_id)
+        replica = self._replicas.get(replica_id)
+        stats = RoutingStats.from_dict(replica.routing_stats) if replica is not None else None
+        self._lost.setdefault(replica_id.unique_id, stats.ts if stats is not None else 0.0)
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = [r.replica_id.unique_id for r in replicas]
+        self._lost = {rid: ts for rid, ts in self._lost.items() if rid in live}
         self.inflight.forget_missing(live)
         if self.kv is not None:  # a replica that left (died, replaced) leaves the index at once
             self.kv.set_live(live)

@@ -315,7 +315,7 @@ def test_fuzzed_openapi_requests_never_get_5xx(cluster):
         seen: dict[int, int] = {}
 
         @settings(
-            max_examples=60,
+            max_examples=40,
             deadline=None,
             database=None,
             derandomize=True,

@@ -71,11 +71,18 @@ def _running(app: str) -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-def test_new_requests_avoid_the_busy_replica(tiny_llama_dir):
+@pytest.fixture(scope="module")
+def serving():
+    """One Ray and Serve for the module; each test deploys its application and deletes it."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with loopback_serve(port):
-        serve.run(build_app(_config(tiny_llama_dir, port)), name=APP, route_prefix="/")
+    with loopback_serve(port) as url:
+        yield port, url
+
+
+def test_new_requests_avoid_the_busy_replica(serving, tiny_llama_dir):
+    port, url = serving
+    serve.run(build_app(_config(tiny_llama_dir, port)), name=APP, route_prefix="/")
+    try:
         busy_handle = serve.get_deployment_handle("LLMServer", app_name=APP)
         busy_id = busy_handle.stats.remote().result(timeout_s=30)["replica_id"]
 
@@ -131,22 +138,24 @@ def test_new_requests_avoid_the_busy_replica(tiny_llama_dir):
         assert on_busy + on_idle >= 12
         assert on_idle >= 11, f"idle replica got {on_idle} of 12 short requests, busy {on_busy}"
 
+    finally:
+        serve.delete(APP)
 
-def test_router_counts_prefill_until_the_ingress_sees_the_first_token(tiny_llama_dir):
+
+def test_router_counts_prefill_until_the_ingress_sees_the_first_token(serving, tiny_llama_dir):
     """The ingress tells the router that routed a stream when its first token arrives; until
     then (or until the learned prefill rate says it must be done) its prompt counts as prefill
     still ahead on its replica, which the load-aware score weighs. The ingress also reports the
     end: Ray's own completion hook fires as the replica accepts a stream, which used to take
     every stream off the router's tally at once (the mid-stream count below was 0)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    port, url = serving
     config = _config(tiny_llama_dir, port)
     config = config.model_copy(
         update={"autoscaling": config.autoscaling.model_copy(update={"enabled": False})}
     )
     prompt = [11] * 24
-    with loopback_serve(port):
-        serve.run(build_app(config), name=APP, route_prefix="/")
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    try:
         llm = serve.get_deployment_handle("LLMServer", app_name=APP)
         replica = llm.stats.remote().result(timeout_s=30)
         assert replica["max_num_batched_tokens"] == 64  # the step budget the score divides by
@@ -172,3 +181,5 @@ def test_router_counts_prefill_until_the_ingress_sees_the_first_token(tiny_llama
         assert router["prefill_rate"] > 0, router
         (router,) = ingress.stats.remote().result(timeout_s=30)["routers"]
         assert not router["replicas"], router  # finished: nothing left in the tally
+    finally:
+        serve.delete(APP)
