@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import types
 import typing
 from collections.abc import Mapping
@@ -267,24 +268,29 @@ def _proxy_failure(exc: BaseException) -> bool:
     return any(word in text for word in ("HAProxy", "ProxyActor", "proxy"))
 
 
-def start(config: ClusterConfig, address: str | None = None):
+def start(config: ClusterConfig, address: str | None = None, timings: dict | None = None):
     """Start (or join) Ray, deploy the app; returns the URL. Used by `serve` and by tests.
 
     On the embedded cluster, a proxy that fails to start in HAProxy mode (a busy host can make
     it miss even the lengthened ready check) is retried once behind Ray's own Python proxy,
-    with a log line; a second failure raises StartupError naming the cause."""
+    with a log line; a second failure raises StartupError naming the cause. `timings`, when
+    given, receives the wall seconds of each phase (ray, serve, application)."""
     import ray
+
+    timings = {} if timings is None else timings
 
     if ray.is_initialized() or address:
         if not ray.is_initialized():
-            ray.init(address=address, logging_level="WARNING")
-        return _deploy(config)
+            with _timed(timings, "ray"):
+                ray.init(address=address, logging_level="WARNING")
+        return _deploy(config, timings)
     # the serving port is ours to take: a clear error now, not HAProxy's or uvicorn's from
     # inside an actor later (a stale HAProxy of an earlier server is ended)
     check_port_free(config.http.host, config.http.port)
-    init_embedded_ray(num_cpus=os.cpu_count(), logging_level="WARNING")
+    with _timed(timings, "ray"):
+        init_embedded_ray(num_cpus=os.cpu_count(), logging_level="WARNING")
     try:
-        return _deploy(config)
+        return _deploy(config, timings)
     except Exception as exc:
         haproxy_mode = os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "0" and haproxy_available(
             os.environ
@@ -301,10 +307,10 @@ def start(config: ClusterConfig, address: str | None = None):
     )
     _stop_embedded()
     check_port_free(config.http.host, config.http.port)
-    with environ_during(_PYTHON_PROXY_ENV):
+    with environ_during(_PYTHON_PROXY_ENV), _timed(timings, "ray"):
         init_embedded_ray(num_cpus=os.cpu_count(), logging_level="WARNING")
     try:
-        return _deploy(config)
+        return _deploy(config, timings)
     except Exception as exc:
         _stop_embedded()
         raise StartupError(_startup_advice(exc)) from exc
@@ -313,13 +319,24 @@ def start(config: ClusterConfig, address: str | None = None):
 _PYTHON_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 
 
-def _deploy(config: ClusterConfig) -> str:
+@contextlib.contextmanager
+def _timed(timings: dict, phase: str):
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[phase] = round(time.perf_counter() - started, 2)
+
+
+def _deploy(config: ClusterConfig, timings: dict) -> str:
     from ray import serve
 
     from cluster.app import build_app
 
-    serve.start(http_options={"host": config.http.host, "port": config.http.port})
-    serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
+    with _timed(timings, "serve"):
+        serve.start(http_options={"host": config.http.host, "port": config.http.port})
+    with _timed(timings, "application"):
+        serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
     # On a joined cluster whose Serve already runs, its HTTP options stand (serve.start does
     # not change them): the URL is where that Serve listens, which may not be --port
     from ray.serve.context import _get_global_client
@@ -368,11 +385,40 @@ def _startup_advice(exc: BaseException) -> str:
     )
 
 
+def startup_report(app: str, timings: dict[str, float]) -> str:
+    """Where the start went: this process's phases (Ray, Serve, the application until every
+    replica ran) and one LLM replica's own (its process until the constructor, the engine's
+    phases: replica/deployment.py startup_s)."""
+    from ray import serve
+
+    from replica.startup import process_age_s
+
+    since = process_age_s()
+    parts = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in timings.items())
+    text = f"ready {since:.1f} s after start ({parts})"
+    try:
+        handle = serve.get_deployment_handle("LLMServer", app_name=app)
+        replica = handle.model_info.remote().result(timeout_s=10)["startup_s"]
+    except Exception as exc:  # the report is informative; serving does not depend on it
+        return f"{text}; replica start-up not read ({_first_line(exc)})"
+    engine = ", ".join(
+        f"{k.removeprefix('engine.')} {v:.2f}"
+        for k, v in replica.items()
+        if k.startswith("engine.")
+    )
+    return (
+        f"{text}; an LLM replica: process boot and imports {replica['process']:.1f} s, "
+        f"engine {replica['engine']:.1f} s ({engine})"
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = _resolve_default_model(build_config(args))
     print(f"stepserve: serving {config.model_name()} ({config.engine.model})", flush=True)
-    url = start(config, args.address)
+    timings: dict[str, float] = {}
+    url = start(config, args.address, timings)
     print(f"stepserve: ready at {url}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True)
+    print(f"stepserve: {startup_report(config.name, timings)}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -22,6 +22,7 @@ from replica.kv_events import get_kv_hub
 from replica.kv_publisher import KVEventPublisher
 from replica.metrics import HUB_ACTOR_OPTIONS, HUB_NAME, HUB_NAMESPACE, EngineMetrics
 from replica.request import RequestOutput
+from replica.startup import process_age_s
 
 logger = logging.getLogger("ray.serve")
 
@@ -90,8 +91,16 @@ class LLMServer:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (direct actor use in tests)
             self.replica_id = f"pid-{os.getpid()}"
+        entered, age = time.time(), process_age_s()
         self.engine = AsyncEngine(Engine(config))
         self.config = config
+        # where this replica's start went: the worker process's boot and imports until this
+        # constructor ran, then the engine's phases (Engine.startup_s)
+        self.startup_s = {
+            "process": round(age, 3),
+            "engine": round(time.time() - entered, 3),
+            **{f"engine.{k}": v for k, v in self.engine.engine.startup_s.items()},
+        }
         self.kv_events: KVEventPublisher | None = None
         if kv_events:  # routers mirror this replica's prefix cache (router/kv_index.py)
             try:
@@ -161,6 +170,7 @@ class LLMServer:
             "num_kv_blocks": engine.num_kv_blocks,
             "block_size": self.config.block_size,
             "replica_id": self.replica_id,
+            "startup_s": self.startup_s,
         }
 
     def routing_stats(self) -> RoutingStats:

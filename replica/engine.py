@@ -92,12 +92,20 @@ class Engine:
         else:
             model_dir = Path(config.model)
         self.model_dir = Path(model_dir)
+        started = time.perf_counter()
         if tokenizer is None:
-            from transformers import AutoTokenizer
+            from replica.tokenizer import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            tokenizer = load_tokenizer(self.model_dir)
         self.tokenizer = tokenizer
+        tokenized = time.perf_counter()
         self.runner = runner if runner is not None else make_runner(config, self.model_dir)
+        # wall seconds of the engine's start: the tokenizer, then the runner's own phases
+        # (config, weights, kernels, kv_cache: ModelRunner.startup_s), the rest as "runner"
+        phases = dict(getattr(self.runner, "startup_s", {}))
+        runner_s = time.perf_counter() - tokenized
+        self.startup_s = {"tokenizer": round(tokenized - started, 3), **phases}
+        self.startup_s["runner_other"] = round(max(0.0, runner_s - sum(phases.values())), 3)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = load_eos_token_ids(self.model_dir, tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.max_model_len)

@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -40,17 +41,52 @@ def check_model_dir(model_dir: str | Path) -> Path:
     return path
 
 
-def load_hf_config(model_dir: str | Path) -> Any:
-    """The checkpoint's transformers config, after checking the architecture is one we run."""
+# transformers' defaults (v5) for the config.json fields the models read, by architecture: a
+# field config.json leaves out takes these, as transformers' config classes give it
+# (tests/test_loader.py checks them against AutoConfig). Reading config.json ourselves keeps
+# transformers' config classes out of the replica: importing one pulls in torch.distributed's
+# tensor package and more, ~3 s of a replica's start on a 2-core host.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    # no rope_theta: a config may carry it in rope_parameters (rotary.rope_parameters reads
+    # both, 10000 when neither has it)
+}
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"intermediate_size": 11008, "max_position_embeddings": 2048},
+    "MistralForCausalLM": {
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+    },
+    "Qwen2ForCausalLM": {
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+    },
+}
+
+
+def load_hf_config(model_dir: str | Path) -> SimpleNamespace:
+    """The checkpoint's config.json, checked to be an architecture we run, with the defaults
+    transformers would give the fields it leaves out."""
     path = check_model_dir(model_dir)
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path / 'config.json'} is not valid JSON: {exc}") from exc
     resolve_model_class(raw.get("architectures"))
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(path))
+    defaults = _COMMON_DEFAULTS | ARCH_DEFAULTS.get(raw["architectures"][0], {})
+    return SimpleNamespace(**(defaults | raw))
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

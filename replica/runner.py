@@ -87,6 +87,9 @@ class ModelRunner:
         tp_group: Any = None,
     ) -> None:
         self.config = config
+        # wall seconds of each start-up phase (config, weights, kernels, kv_cache)
+        self.startup_s: dict[str, float] = {}
+        started = time.perf_counter()
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda" and self.device.index is None:
             # a TP worker selects its GPU with torch.cuda.set_device before building the runner
@@ -97,7 +100,9 @@ class ModelRunner:
         self.hf_config = load_hf_config(model_dir)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_model_len = self._resolve_max_model_len()
+        started = self._phase("config", started)
         self.model = load_model(model_dir, self.hf_config, self.tp, self.device, self.dtype)
+        started = self._phase("weights", started)
         self.num_packed_layers = 0
         # the instruction-set level (the CPU's, capped by config.cpu_isa or STEPSERVE_CPU_ISA)
         # decides which weights oneDNN packs and which build of the native kernels runs; the
@@ -107,7 +112,8 @@ class ModelRunner:
             contextlib.nullcontext() if self.cpu_isa is None else cpu_isa.use_level(self.cpu_isa)
         )
         with self._isa_scope:
-            self._choose_kernels(config)
+            self._choose_kernels(config)  # packs weights for oneDNN, builds native kernels
+        started = self._phase("kernels", started)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.step_times = StepTimes()  # of the latest execute()
         self.sampler = Sampler()
@@ -115,6 +121,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        self._phase("kv_cache", started)
         logger.info(
             "model %s on %s (%s, %d linear layers packed for oneDNN, %s attention, "
             "%d modules on fused C ops), tp rank %d/%d: %d KV blocks of %d tokens, "
@@ -131,6 +138,11 @@ class ModelRunner:
             self.block_size,
             self.max_model_len,
         )
+
+    def _phase(self, name: str, started: float) -> float:
+        now = time.perf_counter()
+        self.startup_s[name] = round(now - started, 3)
+        return now
 
     def _choose_kernels(self, config: EngineConfig) -> None:
         """Weight packing, fused ops and the attention backend: what the device, dtype, config

@@ -193,7 +193,11 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
-                break  # the request itself was the victim: it waits in the queue now
+                # the request itself was the victim: it waits in the queue now, and running[i]
+                # is the next one. Under fcfs the victim is the newest, so none follows; under
+                # priority a request of higher priority may follow and is still scheduled in
+                # this step (vLLM stops the loop here, which leaves a step with nothing run)
+                continue
             scheduled.append(
                 ScheduledRequest(
                     request, request.num_computed_tokens, num_new, kv.block_ids(request.request_id)

@@ -18,13 +18,15 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from replica.request import StructuredOutput
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,21 @@ def _xgrammar():
             "structured outputs need the xgrammar package (pip install xgrammar)"
         ) from exc
     return xgrammar
+
+
+def preload_later(delay_s: float) -> None:
+    """Import xgrammar (and torch, which it imports: ~4 s of CPU) in a daemon thread after
+    `delay_s`, so the ingress starts without it (on a small host, while the LLM replicas load)
+    and a structured request after that finds it loaded; one before waits for the import."""
+
+    def load() -> None:
+        time.sleep(delay_s)
+        try:
+            _xgrammar()
+        except StructuredOutputError:
+            pass  # the first structured request reports it
+
+    threading.Thread(target=load, name="xgrammar-preload", daemon=True).start()
 
 
 def _clean(exc: BaseException) -> str:
@@ -253,6 +270,8 @@ class StructuredOutputs:
 
 def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
     """The packed allowed-token bitmask [len(states), ceil(V/32)] int32 of the given matchers."""
+    import torch  # here, not at the top: the ingress checks grammars without torch
+
     bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for row, state in enumerate(states):
         state.fill(bitmask, row)

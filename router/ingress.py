@@ -22,6 +22,7 @@ from replica.metrics import HUB_NAME, HUB_NAMESPACE, merge_expositions
 from replica.request import SamplingParams
 from replica.structured import StructuredOutputError
 from replica.structured import check as check_structured
+from replica.structured import preload_later as preload_grammar_engine_later
 from router.admission import Admission
 from router.dialects import (
     ChatDialect,
@@ -66,14 +67,14 @@ class IngressCore:
         self.settings = settings
         self.handle = handle
         if tokenizer is None:
-            from transformers import AutoTokenizer
+            from replica.tokenizer import load_tokenizer
 
             model_dir = settings.model_dir
             if model_dir is None:
                 from replica.default_model import default_model_dir
 
                 model_dir = str(default_model_dir())
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            tokenizer = load_tokenizer(model_dir)
         self.tokenizer = tokenizer
         self.guard = RequestGuard(settings.http, settings.auth)
         self.admission = Admission()  # admission by expected wait (router/admission.py)
@@ -592,12 +593,18 @@ def retries_exposition(ingress_id: str, retries: int) -> bytes:
     ).encode()
 
 
+# the grammar engine (xgrammar, and torch with it) is imported this long after the ingress
+# starts: not while the LLM replicas load on the same cores (a fresh `stepserve serve`)
+GRAMMAR_PRELOAD_DELAY_S = 20.0
+
+
 @serve.ingress(fastapi_app)
 class Ingress:
     """The ingress replica: FastAPI routes over one IngressCore."""
 
     def __init__(self, llm_handle, settings: IngressSettings) -> None:
         self.core = IngressCore(llm_handle, settings)
+        preload_grammar_engine_later(GRAMMAR_PRELOAD_DELAY_S)
         try:
             self.ingress_id = serve.get_replica_context().replica_id.unique_id
         except Exception:

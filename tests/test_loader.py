@@ -262,3 +262,108 @@ def test_default_model_is_converted_once_with_tokenizer_and_generation_config(
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
     generation = json.loads((default_model_dir / "generation_config.json").read_text())
     assert generation["eos_token_id"] == tokenizer.eos_token_id
+
+
+# -- config.json and tokenizer read without transformers' config classes -----------------------
+READ_FIELDS = [
+    "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings",
+    "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias", "head_dim",
+]  # fmt: skip
+
+
+def _as_read(config) -> dict:
+    """What the model code reads of a config, as it reads it (replica/models/llama.py,
+    replica/layers/rotary.py, replica/runner.py)."""
+    from replica.layers.rotary import rope_parameters
+    from replica.models.llama import head_dim_of, num_kv_heads_of
+    from replica.runner import model_max_len
+
+    theta, scaling = rope_parameters(config)
+    if scaling is not None:  # transformers folds rope_theta into rope_parameters
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling = None if scaling in ({}, {"rope_type": "default"}) else scaling
+    return {
+        "head_dim": head_dim_of(config),
+        "kv_heads": num_kv_heads_of(config),
+        "max_len": model_max_len(config),
+        "theta": theta,
+        "scaling": scaling,
+        "eps": float(config.rms_norm_eps),
+        "tied": bool(getattr(config, "tie_word_embeddings", False)),
+        "act": getattr(config, "hidden_act", "silu"),
+        "attention_bias": bool(getattr(config, "attention_bias", False)),
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+        **{f: getattr(config, f) for f in READ_FIELDS[1:6] + ["architectures"]},
+    }
+
+
+MINIMAL = {  # a config.json that leaves every optional field to the defaults
+    "LlamaForCausalLM": {"model_type": "llama"},
+    "MistralForCausalLM": {"model_type": "mistral"},
+    "Qwen2ForCausalLM": {"model_type": "qwen2"},
+}
+
+
+@pytest.mark.parametrize("variant", ["tiny", "minimal", "qwen2-window-off", "mistral-no-window"])
+@pytest.mark.parametrize("arch", sorted(MINIMAL))
+def test_config_json_reads_as_transformers_config_classes_do(
+    arch, variant, tmp_path, tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir
+):
+    from transformers import AutoConfig
+
+    from replica.loader import load_hf_config
+
+    tiny = {"LlamaForCausalLM": tiny_llama_dir, "Qwen2ForCausalLM": tiny_qwen2_dir,
+            "MistralForCausalLM": tiny_mistral_dir}[arch]  # fmt: skip
+    raw = json.loads((tiny / "config.json").read_text())
+    if variant == "minimal":
+        raw = {"architectures": [arch], **MINIMAL[arch]}
+    elif variant == "qwen2-window-off":
+        raw |= {"sliding_window": 64, "use_sliding_window": False}
+    elif variant == "mistral-no-window":
+        raw |= {"sliding_window": None}
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(raw))
+    ours, theirs = load_hf_config(out), AutoConfig.from_pretrained(str(out))
+    assert _as_read(ours) == _as_read(theirs)
+
+
+def test_default_model_config_reads_as_transformers_does(default_model_dir):
+    from transformers import AutoConfig
+
+    from replica.loader import load_hf_config
+
+    ours = load_hf_config(default_model_dir)
+    assert _as_read(ours) == _as_read(AutoConfig.from_pretrained(str(default_model_dir)))
+
+
+@pytest.mark.parametrize("which", ["default", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_tokenizer_is_the_one_autotokenizer_loads(
+    which, request, tiny_llama_dir, tiny_qwen2_dir, tiny_mistral_dir
+):
+    from transformers import AutoTokenizer
+
+    from replica.tokenizer import generic_tokenizer_class, load_tokenizer
+
+    model_dir = {"tiny-llama": tiny_llama_dir, "tiny-qwen2": tiny_qwen2_dir,
+                 "tiny-mistral": tiny_mistral_dir}.get(which)  # fmt: skip
+    if model_dir is None:
+        model_dir = request.getfixturevalue("default_model_dir")
+    ours, theirs = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    if which in ("default", "tiny-llama"):
+        assert generic_tokenizer_class(model_dir) is not None  # the direct path was taken
+    assert type(ours) is type(theirs)
+    texts = ["The quick brown fox", "  spaces\tand\nnewlines ", "émigré 日本語 🙂", ""]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text)
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.all_special_ids == theirs.all_special_ids
+    assert ours.eos_token_id == theirs.eos_token_id and ours.bos_token_id == theirs.bos_token_id
+    if theirs.chat_template:
+        chat = [{"role": "user", "content": "hi"}]
+        assert ours.apply_chat_template(chat, add_generation_prompt=True) == (
+            theirs.apply_chat_template(chat, add_generation_prompt=True)
+        )

@@ -99,6 +99,25 @@ def _same_step_workload() -> Workload:
 same_step_prefix_hit_on_a_chunk_in_flight = _same_step_workload()
 
 
+def _victim_first_workload() -> Workload:
+    """Priority policy, every block taken: the running request of lowest priority (first in
+    the running list) needs a block and is itself the victim; the higher-priority request after
+    it must still run in that step (found by this test: the step once ran nothing)."""
+    config = EngineConfig(
+        scheduling_policy="priority", block_size=1, max_num_seqs=2, max_num_batched_tokens=8,
+        enable_chunked_prefill=False, enable_prefix_caching=False,
+    )  # fmt: skip
+    arrivals = [
+        Arrival(rid, step, [0, 0], SamplingParams(max_tokens=n), None, priority)
+        for rid, step, n, priority in (("r0", 0, 5, 1), ("r1", 0, 1, 0), ("r2", 0, 1, 0),
+                                       ("r3", 2, 4, 0))
+    ]  # fmt: skip
+    return Workload(config, num_blocks=9, max_model_len=8, arrivals=arrivals)
+
+
+lowest_priority_victim_before_a_higher_one = _victim_first_workload()
+
+
 def should_reject(w: Workload, a: Arrival) -> bool:
     if len(a.prompt) + 1 > w.max_model_len:
         return True
@@ -129,6 +148,7 @@ def check_step_invariants(sched: Scheduler, w: Workload) -> None:
 )
 @given(workloads())
 @example(same_step_prefix_hit_on_a_chunk_in_flight)
+@example(lowest_priority_victim_before_a_higher_one)
 def test_random_workloads_keep_invariants_and_match_solo_outputs(w: Workload):
     sched = Scheduler(w.config, w.num_blocks, w.max_model_len)
     runner = FakeRunner(w.config.block_size, vocab_size=VOCAB_SIZE)

@@ -1,0 +1,139 @@
+"""`stepserve serve` from a warm cache to a served answer, with where the seconds went.
+
+Each run starts `stepserve serve` (the default model, an embedded Ray), waits for its ready
+line, sends one completion, and reads the start-up report the server prints (Ray, Serve, the
+application; an LLM replica's process boot and imports and its engine phases); then stops it.
+Several trees (e.g. a checkout of an earlier commit) are measured in alternation, so a busy
+moment of the host does not favour one:
+
+    python bench/startup.py --runs 3 --tree new=. --tree old=/tmp/before
+    python bench/startup.py --engine-only --runs 5 --tree new=. --tree old=/tmp/before
+
+`--engine-only` times the engine's construction alone, `Engine(EngineConfig(model=default))` in
+a fresh process that has imported torch and the replica's deployment module (what a replica
+has loaded when its constructor runs): the engine's own start, its imports included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_run(tree: Path, python: str, log: Path) -> dict:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    env["PYTHONPATH"] = str(tree)
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [python, "-m", "cluster.cli", "serve", "--port", str(port)],
+            cwd=tree, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    try:
+        while "ready at" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() - started > 300:
+                raise RuntimeError(f"no ready line: {log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        ready = time.monotonic() - started
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+            timeout=120,
+        )
+        r.raise_for_status()
+        answered = time.monotonic() - started
+        time.sleep(1.5)  # the report line follows the ready line
+        text = log.read_text()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    result = {"ready_s": round(ready, 2), "answer_s": round(answered, 2)}
+    phases = re.search(r"ready [\d.]+ s after start \(([^)]*)\)", text)
+    if phases:
+        for part in phases.group(1).split(", "):
+            name, seconds, _ = part.split(" ")
+            result[name] = float(seconds)
+    replica = re.search(r"process boot and imports ([\d.]+) s, engine ([\d.]+) s \(([^)]*)\)", text)
+    if replica:
+        result["replica_process"] = float(replica.group(1))
+        result["replica_engine"] = float(replica.group(2))
+        for part in replica.group(3).split(", "):
+            name, seconds = part.rsplit(" ", 1)
+            result[f"engine.{name}"] = float(seconds)
+    return result
+
+
+ENGINE_ONLY = """
+import json, time
+import torch  # noqa: F401
+import replica.deployment  # noqa: F401
+from replica.config import EngineConfig
+from replica.default_model import default_model_dir
+from replica.engine import Engine
+started = time.perf_counter()
+engine = Engine(EngineConfig(model=str(default_model_dir())))
+print(json.dumps({"engine_s": round(time.perf_counter() - started, 2)}))
+"""
+
+
+def engine_run(tree: Path, python: str) -> dict:
+    env = os.environ | {"PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [python, "-c", ENGINE_ONLY], cwd=tree, env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tree", action="append", required=True, help="NAME=PATH of a checkout")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--out", default=None, help="JSON file for the results")
+    p.add_argument("--engine-only", action="store_true", help="time Engine() alone")
+    args = p.parse_args()
+    trees = dict(t.split("=", 1) for t in args.tree)
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for i in range(args.runs):
+        for name, path in trees.items():
+            tree = Path(path).resolve()
+            if args.engine_only:
+                result = engine_run(tree, args.python)
+            else:
+                result = one_run(tree, args.python, Path(f"/tmp/startup-{name}.log"))
+            runs[name].append(result)
+            print(name, i, json.dumps(result), flush=True)
+    summary = {
+        name: {key: statistics.median(r.get(key, float("nan")) for r in rs) for key in rs[0]}
+        for name, rs in runs.items()
+    }
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"runs": runs, "median": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
