@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +92,16 @@ def test_serve_survives_sigkill_then_answers_and_drains_on_sigterm(default_model
     try:
         _wait_ready(proc, tmp_path / "first.log")
         first = _answer(port)
+        # the start-up report: this process's phases and the replica's engine phases
+        report = re.search(
+            r"ready ([\d.]+) s after start \(ray [\d.]+ s, serve [\d.]+ s, application "
+            r"([\d.]+) s\); an LLM replica: process boot and imports [\d.]+ s, engine ([\d.]+) s "
+            r"\(tokenizer [\d.]+, config [\d.]+, weights [\d.]+, kernels [\d.]+, kv_cache",
+            (tmp_path / "first.log").read_text(),
+        )
+        assert report, (tmp_path / "first.log").read_text()[-3000:]
+        ready_s, application_s, engine_s = map(float, report.groups())
+        assert 0 < engine_s < application_s < ready_s
         holders = _listening_pids(port)
         assert holders, "nothing listens on the serving port"
     finally:
