@@ -56,6 +56,12 @@ class EngineConfig(BaseModel):
         "with the system compiler) that reads K/V in place; 'torch' gathers each request's "
         "blocks for SDPA. Without a C compiler 'native' falls back to 'torch'.",
     )
+    cpu_prefill_attention: Literal["native", "torch"] = Field(
+        default="native",
+        description="CPU, with cpu_decode_attention='native': 'native' runs prefill attention "
+        "(whole prompts, chunks after cached context) in a tiled C kernel over the paged cache; "
+        "'torch' runs one causal SDPA call per request over its gathered keys.",
+    )
     cpu_fused_ops: bool = Field(
         default=True,
         description="CPU (fp32, bf16): each RMSNorm with the residual add before it, rotary and "

@@ -172,6 +172,7 @@ class ModelRunner:
             self.num_kv_heads,
             self.head_dim,
             config.cpu_decode_attention,
+            config.cpu_prefill_attention,
         )
         self.attn_backend = select_attention_backend(spec)
         set_attention_backend(self.model, self.attn_backend)
@@ -186,6 +187,11 @@ class ModelRunner:
     def native_decode(self) -> bool:
         """Decode attention runs the native C kernel (CPU)."""
         return self.attn_backend is NativeDecodeBackend
+
+    @property
+    def native_prefill(self) -> bool:
+        """Prefill attention runs the native tiled C kernel (CPU)."""
+        return self.native_decode and getattr(self.attn_builder, "native_prefill", False)
 
     # -- sizing ---------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:

@@ -49,6 +49,9 @@ class StructuredOutputError(ValueError):
     """The spec cannot be compiled into a grammar (a user error: HTTP 400)."""
 
 
+_LOADED = threading.Event()  # xgrammar imported in this process
+
+
 def _xgrammar():
     try:
         import xgrammar
@@ -56,7 +59,13 @@ def _xgrammar():
         raise StructuredOutputError(
             "structured outputs need the xgrammar package (pip install xgrammar)"
         ) from exc
+    _LOADED.set()
     return xgrammar
+
+
+def grammar_engine_loaded() -> bool:
+    """Whether this process has imported the grammar engine (preload_later's, or a request's)."""
+    return _LOADED.is_set()
 
 
 def preload_later(delay_s: float) -> None:

@@ -20,7 +20,7 @@ from ray import serve
 
 from replica.metrics import HUB_NAME, HUB_NAMESPACE, merge_expositions
 from replica.request import SamplingParams
-from replica.structured import StructuredOutputError
+from replica.structured import StructuredOutputError, grammar_engine_loaded
 from replica.structured import check as check_structured
 from replica.structured import preload_later as preload_grammar_engine_later
 from router.admission import Admission
@@ -619,6 +619,7 @@ class Ingress:
             "routers": inflight_state(),
             "kv_routing": kv_routing_state(),
             "replica_retries": self.core.calls.retries,
+            "grammar_engine_loaded": grammar_engine_loaded(),
         }
 
     def kv_index(self) -> list[dict]:

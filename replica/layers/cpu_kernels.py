@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 # source -> its own extra compile flags. fused_ops.c without contraction: its rotary then
 # rounds every product and sum as torch does (bitwise equal).
-SOURCES = {"paged_decode.c": (), "fused_ops.c": ("-ffp-contract=off",)}
+SOURCES = {"paged_decode.c": (), "paged_prefill.c": (), "fused_ops.c": ("-ffp-contract=off",)}
+HEADERS = ("kv_elements.h",)  # included by the sources: part of the build's cache key
 # -march comes from the instruction-set level (cpu_isa.march_flags): the AVX-512 paths compile
 # at avx512 and above, the rest vectorize for the level's widest registers. -ffast-math lets the compiler vectorize the reductions and expf (libmvec). It is given to the
 # compile step only: linking with it would add crtfastmath, whose constructor sets flush-to-zero
@@ -70,6 +71,7 @@ def _build_with(compiler: str, extra: tuple[str, ...], march: tuple[str, ...]) -
     parts = [_cpu_signature().encode(), " ".join(cflags + ldflags).encode()]
     for name, flags in SOURCES.items():
         parts += [name.encode(), " ".join(flags).encode(), (CSRC / name).read_bytes()]
+    parts += [(CSRC / name).read_bytes() for name in HEADERS]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     out_dir = cache_root() / "kernels"
     target = out_dir / f"stepserve_kernels-{platform.machine()}-{key}.so"
@@ -139,6 +141,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
         "stepserve_paged_decode": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32]),
+        "stepserve_paged_prefill": (ctypes.c_int, [ptr] * 8 + [i32] * 6 + [f32, i32, i32]),
         "stepserve_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i32, f32, i32, i32]),
         "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32, i32]),
         "stepserve_rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]),
@@ -225,6 +228,93 @@ def paged_decode_unchecked(
     )
     if status:
         raise MemoryError("native paged decode kernel could not allocate its scratch memory")
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    ctx_starts: torch.Tensor,
+    scale: float,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each span's queries against its paged K/V (the span's own new K/V
+    already written to the cache), read in place, tiled (csrc/paged_prefill.c). q [T, heads, d]
+    holds the spans' query rows at q_starts[s]..q_starts[s]+q_lens[s]; their positions start at
+    ctx_starts[s] and each attends keys 0..its position. Returns [T, heads, d] (rows outside
+    the spans are left uninitialized). Checks its inputs; `paged_prefill_unchecked` trusts them."""
+    lib = native_library()
+    if lib is None:
+        raise RuntimeError("the native paged prefill kernel is not available")
+    if q.dtype not in KERNEL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"paged_prefill takes fp32 or bf16 q and KV, got {q.dtype}/{k_cache.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    q = q.contiguous()
+    spans = [x.to(torch.int32).contiguous() for x in (q_starts, q_lens, ctx_starts)]
+    block_table = block_table.to(torch.int32).contiguous()
+    num_tokens, num_heads, _ = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    n = block_table.shape[0]
+    if any(x.shape != (n,) for x in spans):
+        raise ValueError("q_starts, q_lens and ctx_starts need one entry per block_table row")
+    starts, lens, ctx = (x.long() for x in spans)
+    if n and (int(lens.min()) < 1 or int(starts.min()) < 0 or int(ctx.min()) < 0):
+        raise ValueError("spans need q_lens >= 1 and non-negative starts")
+    if n and int((starts + lens).max()) > num_tokens:
+        raise ValueError("a span's query rows run past q")
+    if n and int((ctx + lens).max()) > block_table.shape[1] * block_size:
+        raise ValueError("a span's keys run past its block table")
+    return paged_prefill_unchecked(q, k_cache, v_cache, block_table, *spans, scale, num_threads)
+
+
+def paged_prefill_unchecked(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    ctx_starts: torch.Tensor,
+    scale: float,
+    num_threads: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_prefill` for a caller that checked its inputs once per step (the native backend's
+    metadata builder): int32 contiguous tables, contiguous q and caches of one dtype. Writes
+    the spans' rows of `out` (a new tensor when None)."""
+    q = q.contiguous()
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    status = native_library().stepserve_paged_prefill(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_table.data_ptr(),
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        ctx_starts.data_ptr(),
+        out.data_ptr(),
+        block_table.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        block_table.shape[1],
+        float(scale),
+        1 if q.dtype == torch.bfloat16 else 0,
+        num_threads or torch.get_num_threads(),
+    )
+    if status:
+        raise MemoryError("native paged prefill kernel could not allocate its scratch memory")
     return out
 
 

@@ -22,6 +22,7 @@ class AttentionSpec:
     num_kv_heads: int  # this rank's
     head_dim: int
     cpu_decode_attention: str = "native"  # EngineConfig.cpu_decode_attention
+    cpu_prefill_attention: str = "native"  # EngineConfig.cpu_prefill_attention
 
 
 @dataclass

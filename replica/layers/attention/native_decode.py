@@ -1,6 +1,7 @@
 """CPU (fp32, bf16) with the native library: decodes run the C paged decode kernel, which reads
-each request's K/V where they lie in the block cache (nothing gathered); prefills run torch SDPA
-as in torch_sdpa.py."""
+each request's K/V where they lie in the block cache (nothing gathered); prefills (requests with
+more than one query token: whole prompts, chunks after cached context) run the tiled C prefill
+kernel the same way, or torch SDPA as in torch_sdpa.py with cpu_prefill_attention='torch'."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ from replica.layers.attention.backend import (
     step_layout,
 )
 from replica.layers.attention.torch_sdpa import PrefillSpan, attend_prefills, prefill_spans
-from replica.layers.cpu_kernels import KERNEL_DTYPES, native_library, paged_decode_unchecked
+from replica.layers.cpu_kernels import (
+    KERNEL_DTYPES,
+    native_library,
+    paged_decode_unchecked,
+    paged_prefill_unchecked,
+)
 
 
 @dataclass
@@ -32,9 +38,20 @@ class DecodeBatch:
 
 
 @dataclass
+class PrefillBatch:
+    """Every request with more than one query token, for the native prefill kernel."""
+
+    block_table: torch.Tensor  # int32 [n, max_blocks]
+    q_starts: torch.Tensor  # int32 [n] its first token's index in the flat stream
+    q_lens: torch.Tensor  # int32 [n]
+    ctx_starts: torch.Tensor  # int32 [n] the position of its first query token
+
+
+@dataclass
 class NativeDecodeMetadata(AttentionMetadata):
     decode_batch: DecodeBatch | None  # None: no decode this step
-    prefills: list[PrefillSpan]
+    prefills: list[PrefillSpan]  # for torch SDPA (cpu_prefill_attention='torch')
+    prefill_batch: PrefillBatch | None = None  # for the native kernel; None: none, or torch
 
 
 def _decode_batch(
@@ -65,18 +82,64 @@ def _decode_batch(
     )
 
 
+# A prefill whose queries attend more keys than this runs torch SDPA instead: for long
+# contexts torch's blocked flash-attention kernel is faster (bench/prefill_attention.py on a
+# 2-core AVX2 host: the native kernel 1.39-1.82x faster up to 512 keys, 0.89x at 1280, 0.69x
+# at 2048)
+NATIVE_PREFILL_MAX_KEYS = 1024
+
+
+def _prefill_batch(
+    starts: list[int], query_lens: list[int], block_table: torch.Tensor, block_size: int
+) -> PrefillBatch | None:
+    """Checked here, once per step, what the prefill kernel relies on (as _decode_batch)."""
+    spans = [
+        i for i, n in enumerate(query_lens) if n > 1 and starts[i] + n <= NATIVE_PREFILL_MAX_KEYS
+    ]
+    if not spans:
+        return None
+    ends = [starts[i] + query_lens[i] for i in spans]
+    if max(ends) > block_table.shape[1] * block_size:
+        raise ValueError(
+            f"a prefill of {max(ends)} keys is longer than its block table "
+            f"({block_table.shape[1]} blocks of {block_size})"
+        )
+    lens = torch.tensor(query_lens, dtype=torch.int32)
+    q_starts = torch.cumsum(lens, 0, dtype=torch.int32) - lens
+    index = torch.tensor(spans, dtype=torch.long)
+    return PrefillBatch(
+        block_table=block_table[index].to(torch.int32).contiguous(),
+        q_starts=q_starts[index].contiguous(),
+        q_lens=lens[index].contiguous(),
+        ctx_starts=torch.tensor([starts[i] for i in spans], dtype=torch.int32),
+    )
+
+
 class NativeDecodeMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, block_size: int, device: torch.device | str, native_prefill: bool) -> None:
+        super().__init__(block_size, device)
+        self.native_prefill = native_prefill
+
     def build(
         self, starts: list[int], query_lens: list[int], block_ids: list[list[int]]
     ) -> tuple[NativeDecodeMetadata, torch.Tensor]:
         block_size, device = self.block_size, self.device
         layout = step_layout(starts, query_lens, block_ids, block_size)
+        batch, torch_only = None, None
+        if self.native_prefill:
+            batch = _prefill_batch(starts, query_lens, layout.block_table, block_size)
+            # the long contexts stay with torch SDPA
+            torch_only = {
+                i for i, n in enumerate(query_lens) if starts[i] + n > NATIVE_PREFILL_MAX_KEYS
+            }
+        prefills = prefill_spans(starts, query_lens, layout, block_size, device, torch_only)
         meta = NativeDecodeMetadata(
             slot_mapping=layout.slot_mapping.to(device),
             decode_batch=_decode_batch(
                 query_lens, layout.seq_lens, layout.block_table, block_size, layout.q_starts, device
             ),
-            prefills=prefill_spans(starts, query_lens, layout, block_size, device),
+            prefills=prefills,
+            prefill_batch=batch,
         )
         return meta, layout.positions.to(device)
 
@@ -106,6 +169,12 @@ class NativeDecodeImpl(AttentionImpl):
                 qd, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale
             )
             out.index_copy_(0, batch.token_index, od)
+        prefill = meta.prefill_batch
+        if prefill is not None:  # the spans' rows of out, read from the cache in place
+            paged_prefill_unchecked(
+                q, k_cache, v_cache, prefill.block_table, prefill.q_starts, prefill.q_lens,
+                prefill.ctx_starts, self.scale, out=out,
+            )  # fmt: skip
         if meta.prefills:
             attend_prefills(self, out, q, k, v, kv_cache, meta.prefills)
         return out.view(num_tokens, self.num_heads * d)
@@ -123,4 +192,10 @@ class NativeDecodeBackend(AttentionBackend):
             and spec.cpu_decode_attention == "native"
             and spec.dtype in KERNEL_DTYPES
             and native_library() is not None
+        )
+
+    @classmethod
+    def make_builder(cls, spec: AttentionSpec) -> NativeDecodeMetadataBuilder:
+        return NativeDecodeMetadataBuilder(
+            spec.block_size, spec.device, spec.cpu_prefill_attention == "native"
         )

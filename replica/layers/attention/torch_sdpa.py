@@ -73,11 +73,12 @@ def prefill_spans(
     layout: StepLayout,
     block_size: int,
     device: torch.device | str,
+    only: set[int] | None = None,
 ) -> list[PrefillSpan]:
-    """One span per request with more than one query token."""
+    """One span per request with more than one query token (of the requests in `only`)."""
     prefills = []
     for i, n in enumerate(query_lens):
-        if n == 1:
+        if n == 1 or (only is not None and i not in only):
             continue
         q0 = int(layout.q_starts[i])
         start = starts[i]

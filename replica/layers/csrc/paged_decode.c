@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_elements.h"
+
 #define LANES 16
 
 typedef struct {
@@ -35,36 +37,6 @@ typedef struct {
     int status;
     void *parts; /* vector path: [heads, 16] partial-sum vectors of one key tile */
 } job_t;
-
-static inline float load(const void *base, int64_t i, int bf16) {
-    if (bf16) {
-        uint32_t bits = ((uint32_t)((const uint16_t *)base)[i]) << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-    return ((const float *)base)[i];
-}
-
-static inline void store(void *base, int64_t i, float x, int bf16) {
-    if (bf16) {
-        uint32_t bits;
-        memcpy(&bits, &x, sizeof bits);
-        bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as torch does */
-        ((uint16_t *)base)[i] = (uint16_t)(bits >> 16);
-        return;
-    }
-    ((float *)base)[i] = x;
-}
-
-/* widen one row of n elements to fp32 */
-static inline void row_f32(const void *base, int64_t offset, int n, int bf16, float *dst) {
-    if (!bf16) {
-        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
-        return;
-    }
-    for (int i = 0; i < n; i++) dst[i] = load(base, offset + i, 1);
-}
 
 /* ask for the same row of the sequence's next block while this one is computed: blocks lie
  * anywhere in the pool, so the hardware prefetcher cannot see the jump coming */
