@@ -109,6 +109,7 @@ def worker_ours(args, workload: dict) -> dict:
         dtype=args.dtype,
         max_num_seqs=max(64, len(prompts)),
         kv_cache_bytes=KV_CACHE_GIB << 30,
+        cpu_prefill_attention=args.prefill,
     )
     engine = llm.engine
 
@@ -308,8 +309,9 @@ def launch(system: str, args, workload_path: Path, tmp: Path) -> dict:
     env = dict(os.environ)
     cmd = ["--model-dir", str(args.model_dir), "--workload", str(workload_path)]
     cmd += ["--result", str(result_path), "--threads", str(args.threads)]
-    if name == "ours":
+    if name in ("ours", "ours-torch-prefill"):
         cmd += ["--worker", "ours", "--dtype", dtype or "float32"]
+        cmd += ["--prefill", "torch" if name == "ours-torch-prefill" else "native"]
         cmd += ["--steady-steps", str(args.steady_steps)]
     elif name == "vllm":
         python = args.vllm_python
@@ -396,6 +398,12 @@ def main() -> None:
     )
     parser.add_argument("--steady-steps", type=int, default=20)
     parser.add_argument(
+        "--output-tokens",
+        type=int,
+        default=None,
+        help="every request's output length (1: prefill only); default exponential, mean 128",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -410,6 +418,8 @@ def main() -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=1, help=argparse.SUPPRESS)
+    # ours-torch-prefill: the engine with cpu_prefill_attention="torch" (the native kernel's A/B)
+    parser.add_argument("--prefill", default="native", help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -428,6 +438,8 @@ def main() -> None:
     args.model_dir = model_dir(args.model)
     vocab = int(load_hf_config(args.model_dir).vocab_size)
     workload = make_workload(args.num_requests, vocab)
+    if args.output_tokens is not None:
+        workload["output_lens"] = [args.output_tokens] * args.num_requests
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     out_path = args.out or (None if args.quick else RESULTS / "offline_throughput.json")
 
@@ -461,9 +473,10 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
     ok = {k: v for k, v in results.items() if "error" not in v}
     rate = {k: v["output_tokens_per_s"] for k, v in ok.items()}
     ratios = {}
-    for ours in ("ours:float32", "ours:bfloat16"):
-        for base in ("hf-static", "hf-seq", "vllm:float32", "vllm:bfloat16"):
-            if ours in rate and base in rate:
+    for ours in ("ours:float32", "ours:bfloat16", "ours-torch-prefill:float32"):
+        for base in ("hf-static", "hf-seq", "vllm:float32", "vllm:bfloat16",
+                     "ours-torch-prefill:float32"):  # fmt: skip
+            if ours in rate and base in rate and ours != base:
                 ratios[f"{ours} / {base}"] = round(rate[ours] / rate[base], 2)
     agree = {}
     if "ours:float32" in ok:

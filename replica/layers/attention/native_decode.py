@@ -197,5 +197,18 @@ class NativeDecodeBackend(AttentionBackend):
     @classmethod
     def make_builder(cls, spec: AttentionSpec) -> NativeDecodeMetadataBuilder:
         return NativeDecodeMetadataBuilder(
-            spec.block_size, spec.device, spec.cpu_prefill_attention == "native"
+            spec.block_size, spec.device, native_prefill_runs_here(spec)
         )
+
+
+# the instruction-set levels whose build of the prefill kernel has explicit vector code: below
+# them (SSE2, or another architecture's plain loops) torch's SDPA was 3-5x faster
+VECTOR_PREFILL_LEVELS = ("avx2", "avx512", "avx512_bf16")
+
+
+def native_prefill_runs_here(spec: AttentionSpec) -> bool:
+    """Whether prefills take the native kernel: asked for, and the active level (the runner
+    builds inside its own, cpu_isa.use_level) has its vector code."""
+    from replica.layers.cpu_isa import active_level
+
+    return spec.cpu_prefill_attention == "native" and active_level() in VECTOR_PREFILL_LEVELS
