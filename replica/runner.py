@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,19 @@ __all__ = ["ModelRunner", "RunnerOutput", "StepBatch", "StepTimes", "model_max_l
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor on fresh anonymous memory: the OS hands out zeroed pages as each is
+    first touched, so nothing is written up front (torch.zeros wrote the default 1 GiB KV cache
+    at start-up: 0.6-0.9 s on a 2-core host), and only the blocks in use become resident. The
+    tensor keeps its mapping alive."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(size, 1))  # MAP_ANONYMOUS | MAP_PRIVATE: zero-filled by the OS
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 @dataclass
@@ -273,6 +287,11 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: padded decode lanes read slots and NaN garbage would leak through
+        if self.device.type == "cpu":
+            return [
+                (zero_pages(shape, self.dtype), zero_pages(shape, self.dtype))
+                for _ in range(self.num_layers)
+            ]
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -48,6 +48,13 @@ def _root_cause(exc: BaseException) -> BaseException:
 REPLICA_LOST = frozenset({"ActorDiedError", "RayActorError", "ActorUnavailableError"})
 
 
+def replica_full(exc: BaseException) -> bool:
+    """Whether a replica refused a call because its queue was full or it was draining
+    (EngineOverloaded): momentary, and another replica, or the same one a step later, may
+    take it."""
+    return isinstance(_root_cause(exc), EngineOverloaded)
+
+
 def replica_lost(exc: BaseException) -> bool:
     """Whether a replica call failed because its replica actor is gone (not because of the
     request): retried on another replica while nothing of it reached the client."""

@@ -1,22 +1,28 @@
 """The ingress's calls to the LLM replicas: one `GenerateRequest` per choice through the
 deployment handle (routed by LoadAwareRouter), streamed or unary, several choices (n > 1, several
 prompts) at once; each request's first token and end are reported to the routers' tallies
-(router/inflight.py). Leaving early cancels the calls, which aborts each in its replica. A call
-whose replica was lost (actor died, node gone) before anything of it reached the client is sent
-again, to another replica (Serve's router drops a replica whose call raised ActorDiedError, and
-LoadAwareRouter avoids one whose actor was unreachable)."""
+(router/inflight.py). Leaving early cancels the calls, which aborts each in its replica.
+
+A call that failed before anything of it reached the client is sent again when the failure was
+the replica's, not the request's: its replica was lost (actor died, node gone: Serve's router
+drops a replica whose call raised ActorDiedError, LoadAwareRouter avoids one found
+unreachable), up to MAX_SENDS sends; or its replica was momentarily full or draining (the
+ingress had admitted it by its own expected wait; a stream's 200 may already be out), with
+growing pauses for up to FULL_RETRY_S."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 from replica.contracts import GenerateRequest
 from replica.request import RequestOutput, SamplingParams
-from router.errors import replica_lost
+from router.errors import replica_full, replica_lost
 from router.inflight import note_finished, note_first_token
 from router.kv_routing import note_cached, note_gone
 from router.policy import Policy
@@ -30,6 +36,10 @@ logger = logging.getLogger("ray.serve")
 # (a node that dies takes one replica; the retry goes elsewhere unless a second dies meanwhile)
 MAX_SENDS = 3
 RETRY_PAUSE_S = 0.05
+# a call refused by a full replica is sent again for this long (pauses 0.05 s doubling to
+# 0.4 s): a replica's queue empties within steps (the request's own deadline still applies)
+FULL_RETRY_S = 3.0
+FULL_PAUSE_MAX_S = 0.4
 
 
 class ReplicaCalls:
@@ -40,18 +50,24 @@ class ReplicaCalls:
         self.block_size = block_size
         self.retries = 0  # calls sent again after their replica was lost (ingress metrics)
 
-    async def _lost(self, exc: BaseException, send: int, request_id: str) -> None:
-        """Raise `exc` unless it is a lost replica and another send is allowed; else note the
-        retry and pause briefly (the router learns of the loss meanwhile)."""
-        if send + 1 >= MAX_SENDS or not replica_lost(exc):
+    async def _again(
+        self, exc: BaseException, send: int, first_sent: float, request_id: str
+    ) -> None:
+        """Raise `exc` unless the call may be sent again (see the module's docstring); else
+        note the retry and pause (the router learns of a loss, a full queue drains)."""
+        if replica_lost(exc) and send + 1 < MAX_SENDS:
+            pause, why = RETRY_PAUSE_S, "its replica was lost"
+        elif replica_full(exc) and time.monotonic() - first_sent < FULL_RETRY_S:
+            pause, why = min(RETRY_PAUSE_S * 2**send, FULL_PAUSE_MAX_S), "its replica was full"
+        else:
             raise exc
         self.retries += 1
         own_serve_request_id()  # the next send is a call of its own to Serve's router
-        logger.warning(
-            "request %s: its replica was lost before its first output (%s); sending it again "
-            "(%d of %d)", request_id, type(exc).__name__, send + 2, MAX_SENDS
+        logger.info(
+            "request %s: %s before its first output (%s); sending it again (send %d)",
+            request_id, why, type(exc).__name__, send + 2,
         )  # fmt: skip
-        await asyncio.sleep(RETRY_PAUSE_S)
+        await asyncio.sleep(pause)
 
     def request(
         self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
@@ -69,7 +85,8 @@ class ReplicaCalls:
     async def one_stream(
         self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        for send in range(MAX_SENDS):
+        first_sent = time.monotonic()
+        for send in itertools.count():
             request = self.request(prompt_ids, params, priority)
             first = True
             try:
@@ -87,7 +104,7 @@ class ReplicaCalls:
             finally:
                 note_finished(request.request_id)
                 note_gone(request.request_id)
-            await self._lost(lost, send, request.request_id)
+            await self._again(lost, send, first_sent, request.request_id)
 
     async def complete_all(
         self, jobs: list[Job], priority: int = 0
@@ -99,7 +116,8 @@ class ReplicaCalls:
         async def one(index: int, ids: list[int], params: SamplingParams):
             if len(jobs) > 1:
                 own_serve_request_id()  # this task's context only
-            for send in range(MAX_SENDS):
+            first_sent = time.monotonic()
+            for send in itertools.count():
                 request = self.request(ids, params, priority)
                 try:
                     out = await self.handle.generate_all.remote(request)
@@ -110,8 +128,8 @@ class ReplicaCalls:
                 finally:
                     note_finished(request.request_id)
                     note_gone(request.request_id)
-                await self._lost(lost, send, request.request_id)
-            raise AssertionError("unreachable: the last send's failure is raised")
+                await self._again(lost, send, first_sent, request.request_id)
+            raise AssertionError("unreachable: itertools.count() does not end")
 
         if len(jobs) == 1:
             return [await one(*jobs[0])]

@@ -1,7 +1,8 @@
-"""A lost replica, from the ingress's side: a call whose replica actor died before its first
-output is sent again (router/fanout.py), a stream already under way is not; the router skips a
-replica its calls found dead or unreachable (router/request_router.py). Fake handles and
-replicas: the real thing is tests/test_multinode.py's node loss."""
+"""A lost or full replica, from the ingress's side: a call whose replica actor died before its
+first output is sent again (router/fanout.py), a stream already under way is not; one refused
+by a full replica is sent again for a while; the router skips a replica its calls found dead or
+unreachable (router/request_router.py). Fake handles and replicas: the real thing is
+tests/test_multinode.py's node loss and tests/test_reliability.py's burst."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from replica.request import SamplingParams  # noqa: E402
+from replica.request import EngineOverloaded, SamplingParams  # noqa: E402
 from router import fanout  # noqa: E402
 from router.fanout import MAX_SENDS, ReplicaCalls  # noqa: E402
 from router.policy import Policy, RoutingConfig  # noqa: E402
@@ -105,6 +106,17 @@ def test_sends_are_bounded():
     with pytest.raises(ActorDiedError):
         collect(c)
     assert len(handle.sends) == MAX_SENDS and c.retries == MAX_SENDS - 1
+
+
+def test_a_call_refused_by_a_full_replica_is_sent_again_for_a_while(monkeypatch):
+    c, handle = calls([(0, EngineOverloaded)] * 4)
+    assert collect(c) == [0, 1, 2]  # the fifth send was taken
+    assert len(handle.sends) == 5 and c.retries == 4
+    monkeypatch.setattr(fanout, "FULL_RETRY_S", 0.0)  # no time left: the refusal stands
+    c, handle = calls([(0, EngineOverloaded)])
+    with pytest.raises(EngineOverloaded):
+        collect(c)
+    assert len(handle.sends) == 1
 
 
 def test_unary_calls_are_sent_again_each_on_its_own():
