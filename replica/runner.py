@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import time
 from dataclasses import dataclass
@@ -49,9 +50,7 @@ def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     first touched, so nothing is written up front (torch.zeros wrote the default 1 GiB KV cache
     at start-up: 0.6-0.9 s on a 2-core host), and only the blocks in use become resident. The
     tensor keeps its mapping alive."""
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     size = numel * torch.empty((), dtype=dtype).element_size()
     buffer = mmap.mmap(-1, max(size, 1))  # MAP_ANONYMOUS | MAP_PRIVATE: zero-filled by the OS
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

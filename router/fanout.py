@@ -48,7 +48,7 @@ class ReplicaCalls:
         self.stream_handle = handle.options(stream=True)
         self.policy = policy
         self.block_size = block_size
-        self.retries = 0  # calls sent again after their replica was lost (ingress metrics)
+        self.retries = 0  # calls sent again after their replica was lost or full (metrics)
 
     async def _again(
         self, exc: BaseException, send: int, first_sent: float, request_id: str
@@ -129,7 +129,6 @@ class ReplicaCalls:
                     note_finished(request.request_id)
                     note_gone(request.request_id)
                 await self._again(lost, send, first_sent, request.request_id)
-            raise AssertionError("unreachable: itertools.count() does not end")
 
         if len(jobs) == 1:
             return [await one(*jobs[0])]

@@ -586,8 +586,8 @@ fastapi_app = FastAPI(title="stepserve", version="0.1.0")
 
 def retries_exposition(ingress_id: str, retries: int) -> bytes:
     return (
-        "# HELP stepserve:ingress_replica_retries_total Calls sent again to another replica "
-        "because theirs was lost (actor died, node gone) before their first output.\n"
+        "# HELP stepserve:ingress_replica_retries_total Calls sent again because their replica "
+        "was lost (actor died, node gone) or full before their first output.\n"
         "# TYPE stepserve:ingress_replica_retries_total counter\n"
         f'stepserve:ingress_replica_retries_total{{ingress="{ingress_id}"}} {retries}\n'
     ).encode()

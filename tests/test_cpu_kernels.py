@@ -48,12 +48,23 @@ def case(seed, num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
     lens = [
         rng.choice([1, block_size, block_size + 1, rng.randrange(1, 200)]) for _ in range(num_seqs)
     ]
-    blocks_per = [-(-n // block_size) for n in lens]
-    num_blocks = sum(blocks_per) + 7
+    table, k, v = scattered_cache(
+        rng, gen, [-(-n // block_size) for n in lens], 7, 2, block_size, num_kv_heads, head_dim,
+        dtype,
+    )  # fmt: skip
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def scattered_cache(
+    rng, gen, blocks_per, spare_blocks, spare_columns, block_size, num_kv_heads, head_dim, dtype
+):
+    """A random K/V pool and a block table giving each request its blocks scattered over the
+    pool, as after churn (`spare_blocks` unused in the pool, `spare_columns` unused per row)."""
+    num_blocks = sum(blocks_per) + spare_blocks
     ids = list(range(num_blocks))
-    rng.shuffle(ids)  # a request's blocks scattered over the pool, as after churn
-    max_blocks = max(blocks_per) + 2
-    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    rng.shuffle(ids)
+    table = torch.zeros(len(blocks_per), max(blocks_per) + spare_columns, dtype=torch.int32)
     cursor = 0
     for i, b in enumerate(blocks_per):
         table[i, :b] = torch.tensor(ids[cursor : cursor + b], dtype=torch.int32)
@@ -61,8 +72,7 @@ def case(seed, num_seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k = torch.randn(shape, generator=gen).to(dtype)
     v = torch.randn(shape, generator=gen).to(dtype)
-    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
-    return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
+    return table, k, v
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.layers.cpu_kernels import paged_prefill
-from tests.test_cpu_kernels import needs_native
+from tests.test_cpu_kernels import needs_native, scattered_cache
 
 pytestmark = needs_native
 
@@ -46,18 +46,10 @@ def spans_case(seed, spans, num_heads, num_kv_heads, head_dim, block_size, dtype
     """`spans`: (context before, query tokens) per span."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    blocks_per = [-(-(ctx + n) // block_size) for ctx, n in spans]
-    num_blocks = sum(blocks_per) + 5
-    ids = list(range(num_blocks))
-    rng.shuffle(ids)  # each span's blocks scattered over the pool, as after churn
-    table = torch.zeros(len(spans), max(blocks_per) + 1, dtype=torch.int32)
-    cursor = 0
-    for i, b in enumerate(blocks_per):
-        table[i, :b] = torch.tensor(ids[cursor : cursor + b], dtype=torch.int32)
-        cursor += b
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.randn(shape, generator=gen).to(dtype)
-    v = torch.randn(shape, generator=gen).to(dtype)
+    table, k, v = scattered_cache(
+        rng, gen, [-(-(ctx + n) // block_size) for ctx, n in spans], 5, 1, block_size,
+        num_kv_heads, head_dim, dtype,
+    )  # fmt: skip
     lens = torch.tensor([n for _, n in spans], dtype=torch.int32)
     starts = torch.cumsum(lens, 0, dtype=torch.int32) - lens
     ctx = torch.tensor([c for c, _ in spans], dtype=torch.int32)

@@ -157,6 +157,23 @@ def paged_decode_kernel():
     return None if lib is None else lib.stepserve_paged_decode
 
 
+def _check_attention_inputs(
+    kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """What both attention kernels need of q [T, heads, d] and the caches [blocks, block_size,
+    kv_heads, d]: the library, one fp32 or bf16 dtype, contiguous CPU caches, whole GQA groups."""
+    if native_library() is None:
+        raise RuntimeError(f"the native {kernel} kernel is not available")
+    if q.dtype not in KERNEL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"{kernel} takes fp32 or bf16 q and KV, got {q.dtype}/{k_cache.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -169,21 +186,12 @@ def paged_decode(
     """Attention of one query token per sequence against its paged K/V, read in place.
     q [n, heads, d]; caches [blocks, block_size, kv_heads, d]; block_table int32 [n, max_blocks];
     seq_lens int32 [n]. Returns [n, heads, d] in q's dtype."""
-    fn = paged_decode_kernel()
-    if fn is None:
-        raise RuntimeError("the native paged decode kernel is not available")
-    if q.dtype not in KERNEL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"paged_decode takes fp32 or bf16 q and KV, got {q.dtype}/{k_cache.dtype}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    _check_attention_inputs("paged_decode", q, k_cache, v_cache)
     q = q.contiguous()
     block_table = block_table.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
-    num_seqs, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    num_seqs = q.shape[0]
+    block_size = k_cache.shape[1]
     if block_table.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
         raise ValueError("block_table and seq_lens need one row per query")
     if num_seqs and int(seq_lens.max()) > block_table.shape[1] * block_size:
@@ -247,21 +255,12 @@ def paged_prefill(
     holds the spans' query rows at q_starts[s]..q_starts[s]+q_lens[s]; their positions start at
     ctx_starts[s] and each attends keys 0..its position. Returns [T, heads, d] (rows outside
     the spans are left uninitialized). Checks its inputs; `paged_prefill_unchecked` trusts them."""
-    lib = native_library()
-    if lib is None:
-        raise RuntimeError("the native paged prefill kernel is not available")
-    if q.dtype not in KERNEL_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"paged_prefill takes fp32 or bf16 q and KV, got {q.dtype}/{k_cache.dtype}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous CPU tensor")
+    _check_attention_inputs("paged_prefill", q, k_cache, v_cache)
     q = q.contiguous()
     spans = [x.to(torch.int32).contiguous() for x in (q_starts, q_lens, ctx_starts)]
     block_table = block_table.to(torch.int32).contiguous()
-    num_tokens, num_heads, _ = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    num_tokens = q.shape[0]
+    block_size = k_cache.shape[1]
     n = block_table.shape[0]
     if any(x.shape != (n,) for x in spans):
         raise ValueError("q_starts, q_lens and ctx_starts need one entry per block_table row")

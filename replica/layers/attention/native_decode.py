@@ -16,6 +16,7 @@ from replica.layers.attention.backend import (
     AttentionMetadataBuilder,
     AttentionSpec,
     KVCache,
+    StepLayout,
     step_layout,
 )
 from replica.layers.attention.torch_sdpa import PrefillSpan, attend_prefills, prefill_spans
@@ -84,34 +85,30 @@ def _decode_batch(
 
 # A prefill whose queries attend more keys than this runs torch SDPA instead: for long
 # contexts torch's blocked flash-attention kernel is faster (bench/prefill_attention.py on a
-# 2-core AVX2 host: the native kernel 1.39-1.82x faster up to 512 keys, 0.89x at 1280, 0.69x
+# 2-core AVX2 host: the native kernel 1.54-1.74x faster up to 512 keys, 0.74x at 1280, 0.84x
 # at 2048)
 NATIVE_PREFILL_MAX_KEYS = 1024
 
 
-def _prefill_batch(
-    starts: list[int], query_lens: list[int], block_table: torch.Tensor, block_size: int
-) -> PrefillBatch | None:
-    """Checked here, once per step, what the prefill kernel relies on (as _decode_batch)."""
-    spans = [
-        i for i, n in enumerate(query_lens) if n > 1 and starts[i] + n <= NATIVE_PREFILL_MAX_KEYS
-    ]
+def _prefill_batch(spans: list[int], layout: StepLayout, block_size: int) -> PrefillBatch | None:
+    """The requests `spans` (indices in the step) for the native prefill kernel; checked here,
+    once per step, what the kernel relies on (as _decode_batch)."""
     if not spans:
         return None
-    ends = [starts[i] + query_lens[i] for i in spans]
-    if max(ends) > block_table.shape[1] * block_size:
+    longest = max(layout.seq_lens[i] for i in spans)
+    table = layout.block_table
+    if longest > table.shape[1] * block_size:
         raise ValueError(
-            f"a prefill of {max(ends)} keys is longer than its block table "
-            f"({block_table.shape[1]} blocks of {block_size})"
+            f"a prefill of {longest} keys is longer than its block table "
+            f"({table.shape[1]} blocks of {block_size})"
         )
-    lens = torch.tensor(query_lens, dtype=torch.int32)
-    q_starts = torch.cumsum(lens, 0, dtype=torch.int32) - lens
     index = torch.tensor(spans, dtype=torch.long)
+    starts = [layout.seq_lens[i] - int(layout.q_lens[i]) for i in spans]
     return PrefillBatch(
-        block_table=block_table[index].to(torch.int32).contiguous(),
-        q_starts=q_starts[index].contiguous(),
-        q_lens=lens[index].contiguous(),
-        ctx_starts=torch.tensor([starts[i] for i in spans], dtype=torch.int32),
+        block_table=table[index].to(torch.int32).contiguous(),
+        q_starts=layout.q_starts[index].to(torch.int32).contiguous(),
+        q_lens=layout.q_lens[index].to(torch.int32).contiguous(),
+        ctx_starts=torch.tensor(starts, dtype=torch.int32),
     )
 
 
@@ -125,13 +122,15 @@ class NativeDecodeMetadataBuilder(AttentionMetadataBuilder):
     ) -> tuple[NativeDecodeMetadata, torch.Tensor]:
         block_size, device = self.block_size, self.device
         layout = step_layout(starts, query_lens, block_ids, block_size)
-        batch, torch_only = None, None
+        batch, torch_only = None, None  # None: every prefill on torch SDPA
         if self.native_prefill:
-            batch = _prefill_batch(starts, query_lens, layout.block_table, block_size)
-            # the long contexts stay with torch SDPA
-            torch_only = {
-                i for i, n in enumerate(query_lens) if starts[i] + n > NATIVE_PREFILL_MAX_KEYS
-            }
+            native = [
+                i
+                for i, n in enumerate(query_lens)
+                if n > 1 and layout.seq_lens[i] <= NATIVE_PREFILL_MAX_KEYS
+            ]
+            batch = _prefill_batch(native, layout, block_size)
+            torch_only = set(range(len(query_lens))) - set(native)  # the long contexts
         prefills = prefill_spans(starts, query_lens, layout, block_size, device, torch_only)
         meta = NativeDecodeMetadata(
             slot_mapping=layout.slot_mapping.to(device),
