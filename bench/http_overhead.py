@@ -206,6 +206,13 @@ def main() -> None:
         help="torch threads of the replica and the in-process engine (default: the cluster's "
         "own choice, cores // replicas)",
     )
+    p.add_argument(
+        "--engine-core",
+        choices=["process", "thread"],
+        default="process",
+        help="the replica's engine core: a process of its own (default) or a thread of the "
+        "actor (the in-process engine of (a) is a thread either way)",
+    )
     p.add_argument("--out", default=None, help="JSON path (PNG beside it)")
     args = p.parse_args()
     if args.quick:
@@ -220,7 +227,12 @@ def main() -> None:
     model = resolve_model(args.model)
     config = ClusterConfig.model_validate(
         {
-            "engine": {"model": str(model), "max_model_len": 1024, "num_kv_blocks": 256},
+            "engine": {
+                "model": str(model),
+                "max_model_len": 1024,
+                "num_kv_blocks": 256,
+                "engine_core": args.engine_core,
+            },
             "replicas": 1,
             "num_cpus_per_replica": 0.5,
             "cpu_threads_per_replica": args.threads,
@@ -312,6 +324,7 @@ def main() -> None:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "torch_threads": threads,
+        "engine_core": args.engine_core,
         "target": f"added median < {TARGET_MEDIAN_MS} ms",
         "target_met": met,
         "serve_floor_note": "serve_floor_e2e_ms: a no-op application of the same shape on the "

@@ -81,6 +81,14 @@ class EngineConfig(BaseModel):
         "(lower value = more urgent, as vLLM's); with equal priorities it is fcfs. fcfs: "
         "arrival order, preemption only for KV blocks, newest first.",
     )
+    engine_core: Literal["process", "thread"] = Field(
+        default="process",
+        description="Serving replicas: 'process' runs the engine core (scheduler, model, "
+        "sampling) in a process of its own, stepping in a busy loop, while the replica's actor "
+        "keeps intake, detokenization, metrics and streaming (vLLM V1's split: the GIL no "
+        "longer makes them take turns); 'thread' runs the engine in a thread of the actor. "
+        "Tensor-parallel replicas keep rank 0 in the actor; offline LLM runs in-process.",
+    )
     stall_timeout_s: float = Field(
         default=120.0,
         gt=0,

@@ -1,5 +1,6 @@
-"""The Ray Serve replica: one AsyncEngine per actor, streaming RequestOutput deltas, reporting
-routing and autoscaling stats, and failing its health check when the engine is dead."""
+"""The Ray Serve replica: one engine per actor (its core in a process of its own, ProcessEngine,
+or in a thread, AsyncEngine), streaming RequestOutput deltas, reporting routing and autoscaling
+stats, and failing its health check when the engine is dead."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ray import serve
 from replica.config import EngineConfig
 from replica.contracts import AutoscalingStats, GenerateRequest, PreemptionRate, RoutingStats
 from replica.engine import AsyncEngine, Engine
+from replica.engine_core import ProcessEngine
 from replica.kv_events import get_kv_hub
 from replica.kv_publisher import KVEventPublisher
 from replica.metrics import HUB_ACTOR_OPTIONS, HUB_NAME, HUB_NAMESPACE, EngineMetrics
@@ -80,19 +82,24 @@ class LLMServer:
     def __init__(self, engine_config: dict, kv_events: bool = False) -> None:
         config = EngineConfig.model_validate(engine_config)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        if config.resolved_device() != "cuda":
-            import torch
-
-            # Loading and warm-up use every usable core (Ray sets OMP_NUM_THREADS=1 for an actor
-            # with fractional CPUs); the serving count arrives in reconfigure (user_config)
-            # before the first request and applies to the engine thread.
-            torch.set_num_threads(usable_cpus())
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (direct actor use in tests)
             self.replica_id = f"pid-{os.getpid()}"
         entered, age = time.time(), process_age_s()
-        self.engine = AsyncEngine(Engine(config))
+        # the engine core in a process of its own (tp=1), or in a thread of this actor
+        self.core_process = config.engine_core == "process" and config.tensor_parallel_size == 1
+        if self.core_process:
+            # loading and warm-up use every usable core; the serving count arrives in
+            # reconfigure (user_config) before the first request
+            self.engine = ProcessEngine(config, kv_events=kv_events, num_threads=usable_cpus())
+        else:
+            if config.resolved_device() != "cuda":
+                import torch
+
+                # as above (Ray sets OMP_NUM_THREADS=1 for an actor with fractional CPUs)
+                torch.set_num_threads(usable_cpus())
+            self.engine = AsyncEngine(Engine(config))
         self.config = config
         # where this replica's start went: the worker process's boot and imports until this
         # constructor ran, then the engine's phases (Engine.startup_s)
@@ -107,10 +114,25 @@ class LLMServer:
                 app = serve.get_replica_context().app_name
             except Exception:
                 app = "default"
-            self.kv_events = KVEventPublisher(self.engine, self.replica_id, get_kv_hub(app))
+            hub = get_kv_hub(app)
+            if self.core_process:
+                engine = self.engine
+                self.kv_events = KVEventPublisher(
+                    self.replica_id,
+                    hub,
+                    snapshot=lambda: engine.call("kv_snapshot").result(timeout=30),
+                    log_stats=lambda: engine.call("kv_stats").result(timeout=30),
+                )
+                engine.kv_batch_listener = self.kv_events.add_batch
+            else:
+                self.kv_events = KVEventPublisher.in_process(self.engine, self.replica_id, hub)
         self._preemptions = PreemptionRate(_PREEMPTION_WINDOW_S)
         model_name = config.served_model_name or Path(self.engine.engine.model_dir).name
-        self.metrics = EngineMetrics(self.engine.engine, model_name, self.replica_id)
+        if self.core_process:  # the front observes the steps the core reports
+            self.metrics = EngineMetrics(None, model_name, self.replica_id)
+            self.engine.report_listeners.append(self.metrics.observe)
+        else:
+            self.metrics = EngineMetrics(self.engine.engine, model_name, self.replica_id)
         self._metrics_stop = threading.Event()
         threading.Thread(target=self._push_metrics, name="metrics-push", daemon=True).start()
         port = os.environ.get("STEPSERVE_METRICS_PORT")
@@ -130,7 +152,8 @@ class LLMServer:
     def reconfigure(self, user_config: dict) -> None:
         """Serve calls this after __init__ and, in place, whenever user_config changes (a
         replica-count change moves the auto thread count): the torch threads of the engine."""
-        if self.config.resolved_device() == "cuda":
+        device = self.engine.device if self.core_process else self.config.resolved_device()
+        if device == "cuda":
             return
         threads = resolve_cpu_threads(user_config)
         if self.config.tensor_parallel_size > 1:
@@ -214,7 +237,7 @@ class LLMServer:
         forward would. Only with STEPSERVE_FAULT_INJECTION=1 in the replica's environment."""
         if os.environ.get("STEPSERVE_FAULT_INJECTION") != "1":
             raise PermissionError("fault injection is off (STEPSERVE_FAULT_INJECTION=1)")
-        self.engine.call_on_engine_thread(lambda engine: time.sleep(seconds))
+        self.engine.inject_stall(seconds)
 
     async def drain(self, timeout_s: float) -> bool:
         self.engine.start_draining()
@@ -238,8 +261,7 @@ class LLMServer:
         last sealed batch (tests compare it with the routers' index)."""
         if self.kv_events is None:
             return None
-        log = self.kv_events.log
-        snapshot = self.engine.call_on_engine_thread(lambda engine: log.snapshot()).result(30)
+        snapshot = self.kv_events.snapshot()
         return {**self.kv_events.stats(), "replica_id": self.replica_id, "snapshot_seq": snapshot.seq,
                 "hashes": sorted(snapshot.blocks)}  # fmt: skip
 

@@ -29,7 +29,7 @@ from replica.request import (
     SamplingParams,
 )
 from replica.runner_protocol import Runner
-from replica.scheduler import Scheduler, SchedulerStats
+from replica.scheduler import Scheduler, SchedulerStats, check_request_fits
 from replica.structured import StructuredOutputError, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ __all__ = [
     "EngineOverloaded",
     "LLM",
     "RequestRejected",
+    "StreamingEngine",
 ]
 
 
@@ -71,19 +72,126 @@ def make_runner(config: EngineConfig, model_dir: str | Path) -> Runner:
     return ModelRunner(config, model_dir)
 
 
-class _RequestState:
-    __slots__ = ("request", "detok")
+def check_request(
+    config: EngineConfig,
+    vocab_size: int,
+    max_model_len: int,
+    num_kv_blocks: int,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    priority: int = 0,
+) -> None:
+    """Raise RequestRejected (a user error) for a request an engine of this shape can never
+    serve: the engine's own check, and its front's (replica/engine_core.py) before sending."""
+    if priority != 0 and config.scheduling_policy != "priority":
+        raise RequestRejected(
+            f"priority={priority} needs scheduling_policy='priority' (this replica runs "
+            f"{config.scheduling_policy!r})"
+        )
+    if not prompt_token_ids:
+        raise RequestRejected("prompt must contain at least one token")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestRejected(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    check_request_fits(
+        len(prompt_token_ids), params.max_tokens, max_model_len, config.block_size, num_kv_blocks
+    )
+    if params.logit_bias:
+        bad = next((t for t in params.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})"
+            )
 
-    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
-        self.request = request
-        self.detok = detok
+
+class OutputProcessor:
+    """Detokenization and stop strings of an engine's requests: turns the engine's token deltas
+    into text deltas. In-process (Engine with detokenize=True) it runs on the engine's thread;
+    with the engine core in its own process (replica/engine_core.py) it runs in the front, and
+    a stop string found there is sent to the core as a finish."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+
+    def __len__(self) -> int:
+        return len(self._detoks)
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._detoks[request_id] = IncrementalDetokenizer(
+            self.tokenizer, list(prompt_token_ids), params.stop, params.include_stop_str_in_output
+        )
+
+    def drop(self, request_id: str) -> None:
+        self._detoks.pop(request_id, None)
+
+    def process(self, out: RequestOutput) -> tuple[RequestOutput | None, bool]:
+        """`out` with its text delta filled in, and whether a stop string ended it here (the
+        engine must then finish the request); None for a request this processor does not
+        hold (finished or dropped: a delta the engine made before it heard of the end)."""
+        detok = self._detoks.get(out.request_id)
+        if detok is None:
+            return None, False
+        detok.add_tokens(out.new_token_ids)
+        stopped = out.finish_reason is None and detok.stop_string is not None
+        if stopped:
+            out.finish_reason, out.stop_reason = "stop", detok.stop_string
+        out.new_text = detok.take_delta(finished=out.finished)
+        if out.finished:
+            del self._detoks[out.request_id]
+        return out, stopped
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one engine step did, for the replica's metrics and KV events: made where the
+    engine runs, observed where the metrics live (the same process, or the front of an engine
+    core in its own process). Times are time.monotonic(), one clock for every process of a
+    machine."""
+
+    end: float
+    step_time: float
+    num_scheduled_tokens: int
+    first_scheduled: list[tuple[str, float]]  # (request id, arrival) first scheduled this step
+    finished_request_ids: list[str]
+    stats: SchedulerStats
+    kv_batch: object = None  # a sealed KVEventBatch, when KV events are on and blocks changed
+
+    @classmethod
+    def of(cls, engine: Engine, scheduler_output, step_time: float) -> StepReport:
+        """The report of the step that just ended; marks each request's first scheduling."""
+        end = time.monotonic()
+        started = end - step_time  # the step (and its schedule) began here
+        first = []
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = started
+                first.append((request.request_id, request.arrival_time))
+        return cls(
+            end=end,
+            step_time=step_time,
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+            first_scheduled=first,
+            finished_request_ids=list(scheduler_output.finished_request_ids),
+            stats=engine.stats(),
+        )
 
 
 class Engine:
     """One replica's engine: scheduler + Runner (runner_protocol.py) + detokenizer, stepped
     synchronously."""
 
-    def __init__(self, config: EngineConfig, runner: Runner | None = None, tokenizer=None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner | None = None,
+        tokenizer=None,
+        detokenize: bool = True,
+    ) -> None:
+        """`detokenize=False`: outputs carry token ids only (new_text empty) and stop strings
+        are not looked for: the caller runs an OutputProcessor (an engine core in its own
+        process, whose front detokenizes)."""
         self.config = config
         if config.model is None:
             from replica.default_model import default_model_dir
@@ -109,7 +217,8 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = load_eos_token_ids(self.model_dir, tokenizer)
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.max_model_len)
-        self._states: dict[str, _RequestState] = {}
+        self._requests: dict[str, Request] = {}  # unfinished, by id
+        self.output_processor = OutputProcessor(tokenizer) if detokenize else None
         self.vocab_size = self.runner.vocab_size
         # grammars of structured outputs, compiled for this tokenizer and vocabulary on first use
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
@@ -130,25 +239,10 @@ class Engine:
         self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0
     ) -> None:
         """Raise RequestRejected (a user error) for a request that can never be served."""
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise RequestRejected(
-                f"priority={priority} needs scheduling_policy='priority' (this replica runs "
-                f"{self.config.scheduling_policy!r})"
-            )
-        if not prompt_token_ids:
-            raise RequestRejected("prompt must contain at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        self.scheduler.check_request(len(prompt_token_ids), params.max_tokens)
-        if params.logit_bias:
-            bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
-            if bad is not None:
-                raise RequestRejected(
-                    f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-                )
+        check_request(
+            self.config, self.vocab_size, self.max_model_len, self.num_kv_blocks,
+            prompt_token_ids, params, priority,
+        )  # fmt: skip
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of a structured request (cached), or None for a free one;
@@ -185,16 +279,28 @@ class Engine:
             compiled = compiled_grammar or self.compile_grammar(params)
             request.grammar = self.structured.new_state(params.structured, compiled)
         self.scheduler.add_request(request)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
-        )
-        self._states[request_id] = _RequestState(request, detok)
+        self._requests[request_id] = request
+        if self.output_processor is not None:
+            self.output_processor.add(request_id, request.prompt_token_ids, params)
         return request
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
-            self._states.pop(rid, None)
+            self._forget(rid)
+
+    def finish_stopped(self, request_ids: Sequence[str]) -> None:
+        """End requests whose stop string the caller's OutputProcessor found (their KV blocks
+        are freed now, their finish is `stop`)."""
+        live = [rid for rid in request_ids if rid in self._requests]
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_STOPPED)
+        for rid in live:
+            self._forget(rid)
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        if self.output_processor is not None:
+            self.output_processor.drop(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -202,7 +308,7 @@ class Engine:
     @property
     def num_request_states(self) -> int:
         """Requests this engine keeps per-request state for (0 when idle: nothing leaked)."""
-        return len(self._states)
+        return len(self._requests)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -222,34 +328,33 @@ class Engine:
             runner_output.prompt_logprobs,
         )
         outputs = []
+        processor = self.output_processor
         for step in step_outputs:
-            state = self._states.get(step.request_id)
-            if state is None:
+            request = self._requests.get(step.request_id)
+            if request is None:
                 continue
-            request = state.request
-            detok = state.detok
-            detok.add_tokens(step.new_token_ids)
-            finish_reason, stop_reason = step.finish_reason, step.stop_reason
-            if finish_reason is None and detok.stop_string is not None:
-                self.scheduler.finish_requests([step.request_id], RequestStatus.FINISHED_STOPPED)
-                finish_reason, stop_reason = "stop", detok.stop_string
-            outputs.append(
-                RequestOutput(
-                    request_id=step.request_id,
-                    new_token_ids=step.new_token_ids,
-                    new_text=detok.take_delta(finished=finish_reason is not None),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_output_tokens=request.num_output_tokens,
-                    finish_reason=finish_reason,
-                    stop_reason=stop_reason,
-                    new_logprobs=step.new_logprobs,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    num_preemptions=request.num_preemptions,
-                    prompt_logprobs=step.prompt_logprobs,
-                )
+            out = RequestOutput(
+                request_id=step.request_id,
+                new_token_ids=step.new_token_ids,
+                new_text="",
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                finish_reason=step.finish_reason,
+                stop_reason=step.stop_reason,
+                new_logprobs=step.new_logprobs,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_preemptions=request.num_preemptions,
+                prompt_logprobs=step.prompt_logprobs,
             )
-            if finish_reason is not None:
-                del self._states[step.request_id]
+            if processor is not None:
+                out, stopped = processor.process(out)
+                if stopped:
+                    self.scheduler.finish_requests(
+                        [step.request_id], RequestStatus.FINISHED_STOPPED
+                    )
+            if out.finished:
+                del self._requests[step.request_id]
+            outputs.append(out)
         if self.step_listeners:
             elapsed = time.perf_counter() - t0
             for listener in self.step_listeners:
@@ -349,35 +454,25 @@ class LLM:
         self._finalizer()
 
 
-class AsyncEngine:
-    """Runs Engine.step in a background thread; each request gets an async stream of deltas.
+class StreamingEngine:
+    """The caller's side of a serving engine, shared by AsyncEngine (the engine in a thread of
+    this process) and ProcessEngine (replica/engine_core.py: an engine core in a process of its
+    own): admission to the replica's queue, one async stream of deltas per request, abort when
+    a caller leaves, draining, and stall detection. Subclasses say how requests reach the
+    engine (`_check_request`, `_prepare`, `_submit`, `abort`) and whether it still runs
+    (`_check_engine`); they call `_dispatch` with each step's outputs, on the event loop."""
 
-    Only the engine thread touches the scheduler: adds and aborts are queued and applied at the
-    top of the next step. Each step's outputs reach the event loop in one callback.
-    """
-
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.engine = engine
-        self.config = engine.config
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop | None) -> None:
+        self.config = config
         self._loop = loop
         self._streams: dict[str, asyncio.Queue] = {}
-        self._inbox: deque = deque()
-        self._wake = threading.Event()
         self._stopped = False
         self._draining = False
         self.error: BaseException | None = None
-        self._stats = engine.stats()
-        self.num_threads = 0  # torch intra-op threads of the engine thread, once it runs
-        # monotonic time the engine thread last finished a step or found nothing to do: with
+        self.num_threads = 0  # torch intra-op threads of the engine, once it runs
+        # monotonic time the engine last finished a step or found nothing to do: with
         # requests held and this too old, the engine is stuck (check_health)
         self._progress_at = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="stepserve-engine", daemon=True)
-        self._thread.start()
-
-    # -- caller side (event loop) -----------------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -391,14 +486,13 @@ class AsyncEngine:
         return max(0.0, time.monotonic() - self._progress_at)
 
     def check_health(self) -> None:
-        """Raise EngineDeadError when the engine cannot serve: its loop died, a tensor-parallel
-        rank is gone, or it has held requests for stall_timeout_s without finishing a step (a
-        stuck forward, a hung collective). A stalled engine's streams end with the error now,
-        rather than when the replica is replaced."""
+        """Raise EngineDeadError when the engine cannot serve: its loop or process died, a
+        tensor-parallel rank is gone, or it has held requests for stall_timeout_s without
+        finishing a step (a stuck forward, a hung collective). A stalled engine's streams end
+        with the error now, rather than when the replica is replaced."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop died: {self.error!r}") from self.error
-        if not self._thread.is_alive():
-            raise EngineDeadError("engine loop is not running")
+        self._check_engine()
         stalled = self.stalled_s()
         limit = self.config.stall_timeout_s
         if stalled > limit:
@@ -411,29 +505,13 @@ class AsyncEngine:
                 for rid in list(self._streams):
                     self._deliver_error(rid, error)
             raise error
-        self.engine.runner.check_health()  # a tensor-parallel group fails here when a rank dies
 
     def stats(self) -> SchedulerStats:
-        """Counters as of the end of the last step (never blocks on the engine thread)."""
+        """Counters as of the end of the last step (never blocks on the engine)."""
         return self._stats
 
     def num_unfinished(self) -> int:
         return len(self._streams)
-
-    def set_num_threads(self, num_threads: int) -> None:
-        """Torch intra-op threads for the engine's steps, applied before the next one. OpenMP
-        keeps the count per thread, so only the engine thread itself can change its own."""
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        self._inbox.append(("threads", num_threads))
-        self._wake.set()
-
-    def call_on_engine_thread(self, fn) -> concurrent.futures.Future:
-        """Run fn(engine) on the engine thread between two steps; its result in the future."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.append(("call", fn, future))
-        self._wake.set()
-        return future
 
     async def generate(
         self,
@@ -450,7 +528,7 @@ class AsyncEngine:
             raise EngineOverloaded("replica is draining and takes no new requests")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        self.engine.check_request(prompt_token_ids, params, priority)
+        self._check_request(prompt_token_ids, params, priority)
         # Every request this replica holds has a stream (registered here at once, so a burst
         # that lands within one step is counted in full). Those beyond the seats that can run
         # are waiting: all max_num_seqs seats, unless the last step already left requests
@@ -467,15 +545,10 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"duplicate request id {rid!r}")
-        compiled = None
-        if params.structured is not None:  # compiled in a worker thread, not between steps
-            compiled = await self._loop.run_in_executor(None, self.engine.compile_grammar, params)
+        compiled = await self._prepare(params)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        self._inbox.append(
-            ("add", rid, list(prompt_token_ids), params, arrival_time, compiled, priority)
-        )
-        self._wake.set()
+        self._submit(rid, prompt_token_ids, params, arrival_time, compiled, priority)
         finished = False
         try:
             held: BaseException | None = None  # an error queued behind deltas, raised next
@@ -499,10 +572,6 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.append(("abort", request_id))
-        self._wake.set()
-
     def start_draining(self) -> None:
         """Refuse new requests; in-flight ones run to completion."""
         self._draining = True
@@ -512,6 +581,99 @@ class AsyncEngine:
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return not self._streams
+
+    def _deliver_error(self, rid: str, exc: BaseException) -> None:
+        queue = self._streams.get(rid)
+        if queue is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
+        for out in outputs:
+            queue = streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    # -- the subclass's side ---------------------------------------------------------------------
+    def _check_request(self, prompt_token_ids, params: SamplingParams, priority: int) -> None:
+        raise NotImplementedError
+
+    async def _prepare(self, params: SamplingParams):
+        """Work before the request is queued (AsyncEngine compiles a grammar here)."""
+        raise NotImplementedError
+
+    def _submit(self, rid, prompt_token_ids, params, arrival_time, compiled, priority) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _check_engine(self) -> None:
+        raise NotImplementedError
+
+
+class AsyncEngine(StreamingEngine):
+    """Runs Engine.step in a background thread; each request gets an async stream of deltas.
+
+    Only the engine thread touches the scheduler: adds and aborts are queued and applied at the
+    top of the next step. Each step's outputs reach the event loop in one callback.
+    """
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(engine.config, loop)
+        self.engine = engine
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="stepserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _check_engine(self) -> None:
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+        self.engine.runner.check_health()  # a tensor-parallel group fails here when a rank dies
+
+    def set_num_threads(self, num_threads: int) -> None:
+        """Torch intra-op threads for the engine's steps, applied before the next one. OpenMP
+        keeps the count per thread, so only the engine thread itself can change its own."""
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self._inbox.append(("threads", num_threads))
+        self._wake.set()
+
+    def call_on_engine_thread(self, fn) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread between two steps; its result in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.append(("call", fn, future))
+        self._wake.set()
+        return future
+
+    def inject_stall(self, seconds: float) -> concurrent.futures.Future:
+        """Block the engine thread for `seconds` (fault injection), as a stuck forward would."""
+        return self.call_on_engine_thread(lambda engine: time.sleep(seconds))
+
+    def _check_request(self, prompt_token_ids, params: SamplingParams, priority: int) -> None:
+        self.engine.check_request(prompt_token_ids, params, priority)
+
+    async def _prepare(self, params: SamplingParams):
+        if params.structured is None:
+            return None
+        # compiled in a worker thread, not between steps
+        return await self._loop.run_in_executor(None, self.engine.compile_grammar, params)
+
+    def _submit(self, rid, prompt_token_ids, params, arrival_time, compiled, priority) -> None:
+        self._inbox.append(
+            ("add", rid, list(prompt_token_ids), params, arrival_time, compiled, priority)
+        )
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -571,15 +733,3 @@ class AsyncEngine:
             dead = EngineDeadError(f"engine loop died: {exc!r}")
             for rid in list(self._streams):
                 self._deliver_error(rid, dead)
-
-    def _deliver_error(self, rid: str, exc: BaseException) -> None:
-        queue = self._streams.get(rid)
-        if queue is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(queue.put_nowait, exc)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        streams = self._streams
-        for out in outputs:
-            queue = streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)

@@ -1,10 +1,10 @@
 """A replica's side of KV-event routing: seal a batch of prefix-cache events after every engine
-step (on the engine thread, as a step listener), and publish the sealed batches to the
-application's KVEventHub (replica/kv_events.py) from a thread of its own every
-`interval_s`, with a heartbeat when there is nothing new. When the hub asks for a resync (it
-restarted, or it missed a batch), the next publish carries a snapshot taken on the engine
-thread between two steps. Costs are counted (`seal_seconds`, `publish_seconds`) so that the
-per-step overhead can be stated."""
+step, where the engine runs (KVEventSealer, a step listener), and publish the sealed batches to
+the application's KVEventHub (replica/kv_events.py) from a thread of the replica
+(KVEventPublisher) every `interval_s`, with a heartbeat when there is nothing new. When the hub
+asks for a resync (it restarted, or it missed a batch), the next publish carries a snapshot
+taken by the engine between two steps. Costs are counted (`seal_seconds`, `publish_seconds`) so
+that the per-step overhead can be stated."""
 
 from __future__ import annotations
 
@@ -20,48 +20,87 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 10.0
 
 
+class KVEventSealer:
+    """The engine's side: turns on the KV pool's event log and seals a batch after every step
+    (a step listener, where the engine runs), handing each batch to `sink`."""
+
+    def __init__(self, engine, sink=None) -> None:
+        self.log = engine.scheduler.kv.pool.enable_events(engine.config.block_size)
+        self.sink = sink
+        self.seal_seconds = 0.0
+        self.num_steps = 0
+        engine.step_listeners.append(self._on_step)
+
+    def _on_step(self, engine, scheduler_output, outputs, step_time) -> None:
+        t0 = time.perf_counter()
+        batch = self.log.seal()
+        if batch is not None and self.sink is not None:
+            self.sink(batch)
+        self.num_steps += 1
+        self.seal_seconds += time.perf_counter() - t0
+
+    def stats(self) -> dict:
+        return {
+            "seq": self.log.seq,
+            "events": self.log.num_events,
+            "blocks": len(self.log.table),
+            "steps": self.num_steps,
+            "seal_seconds": self.seal_seconds,
+        }
+
+
 class KVEventPublisher:
+    """The replica's side: queues sealed batches (`add_batch`, from any thread) and publishes
+    them. `snapshot()` returns the engine's table (taken between two steps) for a resync;
+    `log_stats()` the sealer's counters. `in_process` wires one to an AsyncEngine's Engine."""
+
     def __init__(
         self,
-        async_engine,
         replica_id: str,
         hub,
+        snapshot,
+        log_stats,
         interval_s: float = 0.02,
         max_pending: int = 4096,
     ) -> None:
-        self.async_engine = async_engine
-        engine = async_engine.engine
         self.replica_id = replica_id
         self.hub = hub
+        self.snapshot = snapshot
+        self.log_stats = log_stats
         self.interval_s = interval_s
         self.max_pending = max_pending
-        self.log = engine.scheduler.kv.pool.enable_events(engine.config.block_size)
         self._pending: deque[KVEventBatch] = deque()
         self._lock = threading.Lock()
         self._resync = False
         self._stop = threading.Event()
         self._news = threading.Event()  # set when a batch is sealed: the publisher wakes
-        self.seal_seconds = 0.0
         self.publish_seconds = 0.0
-        self.num_steps = 0
         self.num_published = 0
-        engine.step_listeners.append(self._on_step)
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
-    # -- engine thread -------------------------------------------------------------------------
-    def _on_step(self, engine, scheduler_output, outputs, step_time) -> None:
-        t0 = time.perf_counter()
-        batch = self.log.seal()
-        if batch is not None:
-            with self._lock:
-                self._pending.append(batch)
-                if len(self._pending) > self.max_pending:  # the hub is not keeping up: resync
-                    self._pending.clear()
-                    self._resync = True
-            self._news.set()
-        self.num_steps += 1
-        self.seal_seconds += time.perf_counter() - t0
+    @classmethod
+    def in_process(cls, async_engine, replica_id: str, hub, **kwargs) -> KVEventPublisher:
+        sealer = KVEventSealer(async_engine.engine)
+        publisher = cls(
+            replica_id,
+            hub,
+            snapshot=lambda: async_engine.call_on_engine_thread(
+                lambda engine: sealer.log.snapshot()
+            ).result(timeout=30),
+            log_stats=sealer.stats,
+            **kwargs,
+        )
+        sealer.sink = publisher.add_batch
+        return publisher
+
+    def add_batch(self, batch: KVEventBatch) -> None:
+        with self._lock:
+            self._pending.append(batch)
+            if len(self._pending) > self.max_pending:  # the hub is not keeping up: resync
+                self._pending.clear()
+                self._resync = True
+        self._news.set()
 
     # -- publisher thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -86,9 +125,7 @@ class KVEventPublisher:
 
         snapshot: KVSnapshot | None = None
         if self._resync:
-            snapshot = self.async_engine.call_on_engine_thread(
-                lambda engine: self.log.snapshot()
-            ).result(timeout=30)
+            snapshot = self.snapshot()
             self._resync = False
         with self._lock:
             batches = list(self._pending)
@@ -109,11 +146,7 @@ class KVEventPublisher:
 
     def stats(self) -> dict:
         return {
-            "seq": self.log.seq,
-            "events": self.log.num_events,
-            "blocks": len(self.log.table),
-            "steps": self.num_steps,
-            "seal_seconds": self.seal_seconds,
+            **self.log_stats(),
             "publish_seconds": self.publish_seconds,
             "batches_published": self.num_published,
         }

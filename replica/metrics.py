@@ -1,9 +1,7 @@
 """Engine and request metrics under vLLM's names with the prefix `stepserve:`, defined with
-prometheus-client in a per-replica registry and updated from the engine thread after each step."""
+prometheus-client in a per-replica registry and updated after each engine step."""
 
 from __future__ import annotations
-
-import time
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,7 +27,9 @@ _COUNT_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
 
 
 class EngineMetrics:
-    """Subscribes to an Engine's steps and keeps every counter in `self.registry`."""
+    """Keeps every counter in `self.registry`, from each engine step: subscribed to an
+    in-process Engine's steps, or fed `observe(report, outputs)` by an engine core's front
+    (engine=None)."""
 
     def __init__(self, engine, model_name: str, replica: str, registry=None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -86,24 +86,29 @@ class EngineMetrics:
         self._preemptions_seen = 0
         self._queries_seen = 0
         self._hits_seen = 0
-        engine.step_listeners.append(self.on_step)
+        if engine is not None:  # in-process: observe each step on the engine thread
+            engine.step_listeners.append(self.on_step)
 
     def request_success(self, finished_reason: str):
         return self._request_success.labels(**self._lv, finished_reason=finished_reason)
 
     def on_step(self, engine, scheduler_output, outputs, step_time: float) -> None:
-        now = time.monotonic()
-        for rid in scheduler_output.finished_request_ids:  # aborted or ended last step
+        from replica.engine import StepReport
+
+        self.observe(StepReport.of(engine, scheduler_output, step_time), outputs)
+
+    def observe(self, report, outputs) -> None:
+        """One step (a replica.engine.StepReport) and its outputs, text and stop strings
+        applied: where the engine runs, or in the front of an engine core process."""
+        now = report.end
+        for rid in report.finished_request_ids:  # aborted or ended last step
             self._arrival.pop(rid, None)
             self._last_token.pop(rid, None)
-        self.iteration_tokens.observe(scheduler_output.total_num_scheduled_tokens)
-        started = now - step_time  # the step (and its schedule) began here; `now` is its end
-        for sched in scheduler_output.scheduled:
-            request = sched.request
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = started
-                self._arrival[request.request_id] = request.arrival_time
-                self.queue_time.observe(max(0.0, started - request.arrival_time))
+        self.iteration_tokens.observe(report.num_scheduled_tokens)
+        started = now - report.step_time  # the step (and its schedule) began here
+        for rid, arrival in report.first_scheduled:
+            self._arrival[rid] = arrival
+            self.queue_time.observe(max(0.0, started - arrival))
         for out in outputs:
             rid = out.request_id
             n = len(out.new_token_ids)
@@ -124,7 +129,7 @@ class EngineMetrics:
                 self.request_num_preemptions.observe(out.num_preemptions)
                 self._arrival.pop(rid, None)
                 self._last_token.pop(rid, None)
-        self.update_gauges(engine.stats())
+        self.update_gauges(report.stats)
 
     def update_gauges(self, stats) -> None:
         self.num_requests_running.set(stats.num_running)

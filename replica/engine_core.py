@@ -1,0 +1,500 @@
+"""The engine core in a process of its own (vLLM V1's split, `engine_core="process"`).
+
+The core process runs the scheduler, the model and sampling as a busy loop of steps and
+nothing else; the replica's actor becomes its front (`ProcessEngine`): request intake and
+checks, detokenization and stop strings, metrics, KV-event publishing and streaming through
+Ray. The two talk over a Unix socket pair, one pickled tuple per message (no objects with
+methods cross it: a step's outputs travel as plain tuples, `encode_outputs`):
+
+  front -> core   ("add", rid, prompt_ids, params, arrival, priority)   ("abort", rid)
+                  ("stop", [rid, ...])   a stop string ended these (the front found it)
+                  ("call", call_id, op, arg)   threads | sleep | kv_snapshot | kv_stats
+                  ("shutdown",)
+  core -> front   ("ready", info) | ("failed", traceback)   once, after the engine is built
+                  ("step", outputs, StepReport, num_free_blocks, num_request_states)
+                  ("idle", SchedulerStats, num_free_blocks, num_request_states)   heartbeat
+                  ("error", rid, exception)   a request the core could not take
+                  ("reply", call_id, ok, value)   ("dead", traceback)
+
+Lifetimes are tied both ways: the core exits when its socket reaches end-of-file or its parent
+process changes (the actor died, even by SIGKILL, even mid-step); the front finds the core's
+end-of-file or exit at once, ends every stream with EngineDeadError and fails its health check,
+so Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import SimpleNamespace
+
+from replica.config import EngineConfig
+from replica.engine import (
+    EngineDeadError,
+    OutputProcessor,
+    StepReport,
+    StreamingEngine,
+    check_request,
+)
+from replica.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_HEARTBEAT_S = 1.0  # an idle core says so this often (the front's liveness clock)
+PARENT_POLL_S = 0.5  # how often the core checks that the process that started it lives
+
+
+# -- the wire format of a step's outputs ------------------------------------------------------
+def encode_outputs(outputs: Sequence[RequestOutput]) -> list[tuple]:
+    """A step's outputs as plain tuples (token ids only: the front detokenizes)."""
+    return [
+        (
+            o.request_id,
+            o.new_token_ids,
+            o.num_prompt_tokens,
+            o.num_output_tokens,
+            o.finish_reason,
+            o.stop_reason,
+            o.new_logprobs,
+            o.num_cached_tokens,
+            o.num_preemptions,
+            o.prompt_logprobs,
+        )
+        for o in outputs
+    ]
+
+
+def decode_output(t: tuple) -> RequestOutput:
+    return RequestOutput(
+        request_id=t[0],
+        new_token_ids=t[1],
+        new_text="",
+        num_prompt_tokens=t[2],
+        num_output_tokens=t[3],
+        finish_reason=t[4],
+        stop_reason=t[5],
+        new_logprobs=t[6],
+        num_cached_tokens=t[7],
+        num_preemptions=t[8],
+        prompt_logprobs=t[9],
+    )
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return EngineDeadError(repr(exc))
+
+
+# -- the core process -----------------------------------------------------------------------------
+class EngineCore:
+    """The loop of the core process: apply the front's commands, step, send the step."""
+
+    def __init__(self, engine, conn: Connection, kv_events: bool) -> None:
+        from replica.kv_publisher import KVEventSealer
+
+        self.engine = engine
+        self.conn = conn
+        self._send_lock = threading.Lock()  # the grammar thread sends errors too
+        self._report: StepReport | None = None
+        self._kv_batch = None
+        self.sealer = KVEventSealer(engine, sink=self._on_kv_batch) if kv_events else None
+        engine.step_listeners.append(self._on_step)
+        self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._compiling: set[str] = set()  # requests whose grammar is being compiled
+        self._compiled: deque = deque()  # ... and those whose grammar is ready
+
+    def send(self, message: tuple) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def _on_step(self, engine, scheduler_output, outputs, step_time) -> None:
+        self._report = StepReport.of(engine, scheduler_output, step_time)
+
+    def _on_kv_batch(self, batch) -> None:
+        self._kv_batch = batch
+
+    def _counts(self) -> tuple:
+        return self.engine.num_free_blocks, self.engine.num_request_states
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        while True:
+            busy = engine.has_unfinished()
+            wait = 0.0 if busy else (0.002 if self._compiling else IDLE_HEARTBEAT_S)
+            if conn.poll(wait):
+                while True:
+                    if not self._handle(conn.recv()):
+                        return
+                    if not conn.poll(0):
+                        break
+            while self._compiled:
+                self._add(*self._compiled.popleft())
+            if not engine.has_unfinished():
+                engine.runner.check_health()
+                self.send(("idle", engine.stats(), *self._counts()))
+                continue
+            outputs = engine.step()
+            report = self._report
+            if report is None:  # nothing was scheduled (every request waits on the KV cache)
+                report = StepReport(time.monotonic(), 0.0, 0, [], [], engine.stats())
+            report.kv_batch, self._kv_batch, self._report = self._kv_batch, None, None
+            self.send(("step", encode_outputs(outputs), report, *self._counts()))
+
+    def _handle(self, message: tuple) -> bool:
+        kind = message[0]
+        if kind == "add":
+            _, rid, ids, params, arrival, priority = message
+            if params.structured is not None:  # compiled beside the loop, not between steps
+                self._compiling.add(rid)
+                if self._grammar_pool is None:
+                    self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, "grammar")
+                self._grammar_pool.submit(self._compile, rid, ids, params, arrival, priority)
+            else:
+                self._add(rid, ids, params, arrival, None, priority)
+        elif kind == "abort":
+            self._compiling.discard(message[1])
+            self.engine.abort([message[1]])
+        elif kind == "stop":
+            self.engine.finish_stopped(message[1])
+        elif kind == "call":
+            _, call_id, op, arg = message
+            try:
+                self.send(("reply", call_id, True, self._call(op, arg)))
+            except Exception as exc:
+                self.send(("reply", call_id, False, _picklable(exc)))
+        elif kind == "shutdown":
+            return False
+        return True
+
+    def _compile(self, rid, ids, params, arrival, priority) -> None:
+        try:
+            compiled = self.engine.compile_grammar(params)
+        except Exception as exc:
+            self._compiling.discard(rid)
+            self.send(("error", rid, _picklable(exc)))
+            return
+        self._compiled.append((rid, ids, params, arrival, compiled, priority))
+
+    def _add(self, rid, ids, params, arrival, compiled, priority) -> None:
+        if compiled is not None:
+            if rid not in self._compiling:
+                return  # aborted while its grammar compiled
+            self._compiling.discard(rid)
+        try:
+            self.engine.add_request(rid, ids, params, arrival, compiled, priority)
+        except Exception as exc:  # the request's own problem: the front tells its caller
+            self.send(("error", rid, _picklable(exc)))
+
+    def _call(self, op: str, arg):
+        if op == "threads":
+            import torch
+
+            torch.set_num_threads(int(arg))
+            return torch.get_num_threads()
+        if op == "sleep":  # fault injection (the front checks that it is allowed)
+            time.sleep(float(arg))
+            return None
+        if op == "kv_snapshot":
+            return self.sealer.log.snapshot() if self.sealer else None
+        if op == "kv_stats":
+            return self.sealer.stats() if self.sealer else {}
+        raise ValueError(f"unknown engine core call {op!r}")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:  # re-parented: the replica's process is gone
+            os._exit(0)
+
+
+def main() -> None:
+    """Entry of the core process: argv = [fd of its socket end, pid of the front]."""
+    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    logging.basicConfig(level=logging.WARNING, format="[engine core] %(levelname)s %(message)s")
+    threading.Thread(
+        target=_exit_with_parent, args=(parent_pid,), name="parent-watch", daemon=True
+    ).start()
+    conn = Connection(fd)
+    try:
+        _, config_json, kv_events, num_threads = conn.recv()
+        import torch
+
+        from replica.engine import Engine
+
+        config = EngineConfig.model_validate(config_json)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        engine = Engine(config, detokenize=False)
+        core = EngineCore(engine, conn, kv_events)
+    except EOFError:
+        os._exit(0)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        os._exit(1)
+    conn.send(
+        (
+            "ready",
+            {
+                "max_model_len": engine.max_model_len,
+                "vocab_size": engine.vocab_size,
+                "num_kv_blocks": engine.num_kv_blocks,
+                "num_free_blocks": engine.num_free_blocks,
+                "model_dir": str(engine.model_dir),
+                "startup_s": engine.startup_s,
+                "stats": engine.stats(),
+                "num_threads": torch.get_num_threads(),
+                "device": config.resolved_device(),
+            },
+        )
+    )
+    code = 0
+    try:
+        core.run()
+    except (EOFError, OSError):  # the front closed its end: it is gone
+        pass
+    except BaseException:
+        logger.exception("engine core loop died")
+        try:
+            core.send(("dead", traceback.format_exc()))
+        except Exception:
+            pass
+        code = 1
+    try:
+        engine.shutdown()
+    finally:
+        os._exit(code)
+
+
+# -- the front (in the replica's actor) --------------------------------------------------------
+class ProcessEngine(StreamingEngine):
+    """AsyncEngine's interface over an engine core in a process of its own: starts the process,
+    detokenizes its outputs, streams them, and tells its steps to `report_listeners`
+    (callables(StepReport, outputs): the replica's metrics)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_events: bool = False,
+        num_threads: int | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, loop)
+        self.report_listeners: list = []
+        self.kv_batch_listener = None  # callable(batch): the replica's KV-event publisher
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        front, core = socket.socketpair()
+        root = str(Path(__file__).resolve().parents[1])  # the repository, for `import replica`
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        started = time.perf_counter()
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from replica.engine_core import main; main()",
+                str(core.fileno()),
+                str(os.getpid()),
+            ],
+            pass_fds=(core.fileno(),),
+            env=env,
+        )
+        core.close()
+        self._conn = Connection(front.detach())
+        self._send(("init", config.model_dump(mode="json"), kv_events, num_threads))
+        # the front's own tokenizer (detokenization) loads while the core builds the engine
+        from replica.default_model import default_model_dir
+        from replica.tokenizer import load_tokenizer
+
+        model_dir = Path(config.model) if config.model is not None else default_model_dir()
+        self.tokenizer = load_tokenizer(model_dir)
+        self.processor = OutputProcessor(self.tokenizer)
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            message = ("failed", f"exited with code {self._proc.wait()}")
+        if message[0] != "ready":
+            self._proc.kill()
+            raise RuntimeError(f"engine core process did not start: {message[1]}")
+        info = message[1]
+        self.engine = SimpleNamespace(  # what the replica reads of its engine
+            model_dir=Path(info["model_dir"]),
+            max_model_len=info["max_model_len"],
+            vocab_size=info["vocab_size"],
+            num_kv_blocks=info["num_kv_blocks"],
+            num_free_blocks=info["num_free_blocks"],
+            num_request_states=0,
+            startup_s={
+                **info["startup_s"],
+                "core_process": round(time.perf_counter() - started, 3),
+            },
+            tokenizer=self.tokenizer,
+        )
+        self._stats = info["stats"]
+        self.num_threads = info["num_threads"]
+        self.device = info["device"]
+        self.pid = self._proc.pid
+        self._progress_at = time.monotonic()
+        self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
+        self._reader.start()
+
+    # -- the stream side's hooks (StreamingEngine) ---------------------------------------------
+    def _check_request(self, prompt_token_ids, params: SamplingParams, priority: int) -> None:
+        info = self.engine
+        check_request(
+            self.config, info.vocab_size, info.max_model_len, info.num_kv_blocks,
+            prompt_token_ids, params, priority,
+        )  # fmt: skip
+
+    async def _prepare(self, params: SamplingParams):
+        return None  # the core compiles grammars beside its loop
+
+    def _submit(self, rid, prompt_token_ids, params, arrival_time, compiled, priority) -> None:
+        self.processor.add(rid, prompt_token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._send(("add", rid, list(prompt_token_ids), params, arrival, priority))
+
+    def abort(self, request_id: str) -> None:
+        self.processor.drop(request_id)
+        try:
+            self._send(("abort", request_id))
+        except OSError:
+            pass  # the core is gone: nothing to abort
+
+    def _check_engine(self) -> None:
+        if not self._reader.is_alive() or self._proc.poll() is not None:
+            raise EngineDeadError(
+                f"engine core process {self._proc.pid} is not running (exit code "
+                f"{self._proc.poll()})"
+            )
+
+    # -- calls to the core ----------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def call(self, op: str, arg=None) -> concurrent.futures.Future:
+        """Run a named operation in the core between two steps; its result in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        if self.error is not None:
+            future.set_exception(self.error)
+            return future
+        self._send(("call", call_id, op, arg))
+        return future
+
+    def set_num_threads(self, num_threads: int) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+
+        def applied(future: concurrent.futures.Future) -> None:
+            if future.exception() is None:
+                self.num_threads = future.result()
+
+        self.call("threads", num_threads).add_done_callback(applied)
+
+    def inject_stall(self, seconds: float) -> concurrent.futures.Future:
+        return self.call("sleep", seconds)
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._send(("shutdown",))
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._conn.close()
+
+    # -- the reader thread ---------------------------------------------------------------------
+    def _read(self) -> None:
+        reason = None
+        try:
+            while True:
+                message = self._conn.recv()
+                self._progress_at = time.monotonic()
+                kind = message[0]
+                if kind == "step":
+                    _, outputs, report, free, states = message
+                    self._stats = report.stats
+                    self.engine.num_free_blocks, self.engine.num_request_states = free, states
+                    self._on_step(outputs, report)
+                elif kind == "idle":
+                    _, self._stats, free, states = message
+                    self.engine.num_free_blocks, self.engine.num_request_states = free, states
+                elif kind == "error":
+                    self.processor.drop(message[1])
+                    self._deliver_error(message[1], message[2])
+                elif kind == "reply":
+                    _, call_id, ok, value = message
+                    future = self._calls.pop(call_id, None)
+                    if future is not None:
+                        future.set_result(value) if ok else future.set_exception(value)
+                elif kind == "dead":
+                    reason = f"engine core loop died: {message[1]}"
+                    break
+        except (EOFError, OSError):
+            pass
+        except BaseException:  # a bug of the front: the replica cannot serve on
+            reason = f"engine core reader died: {traceback.format_exc()}"
+        if self._stopped:
+            return
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        reason = reason or f"engine core process {self._proc.pid} exited with code {code}"
+        logger.error("%s", reason)
+        self._fail(EngineDeadError(reason))
+
+    def _on_step(self, outputs: list[tuple], report: StepReport) -> None:
+        final, stopped = [], []
+        for t in outputs:
+            out, stop = self.processor.process(decode_output(t))
+            if out is None:
+                continue  # ended here already (stop string, abort): the core learns of it next
+            if stop:
+                stopped.append(out.request_id)
+            final.append(out)
+        if stopped:
+            self._send(("stop", stopped))
+        if report.kv_batch is not None and self.kv_batch_listener is not None:
+            self.kv_batch_listener(report.kv_batch)
+        for listener in self.report_listeners:
+            listener(report, final)
+        if final and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._dispatch, final)
+
+    def _fail(self, error: EngineDeadError) -> None:
+        self.error = error
+        for rid in list(self._streams):
+            self._deliver_error(rid, error)
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()

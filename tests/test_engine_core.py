@@ -1,0 +1,217 @@
+"""The engine core in a process of its own (replica/engine_core.py): the same streams as the
+in-thread engine (tokens, text, stop strings, logprobs, grammars), aborts and stop strings that
+free the core's blocks, errors that name the request's problem, and lifetimes tied both ways
+(the core's death ends every stream and fails the health check; the front's death, even by
+SIGKILL, ends the core)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from replica.config import EngineConfig
+from replica.engine import AsyncEngine, Engine
+from replica.engine_core import ProcessEngine, decode_output, encode_outputs
+from replica.request import (
+    EngineDeadError,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+    StructuredOutput,
+)
+from tests.test_model_parity import mixed_prompts
+
+
+def config(model_dir, **fields) -> EngineConfig:
+    fields = {"device": "cpu", "block_size": 4, "num_kv_blocks": 256, "max_model_len": 256,
+              **fields}  # fmt: skip
+    return EngineConfig(model=str(model_dir), **fields)
+
+
+async def collect(stream) -> RequestOutput:
+    merged = None
+    async for out in stream:
+        merged = out if merged is None else merged.merge(out)
+    return merged
+
+
+async def run_all(engine, jobs) -> list[RequestOutput]:
+    return await asyncio.gather(
+        *(collect(engine.generate(ids, params, request_id=f"r{i}")) for i, (ids, params) in
+          enumerate(jobs))
+    )  # fmt: skip
+
+
+def in_loop(body, timeout: float = 120):
+    return asyncio.run(asyncio.wait_for(body(), timeout))
+
+
+async def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_wire_format_round_trips_every_field():
+    out = RequestOutput("r", [1, 2], "", 5, 2, "stop", 7, [(-0.1, {1: -0.1})], 3, 1, [(0.0, {})])
+    (back,) = [decode_output(t) for t in encode_outputs([out])]
+    assert back == out
+
+
+def test_streams_match_the_in_thread_engine(tiny_llama_dir):
+    """Greedy and seeded requests, logprobs, a stop string, and a JSON grammar: the process
+    engine's merged streams equal the in-thread engine's, token for token and in text."""
+    prompts = mixed_prompts(5, [3, 9, 17, 30, 6, 12])
+    jobs = [
+        (prompts[0], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+        (prompts[1], SamplingParams(temperature=0.8, seed=3, max_tokens=20, logprobs=2)),
+        (prompts[2], SamplingParams(temperature=0.0, max_tokens=16, prompt_logprobs=1)),
+        (prompts[3], SamplingParams(temperature=1.0, seed=5, max_tokens=30, ignore_eos=True)),
+        (prompts[4], SamplingParams(temperature=1.0, seed=9, max_tokens=40,
+                                    structured=StructuredOutput("json_object"))),
+    ]  # fmt: skip
+
+    async def thread_mode():
+        engine = AsyncEngine(Engine(config(tiny_llama_dir, engine_core="thread")))
+        try:
+            return await run_all(engine, jobs)
+        finally:
+            engine.shutdown()
+
+    expected = in_loop(thread_mode)
+    # a stop string from the middle of the first answer's text
+    text = expected[0].new_text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    stop_job = (prompts[0], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                                           ignore_eos=True))  # fmt: skip
+    jobs.append(stop_job)
+
+    async def process_mode():
+        engine = ProcessEngine(config(tiny_llama_dir))
+        try:
+            outs = await run_all(engine, jobs)
+            # the stop string ended the request in the core too: nothing left there
+            await wait_until(lambda: engine.engine.num_request_states == 0)
+            assert engine.engine.num_free_blocks == engine.engine.num_kv_blocks
+            assert len(engine.processor) == 0
+            return outs
+        finally:
+            engine.shutdown()
+
+    got = in_loop(process_mode)
+    for want, have in zip(expected, got[:-1], strict=True):
+        assert have.new_token_ids == want.new_token_ids
+        assert have.new_text == want.new_text
+        assert have.finish_reason == want.finish_reason
+        assert have.new_logprobs == want.new_logprobs
+        assert have.prompt_logprobs == want.prompt_logprobs
+    json.loads(got[4].new_text)  # the grammar held (it ends on EOS within 40 tokens or not)
+    stopped = got[-1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.new_text == text[: text.index(stop)]
+
+
+def test_abort_errors_and_calls_cross_the_process(tiny_llama_dir):
+    async def body():
+        engine = ProcessEngine(config(tiny_llama_dir, num_kv_blocks=40))
+        try:
+            # a request too large for the cache is refused in the front, naming the limit
+            with pytest.raises(RequestRejected, match="whole KV cache has 40 blocks"):
+                await collect(engine.generate([1] * 200, SamplingParams(max_tokens=100)))
+            # a grammar the core cannot compile: its error reaches the stream
+            bad = SamplingParams(max_tokens=5, structured=StructuredOutput("regex", "(unclosed"))
+            with pytest.raises(RequestRejected):
+                await collect(engine.generate([1, 2, 3], bad))
+            # leaving a stream early aborts the request in the core and frees its blocks
+            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=120, ignore_eos=True))
+            first = await stream.__anext__()
+            assert first.new_token_ids
+            await stream.aclose()
+            await wait_until(lambda: engine.engine.num_request_states == 0)
+            await wait_until(lambda: engine.engine.num_free_blocks == 40)
+            # thread count and a stall, applied in the core between steps
+            engine.set_num_threads(1)
+            await wait_until(lambda: engine.num_threads == 1)
+            assert engine.call("kv_stats").result(10) == {}
+            with pytest.raises(ValueError, match="unknown engine core call"):
+                engine.call("nope").result(10)
+            engine.check_health()
+        finally:
+            engine.shutdown()
+        assert engine._proc.poll() is not None
+
+    in_loop(body)
+
+
+def test_core_death_ends_streams_and_fails_health(tiny_llama_dir):
+    async def body():
+        engine = ProcessEngine(config(tiny_llama_dir))
+        try:
+            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
+            await stream.__anext__()
+            os.kill(engine.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match=f"process {engine.pid} exited with code -9"):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError):
+                engine.check_health()
+            with pytest.raises(EngineDeadError):  # and new requests are refused
+                await collect(engine.generate([1, 2], SamplingParams(max_tokens=2)))
+        finally:
+            engine.shutdown()
+
+    in_loop(body)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_core_exits_when_its_front_is_killed(tiny_llama_dir, tmp_path):
+    """The front SIGKILLed (as Ray kills a replica's actor), mid-stream and idle: its core
+    process goes within seconds."""
+    script = textwrap.dedent(f"""
+        import asyncio, os, sys
+        from replica.config import EngineConfig
+        from replica.engine_core import ProcessEngine
+        from replica.request import SamplingParams
+
+        async def main():
+            engine = ProcessEngine(EngineConfig(model={str(tiny_llama_dir)!r}, device="cpu",
+                                                block_size=4, num_kv_blocks=256))
+            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=100000 // 400,
+                                                               ignore_eos=True))
+            await stream.__anext__()
+            print(engine.pid, flush=True)
+            await asyncio.sleep(60)
+
+        asyncio.run(main())
+    """)
+    front = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    core_pid = int(front.stdout.readline())
+    front.kill()
+    front.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not alive(core_pid):
+            return
+        time.sleep(0.1)
+    os.kill(core_pid, signal.SIGKILL)
+    raise AssertionError(f"engine core {core_pid} outlived its front by 20 s")
