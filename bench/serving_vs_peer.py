@@ -54,7 +54,9 @@ def server_command(system: str, args, model: Path, port: int) -> tuple[list[str]
     if system == "stepserve" or system.startswith("stepserve-t"):
         argv = [str(ROOT / ".venv" / "bin" / "stepserve"), "serve", "--model", str(model)]
         argv += ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
-        if system != "stepserve":  # stepserve-tN: N torch threads per replica
+        if system == "stepserve-thread":  # the engine in a thread of the replica's actor
+            argv += ["--engine-core", "thread"]
+        elif system != "stepserve":  # stepserve-tN: N torch threads per replica
             argv += ["--cpu-threads", system.removeprefix("stepserve-t")]
         argv += args.stepserve_args.split()
         return argv, env
@@ -71,7 +73,10 @@ def server_command(system: str, args, model: Path, port: int) -> tuple[list[str]
         else:
             env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own choice
         return argv, env
-    raise SystemExit(f"unknown system {system!r}: stepserve, stepserve-tN, vllm or vllm-2cores")
+    raise SystemExit(
+        f"unknown system {system!r}: stepserve, stepserve-thread, stepserve-tN, vllm or "
+        "vllm-2cores"
+    )
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
@@ -108,6 +113,20 @@ def stop(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+def wait_port_free(port: int, timeout_s: float = 120.0) -> None:
+    """Until nothing listens on 127.0.0.1:port (a stopped server's children, vLLM's engine
+    process among them, can hold it for a while after the server itself has exited)."""
+    import socket
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(1)
+    raise RuntimeError(f"port {port} still in use {timeout_s:.0f} s after the server stopped")
 
 
 def run_serving(base_url: str, label: str, bench_args: list[str], result: Path | None) -> dict:
@@ -201,6 +220,7 @@ def main() -> None:
                     )
                 finally:
                     stop(proc)
+                    wait_port_free(args.port)
                 rounds[system].append(data["runs"])
                 settings.setdefault(system, {"argv": argv, "startup_s": []})
                 settings[system]["startup_s"].append(round(startup_s, 1))

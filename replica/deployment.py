@@ -31,9 +31,10 @@ logger = logging.getLogger("ray.serve")
 # Window over which the recent preemption rate is computed for routing and autoscaling.
 _PREEMPTION_WINDOW_S = 10.0
 METRICS_PUSH_PERIOD_S = 1.0
-# The engine thread holds the GIL between torch ops; the event loop that streams its outputs
-# and Ray's threads wait for it. Python's default 5 ms switch interval makes each wait up to a
-# step long; 0.5 ms keeps the hand-off short at little cost to the engine.
+# engine_core="thread": the engine thread holds the GIL between torch ops; the event loop that
+# streams its outputs and Ray's threads wait for it. Python's default 5 ms switch interval
+# makes each wait up to a step long; 0.5 ms keeps the hand-off short at little cost to the
+# engine.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -81,7 +82,6 @@ class LLMServer:
 
     def __init__(self, engine_config: dict, kv_events: bool = False) -> None:
         config = EngineConfig.model_validate(engine_config)
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (direct actor use in tests)
@@ -94,6 +94,7 @@ class LLMServer:
             # reconfigure (user_config) before the first request
             self.engine = ProcessEngine(config, kv_events=kv_events, num_threads=usable_cpus())
         else:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the engine thread shares the GIL
             if config.resolved_device() != "cuda":
                 import torch
 

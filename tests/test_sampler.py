@@ -11,7 +11,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from replica.layers.sampler import Sampler, process_logits, sampling_logits, unpack_bitmask
+from replica.layers.sampler import (
+    Sampler,
+    draw_inverse_cdf,
+    process_logits,
+    sampling_logits,
+    unpack_bitmask,
+)
 from replica.request import Request, SamplingParams
 
 sampler = Sampler()
@@ -42,6 +48,25 @@ def test_temperature_one_draws_from_the_softmax():
     )
     freqs = counts.float() / counts.sum()
     torch.testing.assert_close(freqs, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+
+
+def test_inverse_cdf_draw_at_its_edges_never_picks_an_impossible_token():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.9999999, 1.0], dtype=torch.float64)
+    # u = 1 cannot be drawn (torch.rand is in [0, 1)): it stands for u * total rounding up
+    assert draw_inverse_cdf(probs, u).tolist() == [1, 1, 3, 3, 3]
+
+
+def test_a_large_vocabulary_with_a_long_tail_keeps_its_frequencies():
+    """V = 49152 (the default model's) with most of it at probability 0 and a head of four:
+    the draws follow the head and never leave the allowed tokens."""
+    logits = torch.full((49152,), float("-inf"))
+    allowed = torch.tensor([7, 20000, 31337, 49151])
+    logits[allowed] = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    tokens = torch.tensor(_draw(logits, SamplingParams(temperature=1.0), rows=2000))
+    assert set(tokens.tolist()) <= set(allowed.tolist())
+    freqs = torch.stack([(tokens == t).float().mean() for t in allowed])
+    torch.testing.assert_close(freqs, torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=0.04, rtol=0)
 
 
 def test_low_temperature_sharpens_the_distribution():
