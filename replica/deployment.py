@@ -31,10 +31,10 @@ logger = logging.getLogger("ray.serve")
 # Window over which the recent preemption rate is computed for routing and autoscaling.
 _PREEMPTION_WINDOW_S = 10.0
 METRICS_PUSH_PERIOD_S = 1.0
-# engine_core="thread": the engine thread holds the GIL between torch ops; the event loop that
-# streams its outputs and Ray's threads wait for it. Python's default 5 ms switch interval
-# makes each wait up to a step long; 0.5 ms keeps the hand-off short at little cost to the
-# engine.
+# The threads of a replica's actor take turns on the GIL: the event loop that streams outputs,
+# Ray's threads, and the engine thread (engine_core="thread": it holds the GIL between torch
+# ops) or the core's reader (engine_core="process": it detokenizes each step). Python's
+# default 5 ms switch interval makes each wait up to that long; 0.5 ms keeps hand-offs short.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -82,6 +82,7 @@ class LLMServer:
 
     def __init__(self, engine_config: dict, kv_events: bool = False) -> None:
         config = EngineConfig.model_validate(engine_config)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # outside Serve (direct actor use in tests)
@@ -94,7 +95,6 @@ class LLMServer:
             # reconfigure (user_config) before the first request
             self.engine = ProcessEngine(config, kv_events=kv_events, num_threads=usable_cpus())
         else:
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the engine thread shares the GIL
             if config.resolved_device() != "cuda":
                 import torch
 

@@ -377,7 +377,7 @@ class ProcessEngine(StreamingEngine):
         self.processor.drop(request_id)
         try:
             self._send(("abort", request_id))
-        except OSError:
+        except EngineDeadError:
             pass  # the core is gone: nothing to abort
 
     def _check_engine(self) -> None:
@@ -389,18 +389,24 @@ class ProcessEngine(StreamingEngine):
 
     # -- calls to the core ----------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(message)
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError as exc:  # the core is gone (its reader thread says why, if it can)
+            raise self.error or EngineDeadError(f"engine core process unreachable: {exc}") from exc
 
     def call(self, op: str, arg=None) -> concurrent.futures.Future:
         """Run a named operation in the core between two steps; its result in the future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
-        if self.error is not None:
-            future.set_exception(self.error)
-            return future
-        self._send(("call", call_id, op, arg))
+        try:
+            if self.error is not None:
+                raise self.error
+            self._send(("call", call_id, op, arg))
+        except EngineDeadError as exc:
+            self._calls.pop(call_id, None)
+            future.set_exception(exc)
         return future
 
     def set_num_threads(self, num_threads: int) -> None:
@@ -422,7 +428,7 @@ class ProcessEngine(StreamingEngine):
         self._stopped = True
         try:
             self._send(("shutdown",))
-        except OSError:
+        except EngineDeadError:
             pass
         try:
             self._proc.wait(timeout=10)
