@@ -137,8 +137,8 @@ class OutputProcessor:
         if stopped:
             out.finish_reason, out.stop_reason = "stop", detok.stop_string
         out.new_text = detok.take_delta(finished=out.finished)
-        if out.finished:
-            del self._detoks[out.request_id]
+        if out.finished:  # pop: the caller's thread may have dropped it meanwhile (an abort)
+            self._detoks.pop(out.request_id, None)
         return out, stopped
 
 

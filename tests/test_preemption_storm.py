@@ -96,6 +96,6 @@ def test_preemption_storm_finishes_with_solo_tokens(tiny_llama_dir, alone_output
         assert all(b.ref_cnt == 0 for b in pool.blocks)
         assert not scheduler.requests and not scheduler.running and not scheduler.waiting
         assert not scheduler.kv.req_to_blocks
-        assert not engine._states
+        assert engine.num_request_states == 0 and not len(engine.output_processor)
     finally:
         llm.shutdown()
