@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -119,6 +120,14 @@ class EngineConfig(BaseModel):
                 f"max_model_len ({max_model_len}) when chunked prefill is disabled, "
                 "or a long prompt could never be scheduled"
             )
+
+    def model_dir(self) -> Path:
+        """The model's directory: `model`, or the default model's (fetched on first use)."""
+        if self.model is None:
+            from replica.default_model import default_model_dir
+
+            return default_model_dir()
+        return Path(self.model)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -193,13 +193,7 @@ class Engine:
         are not looked for: the caller runs an OutputProcessor (an engine core in its own
         process, whose front detokenizes)."""
         self.config = config
-        if config.model is None:
-            from replica.default_model import default_model_dir
-
-            model_dir = default_model_dir()
-        else:
-            model_dir = Path(config.model)
-        self.model_dir = Path(model_dir)
+        self.model_dir = config.model_dir()
         started = time.perf_counter()
         if tokenizer is None:
             from replica.tokenizer import load_tokenizer

@@ -322,11 +322,9 @@ class ProcessEngine(StreamingEngine):
         self._conn = Connection(front.detach())
         self._send(("init", config.model_dump(mode="json"), kv_events, num_threads))
         # the front's own tokenizer (detokenization) loads while the core builds the engine
-        from replica.default_model import default_model_dir
         from replica.tokenizer import load_tokenizer
 
-        model_dir = Path(config.model) if config.model is not None else default_model_dir()
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(config.model_dir())
         self.processor = OutputProcessor(self.tokenizer)
         try:
             message = self._conn.recv()
