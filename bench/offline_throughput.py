@@ -110,6 +110,8 @@ def worker_ours(args, workload: dict) -> dict:
         max_num_seqs=max(64, len(prompts)),
         kv_cache_bytes=KV_CACHE_GIB << 30,
         cpu_prefill_attention=args.prefill,
+        num_speculative_tokens=args.draft_tokens,
+        speculative_max_running=args.spec_max_running,
     )
     engine = llm.engine
 
@@ -124,6 +126,19 @@ def worker_ours(args, workload: dict) -> dict:
     engine.step_listeners.remove(record)
     tokens = [o.output_token_ids for o in outs]
     result = _result(args, workload, tokens, elapsed, load, threads)
+    result["num_speculative_tokens"] = args.draft_tokens
+    result["speculative_max_running"] = args.spec_max_running
+    if args.draft_tokens:
+        stats = engine.stats()
+        result["spec_decode"] = {
+            "drafts": stats.spec_num_drafts,
+            "draft_tokens": stats.spec_num_draft_tokens,
+            "accepted_tokens": stats.spec_num_accepted_tokens,
+            "acceptance_rate": round(
+                stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1), 3
+            ),
+            "steps": len(steps),
+        }
     result["steps"] = summarize_steps(steps)
     result["steady"] = steady_state_breakdown(engine, prompts, args.steady_steps)
     return result
@@ -246,7 +261,15 @@ def worker_vllm(args, workload: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     prompts, output_lens = workload["prompts"], workload["output_lens"]
-    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=2048, seed=0)
+    extra = {}
+    if args.draft_tokens:  # vLLM's own prompt-lookup speculation, same settings as ours
+        extra["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": args.draft_tokens,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=2048, seed=0, **extra)
 
     def params(n: int):
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -264,6 +287,7 @@ def worker_vllm(args, workload: dict) -> dict:
 
     result = _result(args, workload, tokens, elapsed, load, threads=None)
     result["version"] = vllm.__version__
+    result["num_speculative_tokens"] = args.draft_tokens
     result["omp_threads_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
     return result
 
@@ -309,6 +333,10 @@ def launch(system: str, args, workload_path: Path, tmp: Path) -> dict:
     env = dict(os.environ)
     cmd = ["--model-dir", str(args.model_dir), "--workload", str(workload_path)]
     cmd += ["--result", str(result_path), "--threads", str(args.threads)]
+    if name.endswith("-spec"):  # prompt-lookup speculative decoding on (ours and vLLM)
+        name = name.removesuffix("-spec")
+        cmd += ["--draft-tokens", str(args.spec_tokens)]
+        cmd += ["--spec-max-running", str(args.spec_max_running)]
     if name in ("ours", "ours-torch-prefill"):
         cmd += ["--worker", "ours", "--dtype", dtype or "float32"]
         cmd += ["--prefill", "torch" if name == "ours-torch-prefill" else "native"]
@@ -398,6 +426,20 @@ def main() -> None:
     )
     parser.add_argument("--steady-steps", type=int, default=20)
     parser.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=4,
+        help="systems named ours-spec:DTYPE / vllm-spec:DTYPE: draft tokens per step of "
+        "prompt-lookup speculative decoding (n-grams of 2-4 tokens)",
+    )
+    parser.add_argument(
+        "--spec-max-running",
+        type=int,
+        default=16,
+        help="ours-spec: drafts only in steps with at most this many running (0: always)",
+    )
+    parser.add_argument("--draft-tokens", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
         "--output-tokens",
         type=int,
         default=None,
@@ -473,9 +515,11 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
     ok = {k: v for k, v in results.items() if "error" not in v}
     rate = {k: v["output_tokens_per_s"] for k, v in ok.items()}
     ratios = {}
-    for ours in ("ours:float32", "ours:bfloat16", "ours-torch-prefill:float32"):
+    for ours in ("ours:float32", "ours:bfloat16", "ours-torch-prefill:float32",
+                 "ours-spec:float32"):  # fmt: skip
         for base in ("hf-static", "hf-seq", "vllm:float32", "vllm:bfloat16",
-                     "ours-torch-prefill:float32"):  # fmt: skip
+                     "ours-torch-prefill:float32", "vllm-spec:float32",
+                     "ours:float32"):  # fmt: skip
             if ours in rate and base in rate and ours != base:
                 ratios[f"{ours} / {base}"] = round(rate[ours] / rate[base], 2)
     agree = {}
@@ -486,6 +530,12 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
                 agree[f"ours:float32 vs {other}"] = agreement(
                     ok["ours:float32"]["token_ids"][:n], ok[other]["token_ids"]
                 )
+    for spec, plain in (
+        ("ours-spec:float32", "ours:float32"),
+        ("vllm-spec:float32", "vllm:float32"),
+    ):
+        if spec in ok and plain in ok:  # speculation must not change a greedy output
+            agree[f"{spec} vs {plain}"] = agreement(ok[spec]["token_ids"], ok[plain]["token_ids"])
     targets = {}
     if "ours:float32 / hf-static" in ratios:
         r = ratios["ours:float32 / hf-static"]

@@ -51,11 +51,13 @@ def server_command(system: str, args, model: Path, port: int) -> tuple[list[str]
         )
         env |= dict(zip(names, flags, strict=True))
         system = system.removesuffix(suffix or "")
-    if system == "stepserve" or system.startswith("stepserve-t"):
+    if system in ("stepserve", "stepserve-nospec") or system.startswith("stepserve-t"):
         argv = [str(ROOT / ".venv" / "bin" / "stepserve"), "serve", "--model", str(model)]
         argv += ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         if system == "stepserve-thread":  # the engine in a thread of the replica's actor
             argv += ["--engine-core", "thread"]
+        elif system == "stepserve-nospec":  # prompt-lookup speculative decoding off
+            argv += ["--num-speculative-tokens", "0"]
         elif system != "stepserve":  # stepserve-tN: N torch threads per replica
             argv += ["--cpu-threads", system.removeprefix("stepserve-t")]
         argv += args.stepserve_args.split()
@@ -74,8 +76,8 @@ def server_command(system: str, args, model: Path, port: int) -> tuple[list[str]
             env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # vLLM's own choice
         return argv, env
     raise SystemExit(
-        f"unknown system {system!r}: stepserve, stepserve-thread, stepserve-tN, vllm or "
-        "vllm-2cores"
+        f"unknown system {system!r}: stepserve, stepserve-thread, stepserve-nospec, "
+        "stepserve-tN, vllm or vllm-2cores"
     )
 
 

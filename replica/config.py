@@ -90,6 +90,30 @@ class EngineConfig(BaseModel):
         "longer makes them take turns); 'thread' runs the engine in a thread of the actor. "
         "Tensor-parallel replicas keep rank 0 in the actor; offline LLM runs in-process.",
     )
+    num_speculative_tokens: int = Field(
+        default=4,
+        ge=0,
+        le=16,
+        description="Speculative decoding by prompt lookup (vLLM's 'ngram' method): at most "
+        "this many draft tokens per step for greedy requests without penalties, bias, "
+        "min_tokens, logprobs or a grammar, copied from where the sequence's trailing n-gram "
+        "occurred before and verified in the same forward pass (outputs are unchanged); the "
+        "length adapts per request to what it gets accepted. 0: off.",
+    )
+    speculative_max_running: int = Field(
+        default=16,
+        ge=0,
+        le=4096,
+        description="Drafts are proposed only in steps that start with at most this many "
+        "running requests (0: any number): a large batch makes the forward compute-bound, "
+        "where every rejected draft token costs a full token's compute.",
+    )
+    prompt_lookup_max: int = Field(
+        default=4, ge=1, le=16, description="Longest trailing n-gram looked up for a draft."
+    )
+    prompt_lookup_min: int = Field(
+        default=2, ge=1, le=16, description="Shortest trailing n-gram looked up for a draft."
+    )
     stall_timeout_s: float = Field(
         default=120.0,
         gt=0,
@@ -106,6 +130,11 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_budgets(self) -> EngineConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
         if self.max_model_len is not None:
             self.check_prefill_budget(self.max_model_len)
         return self

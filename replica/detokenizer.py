@@ -37,11 +37,12 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_tokens(self, token_ids: list[int]) -> None:
-        """Decode new tokens; stops decoding after a stop string is found."""
-        for token_id in token_ids:
+    def add_tokens(self, token_ids: list[int]) -> int:
+        """Decode new tokens; stops decoding after a stop string is found. Returns how many of
+        `token_ids` were taken: all, or those up to the one that completed a stop string."""
+        for taken, token_id in enumerate(token_ids):
             if self.stop_string is not None:
-                return
+                return taken
             self._ids.append(token_id)
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             new_text = self._decode(self._ids[self._prefix_offset :])
@@ -51,6 +52,7 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             self._append(delta)
+        return len(token_ids)
 
     def _append(self, delta: str) -> None:
         start = max(0, len(self.text) - self._holdback)

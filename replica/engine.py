@@ -132,10 +132,18 @@ class OutputProcessor:
         detok = self._detoks.get(out.request_id)
         if detok is None:
             return None, False
-        detok.add_tokens(out.new_token_ids)
+        taken = detok.add_tokens(out.new_token_ids)
         stopped = out.finish_reason is None and detok.stop_string is not None
         if stopped:
             out.finish_reason, out.stop_reason = "stop", detok.stop_string
+            dropped = len(out.new_token_ids) - taken
+            if dropped > 0:
+                # a delta of several tokens (accepted draft tokens) past the stop string's
+                # end: the output ends at the token that completed it, as one token a step
+                out.new_token_ids = out.new_token_ids[:taken]
+                out.num_output_tokens -= dropped
+                if out.new_logprobs is not None:
+                    out.new_logprobs = out.new_logprobs[:taken]
         out.new_text = detok.take_delta(finished=out.finished)
         if out.finished:  # pop: the caller's thread may have dropped it meanwhile (an abort)
             self._detoks.pop(out.request_id, None)
@@ -320,6 +328,7 @@ class Engine:
             runner_output.sampled,
             runner_output.logprobs,
             runner_output.prompt_logprobs,
+            runner_output.spec_tokens,
         )
         outputs = []
         processor = self.output_processor

@@ -131,6 +131,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Forget a block's hash (its contents were never computed): no lookup finds it."""
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
+        block.block_hash = None
+
     def cache_block(self, block: KVBlock, block_hash: int, parent: int = ROOT_BLOCK_HASH) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
@@ -234,6 +244,28 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache_block(held[i], hashes[i], hashes[i - 1] if i else ROOT_BLOCK_HASH)
         self._num_cached_blocks[rid] = end
+
+    def _in_flight_blocks(self, request: Request, num_computed: int) -> list[KVBlock]:
+        """The request's blocks cached at allocation whose tokens are not all computed before
+        this step (`num_computed`: its computed tokens when the step began)."""
+        held = self.req_to_blocks.get(request.request_id) or []
+        cached = self._num_cached_blocks.get(request.request_id, 0)
+        return held[num_computed // self.block_size : cached]
+
+    def in_flight_shared(self, request: Request, num_computed: int) -> bool:
+        """Whether another request holds one of this request's blocks that are cached but
+        only being computed in this step (a same-step prefix hit on them)."""
+        return any(b.ref_cnt > 1 for b in self._in_flight_blocks(request, num_computed))
+
+    def uncache_in_flight(self, request: Request, num_computed: int) -> None:
+        """A request scheduled and then preempted in the same step: the blocks its allocation
+        cached were never computed, so they must not be found by a later lookup (its own
+        resumption included)."""
+        blocks = self._in_flight_blocks(request, num_computed)
+        for block in blocks:
+            self.pool.uncache_block(block)
+        if blocks:
+            self._num_cached_blocks[request.request_id] = num_computed // self.block_size
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first: the end of a sequence is the least

@@ -53,6 +53,15 @@ class EngineMetrics:
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found cached.")
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Steps in which a request ran a prompt-lookup draft."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted by verification."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
@@ -86,6 +95,7 @@ class EngineMetrics:
         self._preemptions_seen = 0
         self._queries_seen = 0
         self._hits_seen = 0
+        self._spec_seen = (0, 0, 0)
         if engine is not None:  # in-process: observe each step on the engine thread
             engine.step_listeners.append(self.on_step)
 
@@ -141,6 +151,16 @@ class EngineMetrics:
         self._queries_seen = stats.prefix_cache_queries
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._hits_seen)
         self._hits_seen = stats.prefix_cache_hits
+        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        counters = (
+            self.spec_decode_num_drafts,
+            self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens,
+        )
+        for counter, now, seen in zip(counters, spec, self._spec_seen):
+            if now > seen:
+                counter.inc(now - seen)
+        self._spec_seen = spec
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

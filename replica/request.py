@@ -226,6 +226,7 @@ class Request:
         "prompt_logprobs",
         "priority",
         "seq",
+        "speculate",
     )
 
     def __init__(
@@ -246,6 +247,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority  # lower is more urgent (vLLM's convention); the priority policy
         self.seq = 0  # the scheduler's arrival count: breaks ties between equal arrival times
+        # set by the scheduler: drafts are proposed for it (replica/spec_decode.py)
+        self.speculate = False
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0

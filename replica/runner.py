@@ -77,6 +77,24 @@ class StepTimes:
     sample: float = 0.0  # sampling and the tokens back to Python
 
 
+def verify_greedy_drafts(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+    """Greedy verification of drafts: `logits` holds, per draft in order, the rows of its
+    request's last token and of each draft token. A request's new tokens are the longest
+    prefix of its draft that matches the argmax at each position, then the argmax after it
+    (the sampler's greedy choice: argmax of fp32 logits, first index on ties)."""
+    chosen = logits.float().argmax(dim=-1).tolist()
+    out = []
+    offset = 0
+    for draft in drafts:
+        row = chosen[offset : offset + len(draft) + 1]
+        offset += len(draft) + 1
+        accepted = 0
+        while accepted < len(draft) and row[accepted] == draft[accepted]:
+            accepted += 1
+        out.append(draft[:accepted] + [row[accepted]])
+    return out
+
+
 def model_max_len(hf_config: Any) -> int:
     """The longest context the checkpoint supports (a sliding window caps it, since attention
     here is always full)."""
@@ -340,18 +358,35 @@ class ModelRunner:
         if logits is None or self.tp.rank != 0:  # every rank joins the logits gather
             return RunnerOutput({}, None)
         sample_start = time.perf_counter()
-        to_sample = [s for s in so.scheduled if s.sample]
+        # prepare_batch's row layout: sampled requests' last rows, drafted requests' rows,
+        # prompt-logprob rows
+        to_sample = [s for s in so.scheduled if s.sample and not s.draft]
+        drafted = [s for s in so.scheduled if s.draft]
+        num_sampled = len(to_sample)
+        num_draft_rows = sum(len(s.draft) + 1 for s in drafted)
         prompt_rows = self._prompt_logprob_rows(so)
         prompt_logprobs = None
-        if prompt_rows:  # their rows follow the sampled ones (prepare_batch's layout)
-            prompt_logprobs = self._prompt_logprobs(logits[len(to_sample) :], prompt_rows)
-            logits = logits[: len(to_sample)]
-        out = self._sample(logits, to_sample)
-        sampled = {s.request_id: t for s, t in zip(to_sample, out.token_ids)}
-        logprobs = {s.request_id: lp for s, lp in zip(to_sample, out.logprobs) if lp is not None}
+        if prompt_rows:
+            first = num_sampled + num_draft_rows
+            prompt_logprobs = self._prompt_logprobs(logits[first:], prompt_rows)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, tuple[float, dict[int, float]]] = {}
+        if to_sample:
+            out = self._sample(logits[:num_sampled], to_sample)
+            sampled = {s.request_id: t for s, t in zip(to_sample, out.token_ids)}
+            logprobs = {
+                s.request_id: lp for s, lp in zip(to_sample, out.logprobs) if lp is not None
+            }
+        spec_tokens = None
+        if drafted:
+            rows = logits[num_sampled : num_sampled + num_draft_rows]
+            spec_tokens = verify_greedy_drafts(rows, [s.draft for s in drafted])
+            for s, tokens in zip(drafted, spec_tokens):
+                sampled[s.request_id] = tokens[0]
+            spec_tokens = {s.request_id: t for s, t in zip(drafted, spec_tokens)}
         # on CUDA the forward's kernels finish here: the sampled tokens' .tolist() waits for them
         self.step_times.sample = time.perf_counter() - sample_start
-        return RunnerOutput(sampled, logprobs or None, prompt_logprobs)
+        return RunnerOutput(sampled, logprobs or None, prompt_logprobs, spec_tokens)
 
     def _sample(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]):
         """The sampler over the sampled rows: each request's params and generator, its tokens
@@ -413,19 +448,25 @@ class ModelRunner:
 
     def prepare_batch(self, so: SchedulerOutput) -> StepBatch:
         """The step's flat token stream and per-request layout (no tensors, no requests).
-        Logits rows: each sampled request's last row, in order, then the rows of prompt
-        positions whose logprobs are wanted (`_prompt_logprob_rows`)."""
+        Logits rows: each sampled request's last row, in order, then every row of each
+        request that runs a draft (its last token's and the draft's: the positions verified),
+        then the rows of prompt positions whose logprobs are wanted (`_prompt_logprob_rows`)."""
         input_ids: list[int] = []
         starts, query_lens, block_ids, sample_rows = [], [], [], []
         first_rows = []
+        draft_rows: list[int] = []
         for s in so.scheduled:
             first_rows.append(len(input_ids))
             input_ids += s.token_ids()
             starts.append(s.start)
             query_lens.append(s.num_tokens)
             block_ids.append(s.block_ids)
-            if s.sample:
+            if s.draft:
+                end = len(input_ids)
+                draft_rows.extend(range(end - len(s.draft) - 1, end))
+            elif s.sample:
                 sample_rows.append(len(input_ids) - 1)
+        sample_rows += draft_rows
         prompt_rows = self._prompt_logprob_rows(so)
         if prompt_rows:
             first_row = {id(s): row for s, row in zip(so.scheduled, first_rows)}

@@ -19,6 +19,9 @@ class RunnerOutput:
     # per request that wants prompt logprobs and ran prompt positions this step: (index of the
     # first entry, [(logprob of the next prompt token, top-k dict)]) (Request.prompt_logprobs)
     prompt_logprobs: dict[str, tuple[int, list[tuple[float, dict[int, float]]]]] | None = None
+    # per request that ran a draft (ScheduledRequest.draft): its new tokens, the accepted draft
+    # tokens then the model's own; `sampled` holds the first of them
+    spec_tokens: dict[str, list[int]] | None = None
 
 
 @runtime_checkable

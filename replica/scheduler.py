@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from replica.config import EngineConfig
 from replica.kv_cache import KVCacheManager
 from replica.request import Request, RequestRejected, RequestStatus, StepOutput
+from replica.spec_decode import NgramProposer, speculation_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +24,11 @@ class ScheduledRequest:
 
     request: Request
     start: int
-    num_tokens: int
+    num_tokens: int  # the draft's tokens included
     block_ids: list[int]  # the request's whole block table (live list; read it during the step)
+    # speculative tokens run after the request's last token (replica/spec_decode.py): the
+    # runner verifies them and returns the accepted ones plus the model's next token
+    draft: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -33,9 +37,12 @@ class ScheduledRequest:
     @property
     def sample(self) -> bool:
         """True when this chunk reaches the end of the known tokens, so a new token is due."""
-        return self.start + self.num_tokens >= self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft) >= self.request.num_tokens
 
     def token_ids(self) -> list[int]:
+        if self.draft:
+            end = self.start + self.num_tokens - len(self.draft)
+            return self.request.all_token_ids[self.start : end] + self.draft
         return self.request.all_token_ids[self.start : self.start + self.num_tokens]
 
 
@@ -60,6 +67,10 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # speculative decoding (replica/spec_decode.py), totals since start; 0 when it is off
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 def _sort_key(request: Request) -> tuple[int, float, int]:
@@ -106,6 +117,14 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # speculative decoding by prompt lookup for plain greedy requests (off at 0 tokens)
+        self.proposer = (
+            NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
+            )
+            if config.num_speculative_tokens > 0
+            else None
+        )
 
     # -- requests in and out --------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -124,6 +143,9 @@ class Scheduler:
         if self.kv.enable_caching:
             request.update_block_hashes(self.block_size)
         request.status = RequestStatus.WAITING
+        request.speculate = self.proposer is not None and speculation_allowed(
+            request.sampling_params
+        )
         self._num_added += 1
         request.seq = self._num_added
         self.requests[request.request_id] = request
@@ -169,6 +191,8 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self._finished_since_step.append(request.request_id)
 
     def has_unfinished(self) -> bool:
@@ -182,6 +206,10 @@ class Scheduler:
         scheduled = out.scheduled
         kv = self.kv
 
+        proposer = self.proposer
+        cap = self.config.speculative_max_running
+        if proposer is not None and cap and len(self.running) > cap:
+            proposer = None  # compute-bound batch: no drafts this step
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -193,6 +221,14 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            draft = []
+            if num_new == 1 and proposer is not None and request.speculate:
+                # room: the budget, and the bonus token must still fit max_total_tokens
+                room = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)
+                draft = proposer.propose(request, room)
+                if draft and kv.allocate_slots(request, 1 + len(draft)) is None:
+                    draft = []  # no blocks for the draft: decode plainly (may preempt below)
+                num_new += len(draft)
             while kv.allocate_slots(request, num_new) is None:
                 # fcfs: the newest running request; priority: the lowest priority, newest
                 victim = max(self.running, key=_sort_key) if self.by_priority else self.running[-1]
@@ -210,7 +246,11 @@ class Scheduler:
                 continue
             scheduled.append(
                 ScheduledRequest(
-                    request, request.num_computed_tokens, num_new, kv.block_ids(request.request_id)
+                    request,
+                    request.num_computed_tokens,
+                    num_new,
+                    kv.block_ids(request.request_id),
+                    draft,
                 )
             )
             request.num_computed_tokens += num_new
@@ -279,6 +319,11 @@ class Scheduler:
         victim = max(self.running, key=_sort_key)
         if victim.priority <= request.priority:
             return None
+        share = next((s for s in out.scheduled if s.request is victim), None)
+        if share is not None and self.kv.in_flight_shared(victim, share.start):
+            # a request admitted in this step hit blocks the victim writes in this step:
+            # preempting it now would leave them unwritten; the seat waits a step
+            return None
         return self._preempt_running(victim, out)
 
     def _preempt_running(self, victim: Request, out: SchedulerOutput) -> int:
@@ -290,6 +335,8 @@ class Scheduler:
             if sched.request is victim:
                 restored = sched.num_tokens
                 del out.scheduled[j]
+                # the blocks its allocation cached in this step will not be computed
+                self.kv.uncache_in_flight(victim, sched.start)
                 break
         self._preempt(victim)
         out.preempted_request_ids.append(victim.request_id)
@@ -309,44 +356,42 @@ class Scheduler:
         sampled: dict[str, int],
         logprobs: dict[str, tuple[float, dict[int, float]]] | None = None,
         prompt_logprobs: dict[str, tuple[int, list[tuple[float, dict[int, float]]]]] | None = None,
+        spec_tokens: dict[str, list[int]] | None = None,
     ) -> list[StepOutput]:
         """Append each sampled token, apply stop conditions, free finished requests.
         `prompt_logprobs`: per request, (index of the first entry, entries) computed this step
-        for its prompt tokens (see Request.prompt_logprobs)."""
+        for its prompt tokens (see Request.prompt_logprobs). `spec_tokens`: per request that
+        ran a draft, its new tokens (the accepted draft tokens, then the model's own); they
+        are taken one by one until one of them ends the request."""
         if prompt_logprobs:
             self._record_prompt_logprobs(prompt_logprobs)
         outputs = []
-        block_size = self.block_size
-        caching = self.kv.enable_caching
         any_finished = False
         for sched in scheduler_output.scheduled:
             request = sched.request
             token = sampled.get(sched.request_id)
             if token is None or request.is_finished:
                 continue  # a prefill chunk that did not reach the end, or aborted meanwhile
-            request.all_token_ids.append(token)
-            if caching:  # hashes matter only for prefix caching
-                request.update_block_hashes(block_size)
-            params = request.sampling_params
+            tokens = (token,)
+            if sched.draft:
+                # a runner that verified the draft says which tokens hold; one that did not
+                # (the simulator's) yields only its one token
+                tokens = (spec_tokens or {}).get(sched.request_id) or tokens
+                self.proposer.record(sched.request_id, len(sched.draft), len(tokens) - 1)
+            new_tokens = []
             status = None
-            if request.grammar is not None and not request.grammar.accept(token):
-                # the mask allows only tokens the grammar accepts; should this ever fail, the
-                # output cannot match, so it must not end as a clean "stop"
-                logger.error("request %s: sampled token %d outside its grammar", request, token)
-                status = RequestStatus.FINISHED_LENGTH
-            elif not params.ignore_eos and token in request.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif token in params.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token
-            elif request.grammar is not None and request.grammar.terminated:
-                status = RequestStatus.FINISHED_STOPPED
-            elif request.num_tokens >= request.max_total_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            step = StepOutput(request.request_id, [token])
+            for token in tokens:
+                new_tokens.append(token)
+                status = self._append_token(request, token)
+                if status is not None:
+                    break
+            if sched.draft and status is None:
+                # the rejected draft positions' KV is stale: recompute from the first new token
+                request.num_computed_tokens = request.num_tokens - 1
+            step = StepOutput(request.request_id, new_tokens)
             if logprobs is not None and sched.request_id in logprobs:
                 step.new_logprobs = [logprobs[sched.request_id]]
-            if request.prompt_logprobs is not None and request.num_output_tokens == 1:
+            if request.prompt_logprobs is not None and request.num_output_tokens == len(tokens):
                 step.prompt_logprobs = request.prompt_logprobs
             if status is not None:
                 self._finish(request, status)
@@ -357,6 +402,28 @@ class Scheduler:
         if any_finished:  # one pass instead of a list.remove per finished request
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _append_token(self, request: Request, token: int) -> RequestStatus | None:
+        """Append one new token; the finished status it causes, if any."""
+        request.all_token_ids.append(token)
+        if self.kv.enable_caching:  # hashes matter only for prefix caching
+            request.update_block_hashes(self.block_size)
+        params = request.sampling_params
+        if request.grammar is not None and not request.grammar.accept(token):
+            # the mask allows only tokens the grammar accepts; should this ever fail, the
+            # output cannot match, so it must not end as a clean "stop"
+            logger.error("request %s: sampled token %d outside its grammar", request, token)
+            return RequestStatus.FINISHED_LENGTH
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_tokens >= request.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def _record_prompt_logprobs(
         self, prompt_logprobs: dict[str, tuple[int, list[tuple[float, dict[int, float]]]]]
@@ -372,6 +439,7 @@ class Scheduler:
                 have.extend(entries[skip:])
 
     def stats(self) -> SchedulerStats:
+        spec = self.proposer.stats if self.proposer is not None else None
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -379,4 +447,7 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            spec_num_drafts=spec.num_drafts if spec else 0,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         )

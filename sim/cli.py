@@ -109,6 +109,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     overrides = _engine_overrides(args)
     overrides["model"] = str(resolve_model_dir(overrides.get("model") or "default"))
     overrides.setdefault("enable_prefix_caching", True)
+    # step costs by the step's shape, one token per decode (the simulator proposes no drafts)
+    overrides.setdefault("num_speculative_tokens", 0)
     config = EngineConfig.model_validate(overrides)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -129,7 +129,9 @@ class SimReplica:
     def __init__(self, sim: Simulation, rid: str, created: float) -> None:
         self.sim = sim
         self.rid = rid
-        cfg = sim.config.engine
+        # speculation is not modelled (its gain depends on the text, which the simulator
+        # does not have): the replica's scheduler proposes no drafts
+        cfg = sim.config.engine.model_copy(update={"num_speculative_tokens": 0})
         self.scheduler = Scheduler(cfg, sim.num_kv_blocks, sim.max_model_len)
         self.events = (
             self.scheduler.kv.pool.enable_events(cfg.block_size)

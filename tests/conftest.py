@@ -123,7 +123,9 @@ def generate_with_runner(
     while scheduler.has_unfinished():
         so = scheduler.schedule()
         result = runner.execute(so)
-        for step in scheduler.update_from_output(so, result.sampled, result.logprobs):
+        for step in scheduler.update_from_output(
+            so, result.sampled, result.logprobs, spec_tokens=result.spec_tokens
+        ):
             outputs[step.request_id] += step.new_token_ids
             logprobs[step.request_id] += step.new_logprobs or []
         scheduler.kv.check_invariants()

@@ -65,6 +65,8 @@ class FakeRunner:
         self._fingerprints: dict[str, list[int]] = {}
         self.num_steps = 0
         self.num_tokens_run = 0
+        self.num_draft_tokens = 0
+        self._drafted: set[str] = set()
 
     def _sample(self, request_id: str, num_output_tokens: int, fingerprint: int) -> int:
         forced = self.forced_tokens.get(request_id)
@@ -85,18 +87,21 @@ class FakeRunner:
         for rid in scheduler_output.finished_request_ids:
             self.num_computed.pop(rid, None)
             self._fingerprints.pop(rid, None)
+            self._drafted.discard(rid)
         for rid in scheduler_output.preempted_request_ids:
             self.num_computed.pop(rid, None)
         bs = self.block_size
         written: set[tuple[int, int]] = set()
         sampled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         total = 0
         for sched in scheduler_output.scheduled:
             request = sched.request
             rid = request.request_id
             start, n = sched.start, sched.num_tokens
             end = start + n
-            if n < 1 or end > request.num_tokens:
+            draft = list(sched.draft)
+            if n < 1 or end - len(draft) > request.num_tokens:
                 raise RunnerCheckError(
                     f"{rid}: chunk [{start}, {end}) outside its {request.num_tokens} tokens"
                 )
@@ -109,7 +114,9 @@ class FakeRunner:
                 )
             block_ids = list(sched.block_ids)
             needed = -(-end // bs)
-            if len(block_ids) != needed:
+            # a request that drafted may keep blocks its rejected draft tokens had taken
+            extra_ok = rid in self._drafted and len(block_ids) > needed
+            if len(block_ids) != needed and not extra_ok:
                 raise RunnerCheckError(
                     f"{rid}: {len(block_ids)} blocks for {end} tokens of block size {bs} "
                     f"(need exactly {needed})"
@@ -117,6 +124,11 @@ class FakeRunner:
             if len(set(block_ids)) != len(block_ids):
                 raise RunnerCheckError(f"{rid}: a block appears twice in {block_ids}")
             fps = extend_fingerprints(self._fingerprints.setdefault(rid, []), request.all_token_ids)
+            if draft:
+                if end - len(draft) != request.num_tokens or n != len(draft) + 1:
+                    raise RunnerCheckError(f"{rid}: a draft must follow exactly the last token")
+                # the draft positions' slots hold the drafted sequence's prefixes
+                fps = extend_fingerprints(list(fps), request.all_token_ids + draft)
             # attention reads every earlier slot: it must hold this request's own prefix
             for b in range(-(-start // bs)):
                 lo, hi = b * bs, min((b + 1) * bs, start)
@@ -134,7 +146,21 @@ class FakeRunner:
                 self.kv_slots.setdefault(block_id, [None] * bs)[pos % bs] = fps[pos]
             self.num_computed[rid] = end
             total += n
-            if sched.sample:
+            if draft:
+                # greedy verification: the fake model's token at each position, while the
+                # draft agrees; the slots after the last accepted position are stale
+                tokens = []
+                for i in range(len(draft) + 1):
+                    pos = request.num_tokens - 1 + i
+                    tokens.append(self._sample(rid, request.num_output_tokens + i, fps[pos]))
+                    if i == len(draft) or tokens[-1] != draft[i]:
+                        break
+                spec_tokens[rid] = tokens
+                self._drafted.add(rid)
+                sampled[rid] = tokens[0]
+                self.num_computed[rid] = request.num_tokens + len(tokens) - 1
+                self.num_draft_tokens += len(draft)
+            elif sched.sample:
                 sampled[rid] = self._sample(rid, request.num_output_tokens, fps[end - 1])
         if total != scheduler_output.total_num_scheduled_tokens:
             raise RunnerCheckError(
@@ -143,7 +169,7 @@ class FakeRunner:
             )
         self.num_steps += 1
         self.num_tokens_run += total
-        return RunnerOutput(sampled)
+        return RunnerOutput(sampled, spec_tokens=spec_tokens or None)
 
     def generate_alone(
         self,

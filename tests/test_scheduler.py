@@ -35,7 +35,8 @@ def chunks(out: SchedulerOutput) -> list[tuple[str, int, int]]:
 def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[StepOutput]]:
     out = sched.schedule()
     sched.kv.check_invariants()
-    outputs = sched.update_from_output(out, runner.execute(out).sampled)
+    result = runner.execute(out)
+    outputs = sched.update_from_output(out, result.sampled, spec_tokens=result.spec_tokens)
     sched.kv.check_invariants()
     return out, outputs
 

@@ -5,7 +5,7 @@ every step and that every request ends with exactly the tokens it would get alon
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -35,6 +35,9 @@ class Workload:
     num_blocks: int
     max_model_len: int
     arrivals: list[Arrival]
+    # per request id: a repeating pattern the fake model outputs (prompt-lookup drafts of it
+    # get accepted, also across stop tokens and max_tokens)
+    forced: dict[str, list[int]] = field(default_factory=dict)
 
 
 @st.composite
@@ -55,12 +58,16 @@ def workloads(draw) -> Workload:
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
         long_prefill_token_threshold=draw(st.one_of(st.just(0), st.integers(1, 32))),
+        num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3, 5])),
+        prompt_lookup_min=draw(st.integers(1, 2)),
+        prompt_lookup_max=draw(st.integers(2, 4)),
     )
     # around what one longest request needs: several requests then compete for blocks
     num_blocks = max(1, -(-max_model_len // block_size) + draw(st.integers(-2, 12)))
     token = st.integers(0, VOCAB_SIZE - 1)
     prefixes = draw(st.lists(st.lists(token, max_size=40), min_size=1, max_size=3))
     arrivals = []
+    forced = {}
     for i in range(draw(st.integers(1, 12))):
         prefix = draw(st.sampled_from(prefixes))
         suffix = draw(st.lists(token, min_size=1 if not prefix else 0, max_size=24))
@@ -68,7 +75,11 @@ def workloads(draw) -> Workload:
             max_tokens=draw(st.integers(1, 48)),
             ignore_eos=draw(st.booleans()),
             stop_token_ids=draw(st.lists(token, max_size=1)),
+            # greedy (the fake model ignores it): drafts are proposed for greedy requests only
+            temperature=draw(st.sampled_from([0.0, 0.0, 1.0])),
         )
+        if draw(st.booleans()):
+            forced[f"r{i}"] = draw(st.lists(token, min_size=1, max_size=4)) * 48
         abort_step = draw(st.one_of(st.none(), st.none(), st.integers(0, 40)))
         arrivals.append(
             Arrival(
@@ -81,7 +92,7 @@ def workloads(draw) -> Workload:
             )
         )
     arrivals.sort(key=lambda a: a.step)
-    return Workload(config, num_blocks, max_model_len, arrivals)
+    return Workload(config, num_blocks, max_model_len, arrivals, forced)
 
 
 def _same_step_workload() -> Workload:
@@ -118,6 +129,29 @@ def _victim_first_workload() -> Workload:
 lowest_priority_victim_before_a_higher_one = _victim_first_workload()
 
 
+def _preempted_in_its_step_workload() -> Workload:
+    """Priority policy, block size 1: r1 (lowest priority) is scheduled, its allocation caches
+    the block of its newest token, and a request arriving in that step takes its seat, so r1
+    is preempted before the step runs. The block was never computed; r1's resumption must not
+    find it in the prefix cache (found by this test once its fake model repeated tokens: r1
+    read a block that held nothing)."""
+    config = EngineConfig(
+        block_size=1, max_num_seqs=2, max_num_batched_tokens=12, enable_chunked_prefill=False,
+        num_speculative_tokens=0,
+    )  # fmt: skip
+    greedy = dict(temperature=0.0)
+    arrivals = [
+        Arrival(rid, step, prompt, SamplingParams(max_tokens=n, **greedy), None, priority)
+        for rid, step, prompt, n, priority in (("r1", 0, [0], 3, 1), ("r2", 0, [0], 1, 0),
+                                               ("r4", 0, [0, 0], 5, 0), ("r3", 2, [0], 1, 0),
+                                               ("r0", 4, [0], 1, 0))
+    ]  # fmt: skip
+    return Workload(config, 12, 12, arrivals, forced={"r1": [1] * 48})
+
+
+preempted_in_the_step_that_cached_its_block = _preempted_in_its_step_workload()
+
+
 def should_reject(w: Workload, a: Arrival) -> bool:
     if len(a.prompt) + 1 > w.max_model_len:
         return True
@@ -130,7 +164,8 @@ def check_step_invariants(sched: Scheduler, w: Workload) -> None:
     assert len(sched.running) <= w.config.max_num_seqs
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
-        assert r.num_computed_tokens <= r.num_tokens
+        # during a step, a draft's tokens count as computed beyond the known tokens
+        assert r.num_computed_tokens <= r.num_tokens + w.config.num_speculative_tokens
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens == 0
@@ -149,9 +184,10 @@ def check_step_invariants(sched: Scheduler, w: Workload) -> None:
 @given(workloads())
 @example(same_step_prefix_hit_on_a_chunk_in_flight)
 @example(lowest_priority_victim_before_a_higher_one)
+@example(preempted_in_the_step_that_cached_its_block)
 def test_random_workloads_keep_invariants_and_match_solo_outputs(w: Workload):
     sched = Scheduler(w.config, w.num_blocks, w.max_model_len)
-    runner = FakeRunner(w.config.block_size, vocab_size=VOCAB_SIZE)
+    runner = FakeRunner(w.config.block_size, vocab_size=VOCAB_SIZE, forced_tokens=w.forced)
     budget, seats = w.config.max_num_batched_tokens, w.config.max_num_seqs
     accepted: dict[str, Request] = {}
     outputs: dict[str, list[int]] = {}
@@ -187,10 +223,14 @@ def test_random_workloads_keep_invariants_and_match_solo_outputs(w: Workload):
         assert out.total_num_scheduled_tokens <= budget
         assert len(out.scheduled) <= seats
         assert not had_work or out.scheduled, "requests wait but nothing was scheduled"
-        step_outputs = sched.update_from_output(out, runner.execute(out).sampled)
+        result = runner.execute(out)
+        step_outputs = sched.update_from_output(out, result.sampled, spec_tokens=result.spec_tokens)
         check_step_invariants(sched, w)
+        for r in sched.running:
+            assert r.num_computed_tokens <= r.num_tokens
+        drafts = {s.request_id: len(s.draft) for s in out.scheduled}
         for o in step_outputs:
-            assert len(o.new_token_ids) == 1
+            assert 1 <= len(o.new_token_ids) <= 1 + drafts[o.request_id]
             assert o.request_id not in aborted
             outputs[o.request_id].extend(o.new_token_ids)
         step += 1

@@ -129,6 +129,7 @@ def test_simulated_replica_schedules_exactly_like_the_real_engine(tiny_llama_dir
     engine_fields = dict(
         max_num_seqs=6, max_num_batched_tokens=64, num_kv_blocks=24, block_size=8,
         max_model_len=256, enable_prefix_caching=True,
+        num_speculative_tokens=0,  # the simulator does not model speculation
     )  # fmt: skip
     rng = random.Random(3)
     shared = [rng.randrange(10, 500) for _ in range(40)]
