@@ -133,13 +133,15 @@ class OutputProcessor:
         if detok is None:
             return None, False
         taken = detok.add_tokens(out.new_token_ids)
+        # the engine must finish the request when the stop string ended it here
         stopped = out.finish_reason is None and detok.stop_string is not None
-        if stopped:
+        dropped = len(out.new_token_ids) - taken
+        if stopped or (dropped > 0 and detok.stop_string is not None):
+            # a delta of several tokens (accepted draft tokens) may go past the token that
+            # completed the stop string, even past one that ended the request (max_tokens,
+            # EOS): the output ends at the stop string, as with one token a step
             out.finish_reason, out.stop_reason = "stop", detok.stop_string
-            dropped = len(out.new_token_ids) - taken
             if dropped > 0:
-                # a delta of several tokens (accepted draft tokens) past the stop string's
-                # end: the output ends at the token that completed it, as one token a step
                 out.new_token_ids = out.new_token_ids[:taken]
                 out.num_output_tokens -= dropped
                 if out.new_logprobs is not None:

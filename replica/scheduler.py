@@ -222,9 +222,19 @@ class Scheduler:
                 i += 1
                 continue
             draft = []
-            if num_new == 1 and proposer is not None and request.speculate:
+            # a decode (the last token alone left to compute), not a prefill chunk capped to 1
+            if (
+                proposer is not None
+                and request.speculate
+                and request.num_tokens - request.num_computed_tokens == 1
+            ):
                 # room: the budget, and the bonus token must still fit max_total_tokens
                 room = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)
+                # and the KV pool: a draft's blocks must leave one block for each running
+                # request after this one (a draft is never worth a preemption)
+                later = len(self.running) - i - 1
+                if kv.pool.num_free_blocks - later < 1 + proposer.k // self.block_size + 1:
+                    room = 0
                 draft = proposer.propose(request, room)
                 if draft and kv.allocate_slots(request, 1 + len(draft)) is None:
                     draft = []  # no blocks for the draft: decode plainly (may preempt below)
@@ -391,7 +401,7 @@ class Scheduler:
             step = StepOutput(request.request_id, new_tokens)
             if logprobs is not None and sched.request_id in logprobs:
                 step.new_logprobs = [logprobs[sched.request_id]]
-            if request.prompt_logprobs is not None and request.num_output_tokens == len(tokens):
+            if request.prompt_logprobs is not None and request.num_output_tokens == len(new_tokens):
                 step.prompt_logprobs = request.prompt_logprobs
             if status is not None:
                 self._finish(request, status)

@@ -6,7 +6,10 @@ earlier in the same sequence, and the tokens that followed their latest earlier 
 the draft. The step then runs the request's last token and the draft together; the runner
 takes the argmax at each of those positions and keeps the draft's longest prefix that matches,
 plus the token the model chose after it (so a step always yields at least one token, and the
-tokens are exactly those greedy decoding would have produced one step at a time). The KV
+tokens are those greedy decoding produces one step at a time, up to floating-point: the
+positions run through the multi-token attention path, as a chunked prefill's do, so an argmax
+within rounding of a tie could flip; greedy fp32 is token-identical to transformers on the test
+checkpoints, tests/test_spec_decode.py). The KV
 written for rejected draft positions sits past the request's computed tokens and is
 overwritten when those positions are computed for real; prefix-cache blocks only ever hash
 real tokens.

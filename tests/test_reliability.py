@@ -302,8 +302,8 @@ def test_fuzzed_openapi_requests_never_get_5xx(cluster):
     from hypothesis import strategies as st
 
     # A low max_tokens cap for the fuzz (only the ingress is redeployed): every valid request
-    # the fuzzer finds then decodes for well under a second.
-    deploy(make_config(cluster["model_dir"], cluster["port"], max_tokens_cap=24))
+    # the fuzzer finds then decodes a few tokens (the fuzz is about the request's validation).
+    deploy(make_config(cluster["model_dir"], cluster["port"], max_tokens_cap=4))
     try:
         schema = schemathesis.openapi.from_url(f"{cluster['url']}/openapi.json")
         ops = {r.ok().path for r in schema.get_all_operations()}
@@ -315,7 +315,7 @@ def test_fuzzed_openapi_requests_never_get_5xx(cluster):
         seen: dict[int, int] = {}
 
         @settings(
-            max_examples=40,
+            max_examples=30,
             deadline=None,
             database=None,
             derandomize=True,

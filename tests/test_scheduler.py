@@ -700,3 +700,31 @@ def test_a_victim_already_scheduled_in_the_step_is_taken_back_out_of_it():
     for request in (low, high):
         assert final(request) == alone(runner, request, 64), request.request_id
     assert_all_blocks_free(sched)
+
+
+def test_a_victim_whose_block_was_hit_in_the_same_step_is_not_preempted_in_it():
+    """Priority policy: V's decode fills a block in this step (cached at allocation); H1,
+    admitted in the same step, hits it. H2 then wants V's seat. Preempting V now would leave
+    the block H1 reads unwritten, so H2 waits a step; every request gets its solo tokens."""
+    sched = make_scheduler(block_size=2, max_num_seqs=2, scheduling_policy="priority")
+    runner = FakeRunner(2, forced_tokens={"V": [7] * 8})
+    sched.add_request(
+        Request("V", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), priority=2)
+    )
+    step(sched, runner)  # V's prompt; it samples 7
+    h1 = Request("H1", [1, 2, 3, 7, 5], SamplingParams(max_tokens=3, ignore_eos=True), priority=0)
+    h2 = Request("H2", [9, 9, 9], SamplingParams(max_tokens=3, ignore_eos=True), priority=1)
+    sched.add_request(h1)
+    sched.add_request(h2)
+    out, outputs = step(sched, runner)
+    first = {o.request_id: o.new_token_ids for o in outputs}
+    assert [s.request_id for s in out.scheduled] == ["V", "H1"]
+    assert out.preempted_request_ids == [] and h1.num_cached_tokens == 4  # the in-flight block
+    done = run_to_completion(sched, runner)
+    assert sched.num_preemptions_total == 1  # V, a step later, once its block was written
+    for request in (h1, h2):
+        alone = runner.generate_alone(
+            request.request_id, request.prompt_token_ids, request.sampling_params, [], 4096
+        )
+        tokens, reason = done[request.request_id]
+        assert (first.get(request.request_id, []) + tokens, reason) == alone

@@ -91,11 +91,12 @@ def test_verification_keeps_the_matching_prefix_and_the_models_next_token():
 
 
 @pytest.mark.parametrize(
-    "caching,num_blocks,budget",
-    [(True, 256, 2048), (False, 256, 7), (True, 14, 64), (False, 12, 2048)],
-    ids=["prefix-cache", "small-budget", "preempting-cached", "preempting"],
-)
-def test_drafted_steps_give_each_request_its_solo_tokens(caching, num_blocks, budget):
+    "caching,num_blocks,budget,threshold",
+    [(True, 256, 2048, 0), (False, 256, 7, 0), (True, 14, 64, 0), (False, 12, 2048, 0),
+     (True, 256, 2048, 1)],
+    ids=["prefix-cache", "small-budget", "preempting-cached", "preempting", "1-token-chunks"],
+)  # fmt: skip
+def test_drafted_steps_give_each_request_its_solo_tokens(caching, num_blocks, budget, threshold):
     """Repeating outputs (drafts accepted), a model that ignores the pattern at places (drafts
     rejected), stop tokens inside accepted drafts, preemption and chunked prefill: every
     request ends with exactly the tokens it gets alone, one token per step; the fake runner
@@ -104,6 +105,7 @@ def test_drafted_steps_give_each_request_its_solo_tokens(caching, num_blocks, bu
         block_size=4,
         max_num_batched_tokens=budget,
         enable_prefix_caching=caching,
+        long_prefill_token_threshold=threshold,  # 1: prefill chunks of 1 token, never drafted
         num_speculative_tokens=4,
         prompt_lookup_min=1,
         prompt_lookup_max=3,
@@ -248,4 +250,11 @@ def test_a_stop_string_inside_a_multi_token_delta_ends_the_output_at_its_token(
     assert stopped and out.finish_reason == "stop" and out.stop_reason == stop
     assert out.new_token_ids == ids[:2] and out.num_output_tokens == 2
     assert len(out.new_logprobs) == 2
+    # the delta's last token also ended the request (max_tokens): the stop string still wins,
+    # and the engine has nothing left to finish
+    processor.add("s", [1], SamplingParams(stop=[stop]))
+    late = RequestOutput("s", list(ids), "", 1, len(ids), finish_reason="length")
+    late, stopped = processor.process(late)
+    assert not stopped and (late.finish_reason, late.stop_reason) == ("stop", stop)
+    assert late.new_token_ids == ids[:2] and late.num_output_tokens == 2
     assert stop not in out.new_text and out.new_text.strip() == tokenizer.decode(ids[:1]).strip()
