@@ -45,7 +45,23 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 # what Ray raises for a call whose replica actor died or cannot be reached (a node lost, the
 # process killed): the call never finished there, and another replica can take it
-REPLICA_LOST = frozenset({"ActorDiedError", "RayActorError", "ActorUnavailableError"})
+REPLICA_LOST = frozenset(
+    {"ActorDiedError", "RayActorError", "ActorUnavailableError", "ReplicaCallCancelled"}
+)
+
+
+class ReplicaCallCancelled(RuntimeError):
+    """A call to a replica ended in a cancellation its caller did not ask for: Ray Serve's
+    handle re-raises a cancelled future of the call as asyncio.CancelledError (its replica or
+    the replica's node went away). As a CancelledError it would end the caller's own work
+    silently (a stream cut without an error event or [DONE]); as this, a lost replica."""
+
+
+def cancelled_from_inside() -> bool:
+    """Whether a CancelledError just caught came from an awaited call rather than from a
+    cancellation of the current task itself (a client that left)."""
+    task = asyncio.current_task()
+    return task is not None and not task.cancelling()
 
 
 def replica_full(exc: BaseException) -> bool:

@@ -22,7 +22,12 @@ from collections.abc import AsyncIterator
 
 from replica.contracts import GenerateRequest
 from replica.request import RequestOutput, SamplingParams
-from router.errors import replica_full, replica_lost
+from router.errors import (
+    ReplicaCallCancelled,
+    cancelled_from_inside,
+    replica_full,
+    replica_lost,
+)
 from router.inflight import note_finished, note_first_token
 from router.kv_routing import note_cached, note_gone
 from router.policy import Policy
@@ -97,6 +102,15 @@ class ReplicaCalls:
                         note_cached(request.request_id, out.num_cached_tokens)
                     yield out
                 return
+            except asyncio.CancelledError:
+                if not cancelled_from_inside():
+                    raise  # this stream was cancelled (its client left)
+                exc = ReplicaCallCancelled(
+                    f"the call of request {request.request_id} was cancelled"
+                )
+                if not first:  # the client has some of it: the stream ends with the error
+                    raise exc from None
+                lost = exc
             except Exception as exc:
                 if not first:  # the client has some of it: the stream ends with the error
                     raise
@@ -123,6 +137,12 @@ class ReplicaCalls:
                     out = await self.handle.generate_all.remote(request)
                     note_cached(request.request_id, out.num_cached_tokens)
                     return index, out
+                except asyncio.CancelledError:
+                    if not cancelled_from_inside():
+                        raise  # the request was cancelled (its client left)
+                    lost = ReplicaCallCancelled(
+                        f"the call of request {request.request_id} was cancelled"
+                    )
                 except Exception as exc:
                     lost = exc
                 finally:

@@ -151,3 +151,56 @@ def test_the_router_skips_lost_replicas_until_they_answer_again():
     assert reachable([a, b]) == [a]
     router._lost["a"] = -1.0
     assert reachable([a, b]) == [a, b]
+
+
+def test_a_call_cancelled_by_ray_counts_as_a_lost_replica_not_as_the_streams_own_end():
+    """Ray Serve's handle re-raises a cancelled future of a call whose replica (or node) went
+    away as asyncio.CancelledError. Before the first output it is sent again; after it the
+    stream ends with an error (503 "replica failed"), never silently: a CancelledError would
+    end the ingress's stream without an error event or [DONE]."""
+    from router.errors import ReplicaCallCancelled, classify_error
+
+    before, handle = calls([(0, asyncio.CancelledError)])
+    assert collect(before) == [0, 1, 2] and len(handle.sends) == 2
+    unary, handle = calls([(0, asyncio.CancelledError)])
+    assert asyncio.run(unary.complete_all([(0, [1, 2], params())]))[0][1].token == 7
+    assert len(handle.sends) == 2
+    after, handle = calls([(1, asyncio.CancelledError)])
+    with pytest.raises(ReplicaCallCancelled) as info:
+        collect(after)
+    assert len(handle.sends) == 1
+    err = classify_error(info.value)
+    assert err.status == 503 and "replica failed" in err.message
+
+
+def test_a_stream_cancelled_by_its_client_is_not_sent_again():
+    """A real cancellation (the client left: the task reading the stream is cancelled) ends
+    the call at once, without a retry."""
+
+    class Stuck(FakeHandle):
+        async def _stream(self, request):
+            self.sends.append(request.request_id)
+            yield Out(0)
+            await asyncio.sleep(3600)
+            yield Out(1)
+
+    handle = Stuck([])
+    calls_ = ReplicaCalls(handle, Policy(RoutingConfig()), block_size=16)
+
+    async def run() -> None:
+        got = []
+
+        async def read() -> None:
+            async for out in calls_.one_stream([1, 2, 3], params()):
+                got.append(out.token)
+
+        task = asyncio.ensure_future(read())
+        while not got:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert got == [0]
+
+    asyncio.run(run())
+    assert len(handle.sends) == 1
