@@ -125,8 +125,17 @@ def wait_port_free(port: int, timeout_s: float = 120.0) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) != 0:
-                return
+            listening = sock.connect_ex(("127.0.0.1", port)) == 0
+        if not listening:
+            # and bindable, as the next server will bind it (a socket still closing refuses
+            # a bind after it has stopped answering connections)
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind(("127.0.0.1", port))
+                    return
+                except OSError:
+                    pass
         time.sleep(1)
     raise RuntimeError(f"port {port} still in use {timeout_s:.0f} s after the server stopped")
 
