@@ -106,12 +106,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if block.block_hash is not None:  # evict: its old contents are about to be overwritten
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                    if self.events is not None:
-                        self.events.removed(block.block_hash)
-                block.block_hash = None
+            self.uncache_block(block)  # evict: its old contents are about to be overwritten
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -132,7 +127,7 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def uncache_block(self, block: KVBlock) -> None:
-        """Forget a block's hash (its contents were never computed): no lookup finds it."""
+        """Forget a block's hash (evicted, or its contents never computed): no lookup finds it."""
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:

@@ -92,10 +92,16 @@ class EngineMetrics:
         )
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
-        self._preemptions_seen = 0
-        self._queries_seen = 0
-        self._hits_seen = 0
-        self._spec_seen = (0, 0, 0)
+        # counters fed from the scheduler's running totals: (counter, SchedulerStats field)
+        self._totals = (
+            (self.num_preemptions, "num_preemptions_total"),
+            (self.prefix_cache_queries, "prefix_cache_queries"),
+            (self.prefix_cache_hits, "prefix_cache_hits"),
+            (self.spec_decode_num_drafts, "spec_num_drafts"),
+            (self.spec_decode_num_draft_tokens, "spec_num_draft_tokens"),
+            (self.spec_decode_num_accepted_tokens, "spec_num_accepted_tokens"),
+        )
+        self._seen = dict.fromkeys((field for _, field in self._totals), 0)
         if engine is not None:  # in-process: observe each step on the engine thread
             engine.step_listeners.append(self.on_step)
 
@@ -145,22 +151,10 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_usage)
-        self.num_preemptions.inc(stats.num_preemptions_total - self._preemptions_seen)
-        self._preemptions_seen = stats.num_preemptions_total
-        self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._queries_seen)
-        self._queries_seen = stats.prefix_cache_queries
-        self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._hits_seen)
-        self._hits_seen = stats.prefix_cache_hits
-        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
-        counters = (
-            self.spec_decode_num_drafts,
-            self.spec_decode_num_draft_tokens,
-            self.spec_decode_num_accepted_tokens,
-        )
-        for counter, now, seen in zip(counters, spec, self._spec_seen):
-            if now > seen:
-                counter.inc(now - seen)
-        self._spec_seen = spec
+        for counter, field in self._totals:  # each counter advances by the step's delta
+            total = getattr(stats, field)
+            counter.inc(total - self._seen[field])
+            self._seen[field] = total
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -380,10 +380,10 @@ class ModelRunner:
         spec_tokens = None
         if drafted:
             rows = logits[num_sampled : num_sampled + num_draft_rows]
-            spec_tokens = verify_greedy_drafts(rows, [s.draft for s in drafted])
-            for s, tokens in zip(drafted, spec_tokens):
+            verified = verify_greedy_drafts(rows, [s.draft for s in drafted])
+            spec_tokens = {s.request_id: tokens for s, tokens in zip(drafted, verified)}
+            for s, tokens in zip(drafted, verified):
                 sampled[s.request_id] = tokens[0]
-            spec_tokens = {s.request_id: t for s, t in zip(drafted, spec_tokens)}
         # on CUDA the forward's kernels finish here: the sampled tokens' .tolist() waits for them
         self.step_times.sample = time.perf_counter() - sample_start
         return RunnerOutput(sampled, logprobs or None, prompt_logprobs, spec_tokens)
