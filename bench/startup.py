@@ -8,6 +8,8 @@ moment of the host does not favour one:
 
     python bench/startup.py --runs 3 --tree new=. --tree old=/tmp/before
     python bench/startup.py --engine-only --runs 5 --tree new=. --tree old=/tmp/before
+    python bench/startup.py --runs 4 --tree prestart=. --tree noprestart=. \
+        --env noprestart:STEPSERVE_PRESTART_CORE=0
 
 `--engine-only` times the engine's construction alone, `Engine(EngineConfig(model=default))` in
 a fresh process that has imported torch and the replica's deployment module (what a replica
@@ -37,10 +39,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_run(tree: Path, python: str, log: Path) -> dict:
+def one_run(tree: Path, python: str, log: Path, extra_env: dict[str, str]) -> dict:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     env["PYTHONPATH"] = str(tree)
+    env.update(extra_env)
     started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -110,11 +113,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tree", action="append", required=True, help="NAME=PATH of a checkout")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="NAME:KEY=VALUE, an environment variable for the tree NAME's server "
+        "(e.g. --tree new=. --tree noprestart=. --env noprestart:STEPSERVE_PRESTART_CORE=0)",
+    )
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--out", default=None, help="JSON file for the results")
     p.add_argument("--engine-only", action="store_true", help="time Engine() alone")
     args = p.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
+    envs: dict[str, dict[str, str]] = {name: {} for name in trees}
+    for item in args.env:
+        name, assignment = item.split(":", 1)
+        key, value = assignment.split("=", 1)
+        envs[name][key] = value
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for i in range(args.runs):
         for name, path in trees.items():
@@ -122,13 +137,15 @@ def main() -> int:
             if args.engine_only:
                 result = engine_run(tree, args.python)
             else:
-                result = one_run(tree, args.python, Path(f"/tmp/startup-{name}.log"))
+                result = one_run(tree, args.python, Path(f"/tmp/startup-{name}.log"), envs[name])
             runs[name].append(result)
             print(name, i, json.dumps(result), flush=True)
     summary = {
         name: {key: statistics.median(r.get(key, float("nan")) for r in rs) for key in rs[0]}
         for name, rs in runs.items()
     }
+    for name in summary:
+        summary[name]["env"] = envs[name]
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"runs": runs, "median": summary}, indent=1))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
@@ -287,7 +288,8 @@ def start(config: ClusterConfig, address: str | None = None, timings: dict | Non
     # the serving port is ours to take: a clear error now, not HAProxy's or uvicorn's from
     # inside an actor later (a stale HAProxy of an earlier server is ended)
     check_port_free(config.http.host, config.http.port)
-    with _timed(timings, "ray"):
+    prestarted = prestart_core(config)
+    with environ_during(prestarted.env if prestarted else {}), _timed(timings, "ray"):
         init_embedded_ray(num_cpus=os.cpu_count(), logging_level="WARNING")
     try:
         return _deploy(config, timings)
@@ -317,6 +319,37 @@ def start(config: ClusterConfig, address: str | None = None, timings: dict | Non
 
 
 _PYTHON_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+PRESTART_ENV = "STEPSERVE_PRESTART_CORE"  # "0": no pre-started engine core
+_prestarted: list = []  # the PrestartedCore of this process's embedded cluster, if any
+
+
+def prestart_core(config: ClusterConfig):
+    """Start the LLM replica's engine core before Ray (replica/engine_core.py PrestartedCore):
+    on the embedded one-machine cluster, for a CPU engine core process at tp=1 with a replica
+    to adopt it. Its torch import and engine build (~6 s of CPU here) then overlap Ray's and
+    Serve's start, which wait on each other's processes more than they compute."""
+    from replica.engine_core import PrestartedCore
+
+    engine = config.engine
+    replicas = config.autoscaling.min_replicas if config.autoscaling.enabled else config.replicas
+    if (
+        os.environ.get(PRESTART_ENV, "1") == "0"
+        or engine.engine_core != "process"
+        or engine.tensor_parallel_size != 1
+        or engine.device not in ("cpu", "auto")  # auto: the core itself checks for a GPU
+        or replicas < 1
+    ):
+        return None
+    core = PrestartedCore(engine, num_threads=None)  # the adopting replica sets its count
+    _prestarted.append(core)
+    atexit.register(core.close)
+    return core
+
+
+def close_prestarted_core() -> None:
+    """After Serve's shutdown: the pre-started core (adopted or not) ends with this cluster."""
+    while _prestarted:
+        _prestarted.pop().close()
 
 
 @contextlib.contextmanager
@@ -363,6 +396,7 @@ def _stop_embedded() -> None:
     except Exception:  # Serve may never have come up
         pass
     ray.shutdown()
+    close_prestarted_core()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -448,6 +482,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.address is None:  # Serve and Ray are ours; on a joined cluster they are not
         serve.shutdown()
         ray.shutdown()
+        close_prestarted_core()
     return 0
 
 

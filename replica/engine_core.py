@@ -27,12 +27,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import json
 import logging
 import os
 import pickle
+import select
+import shutil
+import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -225,46 +231,50 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(0)
 
 
-def main() -> None:
-    """Entry of the core process: argv = [fd of its socket end, pid of the front]."""
-    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
-    logging.basicConfig(level=logging.WARNING, format="[engine core] %(levelname)s %(message)s")
-    threading.Thread(
-        target=_exit_with_parent, args=(parent_pid,), name="parent-watch", daemon=True
-    ).start()
-    conn = Connection(fd)
+def _exit_with_process(pidfd: int) -> None:
+    """Exit when the process behind `pidfd` does (a pre-started core's adopting front, which is
+    not its parent: Linux's pidfd becomes readable when that process exits)."""
+    while True:
+        readable, _, _ = select.select([pidfd], [], [], PARENT_POLL_S)
+        if readable:
+            os._exit(0)
+
+
+def _ready_info(engine, config: EngineConfig, prestarted: bool) -> dict:
+    import torch
+
+    return {
+        "max_model_len": engine.max_model_len,
+        "vocab_size": engine.vocab_size,
+        "num_kv_blocks": engine.num_kv_blocks,
+        "num_free_blocks": engine.num_free_blocks,
+        "model_dir": str(engine.model_dir),
+        "startup_s": engine.startup_s,
+        "stats": engine.stats(),
+        "num_threads": torch.get_num_threads(),
+        "device": config.resolved_device(),
+        "prestarted": prestarted,
+    }
+
+
+def _build(config_json: dict, num_threads: int | None):
+    import torch
+
+    from replica.engine import Engine
+
+    config = EngineConfig.model_validate(config_json)
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    return config, Engine(config, detokenize=False)
+
+
+def _serve(engine, conn: Connection, kv_events: bool, info: dict) -> None:
+    """Tell the front the engine is ready, then step until it leaves; exits the process."""
     try:
-        _, config_json, kv_events, num_threads = conn.recv()
-        import torch
-
-        from replica.engine import Engine
-
-        config = EngineConfig.model_validate(config_json)
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        engine = Engine(config, detokenize=False)
         core = EngineCore(engine, conn, kv_events)
-    except EOFError:
+        conn.send(("ready", info))
+    except (EOFError, OSError):
         os._exit(0)
-    except BaseException:
-        conn.send(("failed", traceback.format_exc()))
-        os._exit(1)
-    conn.send(
-        (
-            "ready",
-            {
-                "max_model_len": engine.max_model_len,
-                "vocab_size": engine.vocab_size,
-                "num_kv_blocks": engine.num_kv_blocks,
-                "num_free_blocks": engine.num_free_blocks,
-                "model_dir": str(engine.model_dir),
-                "startup_s": engine.startup_s,
-                "stats": engine.stats(),
-                "num_threads": torch.get_num_threads(),
-                "device": config.resolved_device(),
-            },
-        )
-    )
     code = 0
     try:
         core.run()
@@ -281,6 +291,203 @@ def main() -> None:
         engine.shutdown()
     finally:
         os._exit(code)
+
+
+def main() -> None:
+    """Entry of the core process: argv = [fd of its socket end, pid of the front], or
+    ["--prestarted", fd of its listening socket, its path, pid of `stepserve serve`]."""
+    logging.basicConfig(level=logging.WARNING, format="[engine core] %(levelname)s %(message)s")
+    if sys.argv[1] == "--prestarted":
+        _prestarted_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+        return
+    fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
+    threading.Thread(
+        target=_exit_with_parent, args=(parent_pid,), name="parent-watch", daemon=True
+    ).start()
+    conn = Connection(fd)
+    try:
+        _, config_json, kv_events, num_threads = conn.recv()
+        config, engine = _build(config_json, num_threads)
+    except EOFError:
+        os._exit(0)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        os._exit(1)
+    _serve(engine, conn, kv_events, _ready_info(engine, config, prestarted=False))
+
+
+# -- a core started before the replica that adopts it (one machine, `stepserve serve`) ----------
+PRESTARTED_CORE_ENV = "STEPSERVE_PRESTARTED_CORE"  # its socket's path, for the replicas
+PRESTART_ADOPT_TIMEOUT_S = 600.0  # unadopted this long after its engine is built: it exits
+
+
+def _peer_pid_uid(sock: socket.socket) -> tuple[int, int]:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def _prestarted_main(listener_fd: int, path: str, cli_pid: int) -> None:
+    """A core `stepserve serve` starts before Ray (PrestartedCore): it builds the engine from the
+    application's config (stdin) while Ray and Serve start, then waits on a Unix socket for one
+    replica's front to adopt it. It lives with `stepserve serve` until adopted, then with the
+    front (its socket's end-of-file, or the front's pid), as a core the front spawned does."""
+    watch = threading.Thread(
+        target=_exit_with_parent, args=(cli_pid,), name="parent-watch", daemon=True
+    )
+    watch.start()
+    listener = socket.socket(fileno=listener_fd)  # bound and listening since PrestartedCore
+
+    def forget_socket() -> None:  # its private directory too (PrestartedCore made both)
+        for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+            try:
+                remove(target)
+            except OSError:
+                pass
+
+    def gone(code: int) -> None:
+        forget_socket()
+        os._exit(code)
+
+    try:
+        config_json, num_threads = json.loads(sys.stdin.read())
+        config = EngineConfig.model_validate(config_json)
+        if config.device == "auto" and config.resolved_device() != "cpu":
+            gone(0)  # a GPU replica's devices are Ray's to assign: its front starts its own core
+        config, engine = _build(config_json, num_threads)
+    except BaseException:  # the adopting front finds no socket and starts its own core, which
+        logger.exception("pre-started engine core failed; replicas start their own")  # says why
+        gone(1)
+    listener.settimeout(PRESTART_ADOPT_TIMEOUT_S)
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except OSError:  # timed out: no replica came
+            gone(0)
+        front_pid, uid = _peer_pid_uid(sock)
+        if uid == os.getuid():
+            break
+        sock.close()
+    forget_socket()  # one adoption: later replicas start cores of their own
+    listener.close()
+    sock.settimeout(None)
+    try:
+        pidfd = os.pidfd_open(front_pid)
+    except OSError:
+        os._exit(0)  # the front is already gone
+    threading.Thread(
+        target=_exit_with_process, args=(pidfd,), name="front-watch", daemon=True
+    ).start()
+    conn = Connection(sock.detach())
+    try:
+        conn.send(("adopted", os.getpid()))
+        _, adopt_json, kv_events, adopt_threads = conn.recv()
+        if adopt_json != config.model_dump(mode="json"):  # not the config it guessed: rebuild
+            logger.warning("the adopting replica's engine config differs: building it anew")
+            engine.shutdown()
+            del engine
+            config, engine = _build(adopt_json, adopt_threads)
+        elif adopt_threads:
+            import torch
+
+            torch.set_num_threads(adopt_threads)
+    except (EOFError, OSError):
+        os._exit(0)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        os._exit(1)
+    _serve(engine, conn, kv_events, _ready_info(engine, config, prestarted=True))
+
+
+class PrestartedCore:
+    """An engine core `stepserve serve` starts before Ray on its own machine, so that importing
+    torch and building the engine (loading, packing, KV cache: seconds of CPU) overlap Ray's and
+    Serve's start instead of following the replica's. The first replica whose front finds its
+    socket (PRESTARTED_CORE_ENV, inherited by Ray's processes) adopts it; every other replica,
+    and any replica after a failure, starts its own core as usual."""
+
+    def __init__(self, config: EngineConfig, num_threads: int | None) -> None:
+        self.dir = tempfile.mkdtemp(prefix="stepserve-core-")  # mode 0700: this user's only
+        self.path = os.path.join(self.dir, "core.sock")
+        # bound here, so a replica that comes before the core has started Python finds it
+        # (and waits in its queue for the engine)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(8)
+        fd = listener.fileno()
+        argv, env = _core_command("--prestarted", str(fd), self.path, str(os.getpid()))
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=(fd,))
+        listener.close()
+        self.proc.stdin.write(json.dumps([config.model_dump(mode="json"), num_threads]).encode())
+        self.proc.stdin.close()
+        # reaped when it exits (adopted or not, it dies with its front or with this process)
+        threading.Thread(target=self.proc.wait, name="prestarted-core", daemon=True).start()
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {PRESTARTED_CORE_ENV: self.path}
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Unadopted: ended now. Adopted: its front has gone (Serve shut down), so it is
+        exiting; waited for briefly, then ended."""
+        adopted = not os.path.exists(self.path)
+        try:
+            self.proc.wait(timeout=timeout if adopted else 0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _core_command(*args: str) -> tuple[list[str], dict]:
+    root = str(Path(__file__).resolve().parents[1])  # the repository, for `import replica`
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return [sys.executable, "-c", "from replica.engine_core import main; main()", *args], env
+
+
+class _AdoptedProcess:
+    """The Popen-like handle of a pre-started core: not this process's child, so it is watched
+    through a pidfd and its exit code is not known."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)
+
+    def poll(self) -> str | None:
+        readable, _, _ = select.select([self._pidfd], [], [], 0)
+        return "unknown (a pre-started core)" if readable else None
+
+    def wait(self, timeout: float | None = None) -> str:
+        readable, _, _ = select.select([self._pidfd], [], [], timeout)
+        if not readable:
+            raise subprocess.TimeoutExpired(f"engine core {self.pid}", timeout)
+        return "unknown (a pre-started core)"
+
+    def kill(self) -> None:
+        try:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _connect_prestarted() -> socket.socket | None:
+    """A pre-started core's socket, connected; None when there is none to adopt (not set,
+    already adopted, or it failed). (Its SO_PEERCRED pid is the process that bound the socket,
+    `stepserve serve`, not the core: the core sends its own.)"""
+    path = os.environ.get(PRESTARTED_CORE_ENV)
+    if not path:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        _, uid = _peer_pid_uid(sock)
+        if uid != os.getuid():
+            raise OSError(f"the socket's owner is uid {uid}")
+        return sock
+    except OSError:
+        sock.close()
+        return None
 
 
 # -- the front (in the replica's actor) --------------------------------------------------------
@@ -302,36 +509,25 @@ class ProcessEngine(StreamingEngine):
         self._send_lock = threading.Lock()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        front, core = socket.socketpair()
-        root = str(Path(__file__).resolve().parents[1])  # the repository, for `import replica`
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        init = ("init", config.model_dump(mode="json"), kv_events, num_threads)
         started = time.perf_counter()
-        self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from replica.engine_core import main; main()",
-                str(core.fileno()),
-                str(os.getpid()),
-            ],
-            pass_fds=(core.fileno(),),
-            env=env,
-        )
-        core.close()
-        self._conn = Connection(front.detach())
-        self._send(("init", config.model_dump(mode="json"), kv_events, num_threads))
+        adopted = self._adopt_core(init)
+        if not adopted:
+            self._spawn_core(init)
         # the front's own tokenizer (detokenization) loads while the core builds the engine
         from replica.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(config.model_dir())
         self.processor = OutputProcessor(self.tokenizer)
-        try:
-            message = self._conn.recv()
-        except EOFError:
-            message = ("failed", f"exited with code {self._proc.wait()}")
+        message = self._receive_ready()
+        if adopted and message[0] != "ready":  # it failed, or another replica took it first
+            logger.warning("pre-started engine core not adopted (%s): starting one", message[1])
+            self._conn.close()
+            self._spawn_core(init)
+            message = self._receive_ready()
         if message[0] != "ready":
-            self._proc.kill()
+            if self._proc is not None:
+                self._proc.kill()
             raise RuntimeError(f"engine core process did not start: {message[1]}")
         info = message[1]
         self.engine = SimpleNamespace(  # what the replica reads of its engine
@@ -341,9 +537,11 @@ class ProcessEngine(StreamingEngine):
             num_kv_blocks=info["num_kv_blocks"],
             num_free_blocks=info["num_free_blocks"],
             num_request_states=0,
-            startup_s={
+            startup_s={  # core_adopted: the wait for a pre-started core (PrestartedCore)
                 **info["startup_s"],
-                "core_process": round(time.perf_counter() - started, 3),
+                ("core_adopted" if info["prestarted"] else "core_process"): round(
+                    time.perf_counter() - started, 3
+                ),
             },
             tokenizer=self.tokenizer,
         )
@@ -354,6 +552,39 @@ class ProcessEngine(StreamingEngine):
         self._progress_at = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._reader.start()
+
+    def _spawn_core(self, init: tuple) -> None:
+        front, core = socket.socketpair()
+        argv, env = _core_command(str(core.fileno()), str(os.getpid()))
+        self._proc = subprocess.Popen(argv, pass_fds=(core.fileno(),), env=env)
+        core.close()
+        self._conn = Connection(front.detach())
+        self._send(init)
+
+    def _adopt_core(self, init: tuple) -> bool:
+        found = _connect_prestarted()
+        if found is None:
+            return False
+        self._proc = None  # the core says its pid when it takes the connection
+        self._conn = Connection(found.detach())
+        try:
+            self._send(init)
+        except EngineDeadError:
+            self._conn.close()
+            return False
+        return True
+
+    def _receive_ready(self) -> tuple:
+        try:
+            message = self._conn.recv()
+            if message[0] == "adopted":  # a pre-started core took this front: ("adopted", pid)
+                self._proc = _AdoptedProcess(message[1])
+                message = self._conn.recv()
+            return message
+        except (EOFError, OSError) as exc:
+            if not isinstance(self._proc, subprocess.Popen):  # may live on, another's core
+                return ("failed", f"the pre-started core closed the connection ({exc!r})")
+            return ("failed", f"exited with code {self._proc.wait()}")
 
     # -- the stream side's hooks (StreamingEngine) ---------------------------------------------
     def _check_request(self, prompt_token_ids, params: SamplingParams, priority: int) -> None:

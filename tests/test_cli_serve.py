@@ -102,6 +102,8 @@ def test_serve_survives_sigkill_then_answers_and_drains_on_sigterm(default_model
         assert report, (tmp_path / "first.log").read_text()[-3000:]
         ready_s, application_s, engine_s = map(float, report.groups())
         assert 0 < engine_s < application_s < ready_s
+        # the replica adopted the engine core `stepserve serve` started before Ray
+        assert re.search(r"core_adopted [\d.]+\)", (tmp_path / "first.log").read_text())
         holders = _listening_pids(port)
         assert holders, "nothing listens on the serving port"
     finally:
@@ -170,6 +172,11 @@ def test_serve_survives_sigkill_then_answers_and_drains_on_sigterm(default_model
                 os.killpg(proc.pid, signal.SIGKILL)
                 raise
     assert code == 0, log.read_text()[-3000:]
+    # no engine core outlives its server (the first one's went with its process group)
+    deadline = time.time() + 20
+    while any("--prestarted" in cmd for cmd in _process_commands()):
+        assert time.time() < deadline, "a pre-started engine core outlived its server"
+        time.sleep(0.5)
     text = log.read_text()
     assert "draining in-flight requests" in text and "shutting down" in text
     # the embedded cluster runs Ray Serve's throughput-optimized mode, HAProxy in front of the

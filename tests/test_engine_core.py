@@ -215,3 +215,146 @@ def test_core_exits_when_its_front_is_killed(tiny_llama_dir, tmp_path):
         time.sleep(0.1)
     os.kill(core_pid, signal.SIGKILL)
     raise AssertionError(f"engine core {core_pid} outlived its front by 20 s")
+
+
+# -- a core started before its replica (PrestartedCore, `stepserve serve`) -------------------
+@pytest.fixture
+def prestarted(tiny_llama_dir, monkeypatch):
+    """Start a pre-started core for the tiny model and point this process's fronts at it."""
+    from replica.engine_core import PRESTARTED_CORE_ENV, PrestartedCore
+
+    cores = []
+
+    def start(cfg: EngineConfig) -> PrestartedCore:
+        core = PrestartedCore(cfg, num_threads=1)
+        cores.append(core)
+        monkeypatch.setenv(PRESTARTED_CORE_ENV, core.path)
+        return core
+
+    yield start
+    for core in cores:
+        core.close(timeout=10)
+
+
+def test_a_prestarted_core_is_adopted_once_and_streams_as_a_spawned_one(tiny_llama_dir, prestarted):
+    core = prestarted(config(tiny_llama_dir))
+    jobs = [
+        (ids, SamplingParams(max_tokens=12, ignore_eos=True))
+        for ids in mixed_prompts(7, [3, 9, 17, 6])
+    ]
+
+    async def body():
+        adopted = ProcessEngine(config(tiny_llama_dir), num_threads=2)
+        spawned = ProcessEngine(config(tiny_llama_dir))  # the socket is gone: its own core
+        try:
+            assert adopted.pid == core.proc.pid
+            assert "core_adopted" in adopted.engine.startup_s
+            assert spawned.pid != core.proc.pid and "core_process" in spawned.engine.startup_s
+            assert not os.path.exists(core.path) and not os.path.exists(core.dir)
+            assert adopted.num_threads == 2  # the adopting replica's count, not the guess
+            a, b = await run_all(adopted, jobs), await run_all(spawned, jobs)
+            assert [o.new_token_ids for o in a] == [o.new_token_ids for o in b]
+            assert [o.new_text for o in a] == [o.new_text for o in b]
+        finally:
+            adopted.shutdown()
+            spawned.shutdown()
+        assert core.proc.wait(timeout=10) == 0  # it ended with its front
+
+    in_loop(body)
+
+
+def test_a_prestarted_core_rebuilds_for_the_adopting_replicas_config(tiny_llama_dir, prestarted):
+    core = prestarted(config(tiny_llama_dir, num_kv_blocks=256))
+
+    async def body():
+        engine = ProcessEngine(config(tiny_llama_dir, num_kv_blocks=64))
+        try:
+            assert engine.pid == core.proc.pid and "core_adopted" in engine.engine.startup_s
+            assert engine.engine.num_kv_blocks == 64
+            out = await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=3)))
+            assert len(out.new_token_ids) == 3
+        finally:
+            engine.shutdown()
+
+    in_loop(body)
+
+
+def test_a_front_that_loses_the_prestarted_core_to_another_starts_its_own(
+    tiny_llama_dir, prestarted
+):
+    """Two replicas reach the socket: the one the core accepts adopts it, the other's
+    connection is dropped and it starts a core of its own."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    cfg = config(tiny_llama_dir)
+    core = prestarted(cfg)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.connect(core.path)  # first in the queue
+    first = Connection(other.detach())
+    first.send(("init", cfg.model_dump(mode="json"), False, 1))
+
+    async def body():
+        engine = ProcessEngine(cfg)
+        try:
+            assert engine.pid != core.proc.pid and "core_process" in engine.engine.startup_s
+            # the first comer has the pre-started core
+            assert first.recv() == ("adopted", core.proc.pid)
+            assert first.recv()[0] == "ready"
+            out = await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=3)))
+            assert len(out.new_token_ids) == 3
+        finally:
+            engine.shutdown()
+            first.close()  # its "front" leaves: the core ends
+        assert core.proc.wait(timeout=10) == 0
+
+    in_loop(body)
+
+
+def test_a_failed_prestarted_core_leaves_the_replica_to_start_its_own(
+    tiny_llama_dir, tmp_path, prestarted
+):
+    core = prestarted(config(tmp_path / "no-model-here"))
+    assert core.proc.wait(timeout=60) == 1  # it could not build, and removed its socket
+
+    async def body():
+        engine = ProcessEngine(config(tiny_llama_dir))
+        try:
+            assert "core_process" in engine.engine.startup_s
+        finally:
+            engine.shutdown()
+
+    in_loop(body)
+
+
+def test_an_adopted_core_exits_when_its_front_is_killed(tiny_llama_dir, prestarted):
+    """The adopted core is not the front's child: it watches the front's pid (and its socket)."""
+    from replica.engine_core import PRESTARTED_CORE_ENV
+
+    core = prestarted(config(tiny_llama_dir))
+    script = textwrap.dedent(f"""
+        import asyncio
+        from replica.config import EngineConfig
+        from replica.engine_core import ProcessEngine
+        from replica.request import SamplingParams
+
+        async def main():
+            engine = ProcessEngine(EngineConfig(model={str(tiny_llama_dir)!r}, device="cpu",
+                                                block_size=4, num_kv_blocks=256,
+                                                max_model_len=256))
+            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+            await stream.__anext__()
+            print(engine.pid, engine.engine.startup_s.get("core_adopted"), flush=True)
+            await asyncio.sleep(60)
+
+        asyncio.run(main())
+    """)
+    front = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
+        env=os.environ | {PRESTARTED_CORE_ENV: core.path},
+    )  # fmt: skip
+    pid, adopted_s = front.stdout.readline().split()
+    assert int(pid) == core.proc.pid and adopted_s != "None"
+    front.kill()
+    front.wait()
+    core.proc.wait(timeout=20)  # raises if it outlives its front by 20 s
