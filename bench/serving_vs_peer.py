@@ -35,9 +35,27 @@ RESULTS = ROOT / "bench" / "results"
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
 
+def tree_of(system: str, args) -> str | None:
+    """The checkout a `SYSTEM@TREE` system runs from (the server runs there, so its own
+    modules come first on every path); None for this one."""
+    system, _, tree = system.partition("@")
+    if not tree:
+        return None
+    trees = dict(t.split("=", 1) for t in args.tree)
+    if tree not in trees or not system.startswith("stepserve"):
+        raise SystemExit(f"{system}@{tree}: a stepserve system and a --tree {tree}=PATH")
+    return str(Path(trees[tree]).resolve())
+
+
 def server_command(system: str, args, model: Path, port: int) -> tuple[list[str], dict]:
-    """argv and environment that start `system` on 127.0.0.1:port."""
+    """argv and environment that start `system` on 127.0.0.1:port. A stepserve system named
+    `SYSTEM@TREE` runs from the checkout `--tree TREE=PATH` (this interpreter, the checkout
+    first on PYTHONPATH, which Ray's processes inherit): a before/after pair in one run."""
     env = dict(os.environ)
+    tree = tree_of(system, args)
+    system = system.partition("@")[0]
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
     # Ray Serve modes: (throughput-optimized, direct ingress, HAProxy) per suffix; no suffix is
     # Ray Serve's defaults. +haproxy is what `stepserve serve` runs (cluster/cli.py).
     modes = {"+haproxy": "111", "+tput": "110", "+grpc": "100"}
@@ -53,6 +71,8 @@ def server_command(system: str, args, model: Path, port: int) -> tuple[list[str]
         system = system.removesuffix(suffix or "")
     if system in ("stepserve", "stepserve-nospec") or system.startswith("stepserve-t"):
         argv = [str(ROOT / ".venv" / "bin" / "stepserve"), "serve", "--model", str(model)]
+        if tree:
+            argv[:1] = [sys.executable, "-m", "cluster.cli"]
         argv += ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         if system == "stepserve-thread":  # the engine in a thread of the replica's actor
             argv += ["--engine-core", "thread"]
@@ -189,6 +209,13 @@ def main() -> None:
     p.add_argument("--goodput", default="ttft:1000 tpot:100")
     p.add_argument("--bench-args", default="", help="more bench/serving.py flags")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        help="NAME=PATH of a checkout, for systems named SYSTEM@NAME (e.g. "
+        "--tree before=/tmp/before --systems stepserve+haproxy,stepserve+haproxy@before)",
+    )
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--stepserve-args", default="", help="more `stepserve serve` flags")
     p.add_argument("--vllm-args", default="", help="more vLLM api_server flags")
@@ -217,8 +244,9 @@ def main() -> None:
                 print(f"== round {r + 1}/{args.rounds}: {system}: {' '.join(argv)}", flush=True)
                 with open(log, "w") as fh:
                     proc = subprocess.Popen(
-                        argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-                    )
+                        argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                        start_new_session=True, cwd=tree_of(system, args),
+                    )  # fmt: skip
                 try:
                     started = time.time()
                     wait_healthy(base, proc, args.startup_timeout_s, log)

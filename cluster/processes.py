@@ -156,8 +156,12 @@ def is_stale_ray_haproxy(listener: Listener) -> bool:
 
 
 def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not bind `host:port` now. With SO_REUSEADDR, as HAProxy and
+    uvicorn bind: the connections of a server that just stopped linger in TIME_WAIT for up to a
+    minute, and those must not count as a holder (they refused a restart on the same port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +194,29 @@ def test_kv_events_flag_sets_routing_and_unset_keeps_the_file(tmp_path):
     routing = parse("--config", str(path), "--kv-events").routing
     assert (routing.kv_events, routing.weight_cache_hit) == (True, 4.0)
     assert parse("--no-kv-events").routing.kv_events is False
+
+
+def test_a_port_left_in_time_wait_by_a_stopped_server_is_free():
+    """A server that closed its connections first leaves them in TIME_WAIT for up to a minute;
+    HAProxy and uvicorn bind over those (SO_REUSEADDR on both sides: Linux lets a socket bind
+    over TIME_WAIT connections of a listener that had it), so they must not refuse a restart. A
+    listening socket still counts."""
+    import socket
+
+    from cluster.processes import port_in_use
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and HAProxy do
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    assert port_in_use("127.0.0.1", port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server's side closes first: it is the one left in TIME_WAIT
+    client.recv(1)
+    client.close()
+    server.close()
+    states = Path("/proc/net/tcp").read_text()
+    assert f":{port:04X} " in states  # the TIME_WAIT connection is there
+    assert not port_in_use("127.0.0.1", port)
