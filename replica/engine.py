@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-def load_eos_token_ids(model_dir: str | Path, tokenizer) -> frozenset[int]:
+def load_eos_token_ids(model_dir: str | Path, tokenizer_eos_id: int | None) -> frozenset[int]:
     """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
     ids: set[int] = set()
     gen_path = Path(model_dir) / "generation_config.json"
@@ -56,8 +56,8 @@ def load_eos_token_ids(model_dir: str | Path, tokenizer) -> frozenset[int]:
             ids.add(eos)
         elif isinstance(eos, list):
             ids.update(int(e) for e in eos)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+    if tokenizer_eos_id is not None:
+        ids.add(int(tokenizer_eos_id))
     return frozenset(ids)
 
 
@@ -205,11 +205,22 @@ class Engine:
         self.config = config
         self.model_dir = config.model_dir()
         started = time.perf_counter()
+        eos_token_id = None
+        if tokenizer is None and not detokenize:
+            # a core that does not detokenize needs its tokenizer only for grammars: loaded at
+            # the first one, if its eos token can be read from the files
+            from replica.tokenizer import LazyTokenizer, declared_eos_token_id
+
+            try:
+                eos_token_id = declared_eos_token_id(self.model_dir)
+                tokenizer = LazyTokenizer(self.model_dir)
+            except LookupError:
+                pass
         if tokenizer is None:
             from replica.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(self.model_dir)
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         tokenized = time.perf_counter()
         self.runner = runner if runner is not None else make_runner(config, self.model_dir)
         # wall seconds of the engine's start: the tokenizer, then the runner's own phases
@@ -219,7 +230,11 @@ class Engine:
         self.startup_s = {"tokenizer": round(tokenized - started, 3), **phases}
         self.startup_s["runner_other"] = round(max(0.0, runner_s - sum(phases.values())), 3)
         self.max_model_len = self.runner.max_model_len
-        self.eos_token_ids = load_eos_token_ids(self.model_dir, tokenizer)
+        from replica.tokenizer import LazyTokenizer
+
+        if not isinstance(tokenizer, LazyTokenizer):
+            eos_token_id = tokenizer.eos_token_id
+        self.eos_token_ids = load_eos_token_ids(self.model_dir, eos_token_id)
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.max_model_len)
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self.output_processor = OutputProcessor(tokenizer) if detokenize else None
@@ -230,6 +245,15 @@ class Engine:
         # wall seconds the latest step spent in schedule(); the runner times its own phases
         # (runner.step_times), the rest of step_time is update_from_output and detokenizing
         self.last_schedule_time = 0.0
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (loaded now if it was left to its first use)."""
+        from replica.tokenizer import LazyTokenizer
+
+        if isinstance(self._tokenizer, LazyTokenizer):
+            return self._tokenizer.get()
+        return self._tokenizer
 
     @property
     def num_kv_blocks(self) -> int:

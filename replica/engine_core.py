@@ -418,8 +418,13 @@ class PrestartedCore:
         argv, env = _core_command("--prestarted", str(fd), self.path, str(os.getpid()))
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, pass_fds=(fd,))
         listener.close()
-        self.proc.stdin.write(json.dumps([config.model_dump(mode="json"), num_threads]).encode())
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.write(
+                json.dumps([config.model_dump(mode="json"), num_threads]).encode()
+            )
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died at once: replicas start their own cores
+            pass
         # reaped when it exits (adopted or not, it dies with its front or with this process)
         threading.Thread(target=self.proc.wait, name="prestarted-core", daemon=True).start()
 

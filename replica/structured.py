@@ -230,7 +230,7 @@ class StructuredOutputs:
     cache. Thread-safe: the async engine compiles off the engine thread."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # or a LazyTokenizer, loaded at the first compilation
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._compiler = None
@@ -241,8 +241,13 @@ class StructuredOutputs:
     def _get_compiler(self):
         if self._compiler is None:
             xgr = _xgrammar()
+            from replica.tokenizer import LazyTokenizer
+
+            tokenizer = self.tokenizer
+            if isinstance(tokenizer, LazyTokenizer):
+                tokenizer = tokenizer.get()
             info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer,
+                tokenizer,
                 vocab_size=self.vocab_size,
                 stop_token_ids=self.eos_token_ids or None,
             )

@@ -11,6 +11,7 @@ AutoTokenizer."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
@@ -48,3 +49,52 @@ def load_tokenizer(model_dir: str | Path):
     if declared is not None:
         return getattr(transformers, declared).from_pretrained(str(model_dir))
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def declared_eos_token_id(model_dir: str | Path) -> int | None:
+    """The id of the eos_token that tokenizer_config.json declares, looked up in tokenizer.json
+    (its added tokens, then its vocabulary) without loading a tokenizer: what the loaded
+    tokenizer's `eos_token_id` is (tests/test_loader.py compares), at a fraction of the cost
+    (an engine core that does not detokenize needs no more of its tokenizer at start).
+    LookupError when the files do not settle it (the tokenizer must be loaded to know)."""
+    path = Path(model_dir)
+    config = _read_json(path / "tokenizer_config.json")
+    if "eos_token" not in config:
+        raise LookupError("tokenizer_config.json declares no eos_token")
+    eos = _token_content(config["eos_token"])
+    mapped = _read_json(path / "special_tokens_map.json")
+    if "eos_token" in mapped and _token_content(mapped["eos_token"]) != eos:
+        raise LookupError("special_tokens_map.json declares another eos_token")
+    if eos is None:
+        return None
+    spec = _read_json(path / "tokenizer.json")
+    for added in spec.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == eos:
+            return int(added["id"])
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and eos in vocab:
+        return int(vocab[eos])
+    raise LookupError(f"eos_token {eos!r} is not in tokenizer.json")
+
+
+def _token_content(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+class LazyTokenizer:
+    """A checkpoint's tokenizer, loaded on the first `get()` (thread-safe)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = model_dir
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._tokenizer is not None
+
+    def get(self):
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.model_dir)
+            return self._tokenizer

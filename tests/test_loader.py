@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from replica.config import EngineConfig
 from replica.layers.attention import AttentionMetadata
 from replica.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replica.layers.linear import (
@@ -362,8 +363,51 @@ def test_tokenizer_is_the_one_autotokenizer_loads(
         assert ours.decode(ids) == theirs.decode(ids)
     assert ours.all_special_ids == theirs.all_special_ids
     assert ours.eos_token_id == theirs.eos_token_id and ours.bos_token_id == theirs.bos_token_id
+    # what an engine core reads from the files instead of loading the tokenizer
+    from replica.tokenizer import declared_eos_token_id
+
+    assert declared_eos_token_id(model_dir) == theirs.eos_token_id
     if theirs.chat_template:
         chat = [{"role": "user", "content": "hi"}]
         assert ours.apply_chat_template(chat, add_generation_prompt=True) == (
             theirs.apply_chat_template(chat, add_generation_prompt=True)
         )
+
+
+def test_an_eos_token_the_files_do_not_settle_is_left_to_the_tokenizer(llama_copy):
+    """The engine core loads the tokenizer after all when its eos id cannot be read from the
+    files, and its eos ids are the loaded tokenizer's then."""
+    from replica.engine import Engine
+    from replica.tokenizer import LazyTokenizer, declared_eos_token_id, load_tokenizer
+
+    config_path = llama_copy / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token"] = "<not-a-token-of-this-vocabulary>"
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(LookupError, match="not in tokenizer.json"):
+        declared_eos_token_id(llama_copy)
+    engine_config = EngineConfig(model=str(llama_copy), device="cpu", num_kv_blocks=16)
+    engine = Engine(engine_config, detokenize=False)
+    assert not isinstance(engine._tokenizer, LazyTokenizer)
+    assert engine.tokenizer.eos_token_id == load_tokenizer(llama_copy).eos_token_id
+    assert engine.structured.tokenizer is engine.tokenizer
+    engine.shutdown()
+
+
+def test_an_engine_that_does_not_detokenize_loads_its_tokenizer_at_the_first_grammar(
+    tiny_llama_dir,
+):
+    from replica.engine import Engine
+    from replica.request import SamplingParams, StructuredOutput
+    from replica.tokenizer import LazyTokenizer, load_tokenizer
+
+    engine_config = EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=16)
+    engine = Engine(engine_config, detokenize=False)
+    lazy = engine._tokenizer
+    assert isinstance(lazy, LazyTokenizer) and not lazy.loaded
+    assert load_tokenizer(tiny_llama_dir).eos_token_id in engine.eos_token_ids
+    engine.compile_grammar(
+        SamplingParams(structured=StructuredOutput(kind="choice", spec='["yes", "no"]'))
+    )
+    assert lazy.loaded
+    engine.shutdown()
