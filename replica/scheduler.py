@@ -210,6 +210,13 @@ class Scheduler:
         cap = self.config.speculative_max_running
         if proposer is not None and cap and len(self.running) > cap:
             proposer = None  # compute-bound batch: no drafts this step
+        if proposer is not None and any(
+            r.num_output_tokens == 0 for queue in (self.running, self.waiting) for r in queue
+        ):
+            # a request waits for its first token (its prompt runs in this step, or waits to):
+            # the others' drafts would lengthen the step that brings it, and take KV blocks it
+            # may need
+            proposer = None
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

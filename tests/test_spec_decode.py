@@ -185,11 +185,20 @@ def test_real_model_with_drafts_matches_transformers(tiny_model_dir, run_generat
         enable_prefix_caching=True,
         num_speculative_tokens=4,
     )
-    assert run.outputs[:-1] == expected_outputs(tiny_model_dir, prompts, max_tokens)
-    stats = run.scheduler.proposer.stats
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-    assert run.num_steps < sum(max_tokens)
+    expected = expected_outputs(tiny_model_dir, prompts, max_tokens)
+    assert run.outputs[:-1] == expected
+    assert run.scheduler.proposer.stats.num_accepted_tokens > 0, run.scheduler.proposer.stats
     assert run.scheduler.num_preemptions_total > 0
+    # no drafts while a request waits for its first token, which the small pool makes common:
+    # a roomy pool lets drafts run beside one another, accepted and rejected
+    roomy = run_generation(
+        tiny_model_dir, prompts, params, block_size=4, num_kv_blocks=256,
+        max_num_batched_tokens=64, enable_prefix_caching=True, num_speculative_tokens=4,
+    )  # fmt: skip
+    assert roomy.outputs == expected
+    stats = roomy.scheduler.proposer.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert roomy.num_steps < sum(max_tokens)
 
 
 def test_llm_speculation_leaves_every_output_unchanged(tiny_llama_dir):
@@ -258,3 +267,31 @@ def test_a_stop_string_inside_a_multi_token_delta_ends_the_output_at_its_token(
     assert not stopped and (late.finish_reason, late.stop_reason) == ("stop", stop)
     assert late.new_token_ids == ids[:2] and late.num_output_tokens == 2
     assert stop not in out.new_text and out.new_text.strip() == tokenizer.decode(ids[:1]).strip()
+
+
+def test_no_drafts_in_a_step_that_carries_a_prefill():
+    """A request before its first token (its prompt admitted or chunked in the step, or
+    waiting for a seat): no request drafts, so that first token is not held up by the others'
+    drafts; drafting resumes once it has its first token."""
+    config = EngineConfig(
+        block_size=4, max_num_batched_tokens=8, num_speculative_tokens=4,
+        prompt_lookup_min=1, prompt_lookup_max=3,
+    )  # fmt: skip
+    sched = Scheduler(config, 256, 4096)
+    runner = FakeRunner(4, vocab_size=12, forced_tokens={"a": [5, 6, 7] * 30})
+    sched.add_request(_request([5, 6, 7, 5, 6], "a", max_tokens=60, ignore_eos=True))
+
+    def step():
+        out = sched.schedule()
+        result = runner.execute(out)
+        sched.update_from_output(out, result.sampled, spec_tokens=result.spec_tokens)
+        return out
+
+    while not any(s.draft for s in step().scheduled):
+        pass  # "a" decodes and drafts
+    sched.add_request(_request([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], "b", max_tokens=3))
+    b, drafts = sched.requests["b"], []
+    while b.num_computed_tokens < b.num_prompt_tokens:  # 11 tokens, a budget of 8: 2 steps
+        drafts.append(sum(len(s.draft) for s in step().scheduled))
+    assert drafts == [0, 0]
+    assert any(s.draft for s in step().scheduled if s.request_id == "a")  # drafting again
