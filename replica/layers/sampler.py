@@ -283,7 +283,11 @@ def _load_xgrammar_apply():
     return apply_token_bitmask_inplace
 
 
-_xgrammar_apply = _load_xgrammar_apply()
+# loaded at the first grammar mask (importing xgrammar imports transformers: ~2 s of an engine
+# core's start that no unconstrained request needs; a structured request's grammar compiles
+# beside the loop first, which has imported it by then); None: the torch unpack below
+_UNLOADED = object()
+_xgrammar_apply = _UNLOADED
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -310,6 +314,9 @@ def _apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Ten
     if any(not 0 <= r < batch for r in rows):
         raise ValueError(f"token bitmask rows {list(rows)} out of range for {batch} rows")
     bitmask = bitmask.to(logits.device, non_blocking=True)
+    global _xgrammar_apply
+    if _xgrammar_apply is _UNLOADED:
+        _xgrammar_apply = _load_xgrammar_apply()
     if _xgrammar_apply is not None and logits.dtype == torch.float32:
         # xgrammar's kernel (C++ on CPU, CUDA/Triton on GPUs): 3-4x faster than the unpack
         # below, a visible share of a small model's step. It reads the mask by logits row.
