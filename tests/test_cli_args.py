@@ -220,3 +220,34 @@ def test_a_port_left_in_time_wait_by_a_stopped_server_is_free():
     states = Path("/proc/net/tcp").read_text()
     assert f":{port:04X} " in states  # the TIME_WAIT connection is there
     assert not port_in_use("127.0.0.1", port)
+
+
+@pytest.mark.parametrize(
+    "argv, env",
+    [
+        (["--tp", "2"], {}),
+        (["--engine-core", "thread"], {}),
+        (["--device", "cuda"], {}),
+        (["--min-replicas", "0", "--max-replicas", "2"], {}),
+        ([], {"STEPSERVE_PRESTART_CORE": "0"}),
+    ],
+    ids=["tp2", "thread-core", "cuda", "no-replica-at-start", "turned-off"],
+)
+def test_no_prestarted_core_where_no_replica_would_adopt_it(argv, env, monkeypatch):
+    """The engine core is started before Ray only for a CPU (or auto) core process at tp=1 with
+    a replica at start, unless turned off: these return before starting anything."""
+    from cluster import cli
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    started = []
+    monkeypatch.setattr(
+        "replica.engine_core.PrestartedCore",
+        lambda *a, **k: started.append(a) or types.SimpleNamespace(close=lambda: None),
+    )
+    assert cli.prestart_core(parse(*argv)) is None
+    assert not started
+    monkeypatch.delenv("STEPSERVE_PRESTART_CORE", raising=False)
+    assert cli.prestart_core(parse()) is not None  # the default: one is started
+    assert len(started) == 1
+    cli._prestarted.clear()
