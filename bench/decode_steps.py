@@ -59,6 +59,7 @@ def main() -> None:
             max_num_seqs=max(batches),
             max_num_batched_tokens=8192,
             enable_prefix_caching=False,
+            num_speculative_tokens=0,  # one token per request per step, as vLLM's here
         )
 
         def generate(batch, n):
