@@ -108,15 +108,6 @@ class EngineConfig(BaseModel):
         "running requests (0: any number): a large batch makes the forward compute-bound, "
         "where every rejected draft token costs a full token's compute.",
     )
-    speculative_max_step_tokens: int = Field(
-        default=16,
-        ge=0,
-        le=1 << 20,
-        description="Drafts are added to a step only while its tokens (each running request's "
-        "one, plus the drafts) stay within this (0: no cap): a CPU step's time grows slowly "
-        "up to ~16 tokens for the default model on 2 cores, then steeply, and requests without "
-        "a draft pay the longer step too.",
-    )
     prompt_lookup_max: int = Field(
         default=4, ge=1, le=16, description="Longest trailing n-gram looked up for a draft."
     )

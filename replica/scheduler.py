@@ -208,7 +208,6 @@ class Scheduler:
 
         proposer = self.proposer
         cap = self.config.speculative_max_running
-        step_cap = self.config.speculative_max_step_tokens
         if proposer is not None and cap and len(self.running) > cap:
             proposer = None  # compute-bound batch: no drafts this step
         if proposer is not None and any(
@@ -238,12 +237,9 @@ class Scheduler:
             ):
                 # room: the budget, and the bonus token must still fit max_total_tokens
                 room = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)
-                later = len(self.running) - i - 1
-                if step_cap:  # the step's tokens: those so far, this one, one per later request
-                    scheduled_so_far = self.max_num_batched_tokens - budget
-                    room = min(room, step_cap - scheduled_so_far - 1 - later)
                 # and the KV pool: a draft's blocks must leave one block for each running
                 # request after this one (a draft is never worth a preemption)
+                later = len(self.running) - i - 1
                 if kv.pool.num_free_blocks - later < 1 + proposer.k // self.block_size + 1:
                     room = 0
                 draft = proposer.propose(request, room)

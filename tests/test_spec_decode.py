@@ -295,29 +295,3 @@ def test_no_drafts_in_a_step_that_carries_a_prefill():
         drafts.append(sum(len(s.draft) for s in step().scheduled))
     assert drafts == [0, 0]
     assert any(s.draft for s in step().scheduled if s.request_id == "a")  # drafting again
-
-
-def test_drafts_keep_the_step_within_its_token_cap():
-    """Drafts are added while the step's tokens (one per running request plus the drafts) stay
-    within speculative_max_step_tokens (0: no cap, where three drafting requests take more)."""
-
-    def biggest_drafted_step(step_cap: int) -> int:
-        config = EngineConfig(
-            block_size=4, num_speculative_tokens=4, speculative_max_step_tokens=step_cap,
-            prompt_lookup_min=1, prompt_lookup_max=3,
-        )  # fmt: skip
-        sched = Scheduler(config, 256, 4096)
-        runner = FakeRunner(4, vocab_size=12, forced_tokens={r: [5, 6, 7] * 30 for r in "abc"})
-        for rid in "abc":
-            sched.add_request(_request([5, 6, 7, 5, 6], rid, max_tokens=40, ignore_eos=True))
-        biggest = 0
-        while sched.has_unfinished():
-            out = sched.schedule()
-            if any(s.draft for s in out.scheduled):
-                biggest = max(biggest, out.total_num_scheduled_tokens)
-            result = runner.execute(out)
-            sched.update_from_output(out, result.sampled, spec_tokens=result.spec_tokens)
-        return biggest
-
-    assert biggest_drafted_step(0) > 7  # up to 3 requests x (1 + 4 drafted)
-    assert 3 < biggest_drafted_step(7) <= 7  # drafts still made, within the cap
