@@ -205,21 +205,21 @@ class Engine:
         self.config = config
         self.model_dir = config.model_dir()
         started = time.perf_counter()
+        from replica.tokenizer import LazyTokenizer, declared_eos_token_id, load_tokenizer
+
         eos_token_id = None
         if tokenizer is None and not detokenize:
             # a core that does not detokenize needs its tokenizer only for grammars: loaded at
             # the first one, if its eos token can be read from the files
-            from replica.tokenizer import LazyTokenizer, declared_eos_token_id
-
             try:
                 eos_token_id = declared_eos_token_id(self.model_dir)
                 tokenizer = LazyTokenizer(self.model_dir)
             except LookupError:
                 pass
         if tokenizer is None:
-            from replica.tokenizer import load_tokenizer
-
             tokenizer = load_tokenizer(self.model_dir)
+        if not isinstance(tokenizer, LazyTokenizer):
+            eos_token_id = tokenizer.eos_token_id
         self._tokenizer = tokenizer
         tokenized = time.perf_counter()
         self.runner = runner if runner is not None else make_runner(config, self.model_dir)
@@ -230,10 +230,6 @@ class Engine:
         self.startup_s = {"tokenizer": round(tokenized - started, 3), **phases}
         self.startup_s["runner_other"] = round(max(0.0, runner_s - sum(phases.values())), 3)
         self.max_model_len = self.runner.max_model_len
-        from replica.tokenizer import LazyTokenizer
-
-        if not isinstance(tokenizer, LazyTokenizer):
-            eos_token_id = tokenizer.eos_token_id
         self.eos_token_ids = load_eos_token_ids(self.model_dir, eos_token_id)
         self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.max_model_len)
         self._requests: dict[str, Request] = {}  # unfinished, by id
@@ -249,11 +245,9 @@ class Engine:
     @property
     def tokenizer(self):
         """The checkpoint's tokenizer (loaded now if it was left to its first use)."""
-        from replica.tokenizer import LazyTokenizer
+        from replica.tokenizer import loaded
 
-        if isinstance(self._tokenizer, LazyTokenizer):
-            return self._tokenizer.get()
-        return self._tokenizer
+        return loaded(self._tokenizer)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -241,13 +241,10 @@ class StructuredOutputs:
     def _get_compiler(self):
         if self._compiler is None:
             xgr = _xgrammar()
-            from replica.tokenizer import LazyTokenizer
+            from replica.tokenizer import loaded
 
-            tokenizer = self.tokenizer
-            if isinstance(tokenizer, LazyTokenizer):
-                tokenizer = tokenizer.get()
             info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer,
+                loaded(self.tokenizer),
                 vocab_size=self.vocab_size,
                 stop_token_ids=self.eos_token_ids or None,
             )

@@ -98,3 +98,8 @@ class LazyTokenizer:
             if self._tokenizer is None:
                 self._tokenizer = load_tokenizer(self.model_dir)
             return self._tokenizer
+
+
+def loaded(tokenizer):
+    """The tokenizer itself: a LazyTokenizer's, loaded now if it was not yet."""
+    return tokenizer.get() if isinstance(tokenizer, LazyTokenizer) else tokenizer
