@@ -33,6 +33,7 @@ class LocalCluster:
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.apps: list[str] = []  # deployed, in order
         # the Ray Serve mode `stepserve serve` runs in, unless the environment says otherwise
         init_embedded_ray(num_cpus=num_cpus, logging_level="ERROR", log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
@@ -51,6 +52,7 @@ class LocalCluster:
 
         config = self.config_http(config).model_copy(update={"name": app})
         serve.run(build_app(config), name=app, route_prefix=f"/{app}", blocking=False)
+        self.apps.append(app)
         base = f"{self.url}/{app}"
         deadline = time.time() + timeout_s
         while True:
@@ -85,15 +87,17 @@ class LocalCluster:
         return sorted(seen)
 
     def replica_counters(self) -> dict[str, dict[str, float]]:
-        """{replica id: {counter: value}} of every replica that pushed metrics recently."""
+        """{replica id: {counter: value}} of every replica (of every application deployed
+        here) that pushed metrics recently."""
         import ray
         from prometheus_client.parser import text_string_to_metric_families
 
-        from replica.metrics import HUB_NAME, HUB_NAMESPACE
+        from replica.hub import find_hub
 
-        hub = ray.get_actor(HUB_NAME, namespace=HUB_NAMESPACE)
+        hubs = [hub for hub in map(find_hub, self.apps) if hub is not None]
+        texts = [text for hub in hubs for text in ray.get(hub.expositions.remote(30.0))]
         out: dict[str, dict[str, float]] = {}
-        for text in ray.get(hub.snapshot.remote(30.0)):
+        for text in texts:
             text = text.decode() if isinstance(text, bytes) else text
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:

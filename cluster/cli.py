@@ -476,9 +476,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("stepserve: stopping without draining", flush=True)
     print("stepserve: shutting down", flush=True)
-    from replica.kv_events import kill_kv_hub
+    from replica.hub import kill_hub
 
-    kill_kv_hub(config.name)  # the application's KV-event hub (detached) goes with it
+    kill_hub(config.name)  # the application's hub (metrics, KV events; detached) goes with it
     if args.address is None:  # Serve and Ray are ours; on a joined cluster they are not
         serve.shutdown()
         ray.shutdown()

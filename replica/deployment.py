@@ -20,9 +20,9 @@ from replica.config import EngineConfig
 from replica.contracts import AutoscalingStats, GenerateRequest, PreemptionRate, RoutingStats
 from replica.engine import AsyncEngine, Engine
 from replica.engine_core import ProcessEngine
-from replica.kv_events import get_kv_hub
+from replica.hub import get_hub
 from replica.kv_publisher import KVEventPublisher
-from replica.metrics import HUB_ACTOR_OPTIONS, HUB_NAME, HUB_NAMESPACE, EngineMetrics
+from replica.metrics import EngineMetrics
 from replica.request import RequestOutput
 from replica.startup import process_age_s
 
@@ -84,10 +84,14 @@ class LLMServer:
         config = EngineConfig.model_validate(engine_config)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            context = serve.get_replica_context()
+            self.replica_id, app = context.replica_id.unique_id, context.app_name
         except Exception:  # outside Serve (direct actor use in tests)
-            self.replica_id = f"pid-{os.getpid()}"
+            self.replica_id, app = f"pid-{os.getpid()}", "default"
         entered, age = time.time(), process_age_s()
+        # the application's hub (metrics, KV events): asked for first, so that its process,
+        # when this replica is the one that creates it, starts while the engine builds
+        self.hub = get_hub(app)
         # the engine core in a process of its own (tp=1), or in a thread of this actor
         self.core_process = config.engine_core == "process" and config.tensor_parallel_size == 1
         if self.core_process:
@@ -111,11 +115,7 @@ class LLMServer:
         }
         self.kv_events: KVEventPublisher | None = None
         if kv_events:  # routers mirror this replica's prefix cache (router/kv_index.py)
-            try:
-                app = serve.get_replica_context().app_name
-            except Exception:
-                app = "default"
-            hub = get_kv_hub(app)
+            hub = self.hub
             if self.core_process:
                 engine = self.engine
                 self.kv_events = KVEventPublisher(
@@ -248,14 +248,11 @@ class LLMServer:
         return self.metrics.exposition()
 
     def _push_metrics(self) -> None:
-        hub = None
         while not self._metrics_stop.wait(METRICS_PUSH_PERIOD_S):
             try:
-                hub = hub or get_metrics_hub()
-                hub.push.remote(self.replica_id, self.metrics.exposition())
-            except Exception as exc:  # the hub restarts on next use; metrics must not kill us
+                self.hub.push.remote(self.replica_id, self.metrics.exposition())
+            except Exception as exc:  # metrics must not kill the replica
                 logger.debug("metrics push failed: %s", exc)
-                hub = None
 
     def kv_events_state(self) -> dict | None:
         """The KV-event publisher's counters and this replica's cached-hash table, as of its
@@ -277,35 +274,6 @@ class LLMServer:
             self.engine.shutdown()
         except Exception:
             pass
-
-
-class MetricsHub:
-    """Holds the latest exposition of every replica; entries of dead replicas age out."""
-
-    def __init__(self) -> None:
-        self._latest: dict[str, tuple[float, bytes]] = {}
-
-    def push(self, replica_id: str, text: bytes) -> None:
-        self._latest[replica_id] = (time.time(), text)
-
-    def snapshot(
-        self, max_age_s: float = 30.0, replica_ids: list[str] | None = None
-    ) -> list[bytes]:
-        """The fresh expositions; only those of `replica_ids` when given (an ingress asks for
-        the replicas its routers know alive, so a replica that died, with its node or alone,
-        leaves that ingress's /metrics at once, not when its last push ages out)."""
-        now = time.time()
-        self._latest = {k: v for k, v in self._latest.items() if now - v[0] <= max_age_s}
-        wanted = self._latest.keys() if replica_ids is None else set(replica_ids)
-        return [text for rid, (_, text) in self._latest.items() if rid in wanted]
-
-
-def get_metrics_hub():
-    return (
-        ray.remote(MetricsHub)
-        .options(name=HUB_NAME, namespace=HUB_NAMESPACE, **HUB_ACTOR_OPTIONS)
-        .remote()
-    )
 
 
 def _node_id() -> str | None:

@@ -167,35 +167,3 @@ class KVEventHub:
 
     def replicas(self) -> dict[str, int]:
         return {rid: e["seq"] for rid, e in self._replicas.items()}
-
-
-KV_HUB_NAMESPACE = "stepserve"
-
-
-def kv_hub_name(app_name: str) -> str:
-    return f"stepserve-kv-events-{app_name}"
-
-
-def get_kv_hub(app_name: str):
-    """The application's hub (created by whoever asks first; detached, like the metrics hub,
-    so that it outlives the replica that happened to create it)."""
-    import ray
-
-    from replica.metrics import HUB_ACTOR_OPTIONS
-
-    return (
-        ray.remote(KVEventHub)
-        .options(name=kv_hub_name(app_name), namespace=KV_HUB_NAMESPACE, **HUB_ACTOR_OPTIONS)
-        .remote()
-    )
-
-
-def kill_kv_hub(app_name: str) -> bool:
-    """End the application's hub, if there is one (when the application is deleted)."""
-    import ray
-
-    try:
-        ray.kill(ray.get_actor(kv_hub_name(app_name), namespace=KV_HUB_NAMESPACE))
-    except ValueError:
-        return False
-    return True

@@ -160,10 +160,8 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
-# Replicas push their exposition to one named actor; any ingress replica serves the merge, so
-# one local URL shows every replica. (The actor lives in replica/deployment.py, the Ray side.)
-HUB_NAME = "stepserve-metrics-hub"
-HUB_NAMESPACE = "stepserve"
+# Replicas push their exposition to their application's hub (replica/hub.py); any ingress
+# replica serves the merge, so one local URL shows every replica.
 # The Ray resource only the head node has (a sliver of it pins an actor there): the hubs that
 # every replica and ingress share live on the head, so losing a worker node loses none of them.
 ON_HEAD_NODE = {"node:__internal_head__": 0.001}

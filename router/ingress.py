@@ -18,7 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
-from replica.metrics import HUB_NAME, HUB_NAMESPACE, merge_expositions
+from replica.hub import find_hub
+from replica.metrics import merge_expositions
 from replica.request import SamplingParams
 from replica.structured import StructuredOutputError, grammar_engine_loaded
 from replica.structured import check as check_structured
@@ -606,9 +607,10 @@ class Ingress:
         self.core = IngressCore(llm_handle, settings)
         preload_grammar_engine_later(GRAMMAR_PRELOAD_DELAY_S)
         try:
-            self.ingress_id = serve.get_replica_context().replica_id.unique_id
+            context = serve.get_replica_context()
+            self.ingress_id, self.app_name = context.replica_id.unique_id, context.app_name
         except Exception:
-            self.ingress_id = "ingress"
+            self.ingress_id, self.app_name = "ingress", "default"
 
     def stats(self) -> dict:
         """Requests this ingress holds now and its routers' view of them (a handle call; used
@@ -657,13 +659,12 @@ class Ingress:
     @fastapi_app.get("/metrics")
     async def metrics(self) -> Response:
         """Every replica's metrics, merged (replicas push them to the hub about once a second)."""
-        try:
-            hub = ray.get_actor(HUB_NAME, namespace=HUB_NAMESPACE)
+        texts = []
+        hub = find_hub(self.app_name)
+        if hub is not None:  # None: no replica has started yet
             # this application's replicas that its routers know alive (all, before they know)
             live = [entry["replica_id"] for entry in replica_readiness()] or None
-            texts = await hub.snapshot.remote(replica_ids=live)
-        except ValueError:  # no replica has pushed yet
-            texts = []
+            texts = await hub.expositions.remote(replica_ids=live)
         # this ingress's own counters: calls resent after a lost replica, KV-event routing
         own = retries_exposition(self.ingress_id, self.core.calls.retries)
         own += kv_exposition(self.ingress_id)

@@ -70,9 +70,9 @@ class KVRouting:
 
     def _hub_handle(self):
         if self._hub is None:
-            from replica.kv_events import get_kv_hub
+            from replica.hub import get_hub
 
-            self._hub = get_kv_hub(self.app_name)
+            self._hub = get_hub(self.app_name)
         return self._hub
 
     def apply_poll(self, reply: dict) -> None:

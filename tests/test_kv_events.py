@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from replica.config import EngineConfig
+from replica.hub import ApplicationHub, hub_name
 from replica.kv_events import (
     REMOVED,
     STORED,
@@ -179,6 +180,27 @@ def test_hub_relays_batches_then_snapshots_for_readers_too_far_behind() -> None:
     hub.publish("b", [_batch(1, 9)], now=0.0)
     hub.publish("a", [_batch(8, 8)], now=1000.0)  # b silent for longer than forget_after_s
     assert "b" not in hub.replicas()
+
+
+def test_application_hub_relays_kv_events_and_keeps_fresh_expositions(monkeypatch) -> None:
+    import replica.hub
+
+    clock = [1000.0]
+    monkeypatch.setattr(replica.hub.time, "time", lambda: clock[0])
+    hub = ApplicationHub()
+    assert hub.publish("a", [_batch(1, 3)]) == {"resync": False}  # the KV side, as above
+    assert hub.poll({"a": -1})["a"][1].blocks.keys() == {3}
+    hub.push("a", b"a1")
+    hub.push("b", b"b1")
+    hub.push("a", b"a2")  # the latest push replaces the one before
+    assert sorted(hub.expositions()) == [b"a2", b"b1"]
+    assert hub.expositions(replica_ids=["b", "gone"]) == [b"b1"]
+    clock[0] += 20.0
+    hub.push("b", b"b2")
+    clock[0] += 15.0  # a's last push is 35 s old, b's 15 s
+    assert hub.expositions(max_age_s=30.0) == [b"b2"]
+    assert hub.expositions(max_age_s=60.0) == [b"b2"]  # aged-out entries are dropped for good
+    assert hub_name("app") == "stepserve-hub-app"
 
 
 def test_kv_routing_follows_the_hub_and_checks_its_predictions() -> None:

@@ -19,6 +19,7 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
+from replica.hub import HUB_NAMESPACE, hub_name  # noqa: E402
 from tests.helpers import free_port, loopback_serve, replica_actor_names  # noqa: E402
 
 APP = "kv-routing-test"
@@ -139,6 +140,15 @@ def test_kv_index_mirrors_replicas_predicts_hits_and_forgets_the_dead(tiny_llama
         assert _metric(url, "stepserve:router_kv_events_total") > 0
         decisions = _metric(url, "stepserve:router_decisions_total")
         assert decisions >= 6
+        # one hub actor per application carries both the KV events and the replicas' metrics
+        hubs = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == HUB_NAMESPACE
+        ]
+        assert hubs == [hub_name(APP)], hubs
+        for rid in tables:  # each replica's exposition reached /metrics through it
+            assert _metric(url, "stepserve:generation_tokens_total", replica=rid) > 0, rid
 
         # a replica dies: the router drops it from the index as soon as Serve says so
         victim = sorted(tables)[0]
