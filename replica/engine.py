@@ -111,15 +111,20 @@ class OutputProcessor:
     a stop string found there is sent to the core as a finish."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # or a LazyTokenizer, resolved at the first request
         self._detoks: dict[str, IncrementalDetokenizer] = {}
 
     def __len__(self) -> int:
         return len(self._detoks)
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        from replica.tokenizer import loaded
+
         self._detoks[request_id] = IncrementalDetokenizer(
-            self.tokenizer, list(prompt_token_ids), params.stop, params.include_stop_str_in_output
+            loaded(self.tokenizer),
+            list(prompt_token_ids),
+            params.stop,
+            params.include_stop_str_in_output,
         )
 
     def drop(self, request_id: str) -> None:

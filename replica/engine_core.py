@@ -515,15 +515,18 @@ class ProcessEngine(StreamingEngine):
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         init = ("init", config.model_dump(mode="json"), kv_events, num_threads)
+        # the front's own tokenizer (detokenization) loads in a thread while the core starts
+        # (or is adopted) and after: the replica is ready without waiting for it (~1 s, most of
+        # it importing transformers); a request that comes before it has loaded waits for it
+        # in _prepare
+        from replica.tokenizer import LazyTokenizer
+
+        self._tokenizer = LazyTokenizer(config.model_dir()).preload()
+        self.processor = OutputProcessor(self._tokenizer)
         started = time.perf_counter()
         adopted = self._adopt_core(init)
         if not adopted:
             self._spawn_core(init)
-        # the front's own tokenizer (detokenization) loads while the core builds the engine
-        from replica.tokenizer import load_tokenizer
-
-        self.tokenizer = load_tokenizer(config.model_dir())
-        self.processor = OutputProcessor(self.tokenizer)
         message = self._receive_ready()
         if adopted and message[0] != "ready":  # it failed, or another replica took it first
             logger.warning("pre-started engine core not adopted (%s): starting one", message[1])
@@ -548,7 +551,6 @@ class ProcessEngine(StreamingEngine):
                     time.perf_counter() - started, 3
                 ),
             },
-            tokenizer=self.tokenizer,
         )
         self._stats = info["stats"]
         self.num_threads = info["num_threads"]
@@ -599,7 +601,14 @@ class ProcessEngine(StreamingEngine):
             prompt_token_ids, params, priority,
         )  # fmt: skip
 
+    @property
+    def tokenizer(self):
+        """The front's tokenizer (waits for its load, which starts with the front)."""
+        return self._tokenizer.get()
+
     async def _prepare(self, params: SamplingParams):
+        if not self._tokenizer.loaded:  # a request within the first second of the replica
+            await asyncio.to_thread(self._tokenizer.get)
         return None  # the core compiles grammars beside its loop
 
     def _submit(self, rid, prompt_token_ids, params, arrival_time, compiled, priority) -> None:

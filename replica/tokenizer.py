@@ -99,6 +99,19 @@ class LazyTokenizer:
                 self._tokenizer = load_tokenizer(self.model_dir)
             return self._tokenizer
 
+    def preload(self) -> LazyTokenizer:
+        """Start loading now, in a thread of its own; `get()` waits for it. A load that fails
+        there is tried again, and its error raised, by the next `get()`."""
+
+        def load() -> None:
+            try:
+                self.get()
+            except Exception:  # said by the get() that needs it
+                pass
+
+        threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
+        return self
+
 
 def loaded(tokenizer):
     """The tokenizer itself: a LazyTokenizer's, loaded now if it was not yet."""

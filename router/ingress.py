@@ -67,28 +67,49 @@ class IngressCore:
     def __init__(self, handle, settings: IngressSettings, tokenizer=None) -> None:
         self.settings = settings
         self.handle = handle
+        self.tokenizer = None
+        self._loading = None
         if tokenizer is None:
-            from replica.tokenizer import load_tokenizer
+            from replica.tokenizer import LazyTokenizer
 
             model_dir = settings.model_dir
             if model_dir is None:
                 from replica.default_model import default_model_dir
 
                 model_dir = str(default_model_dir())
-            tokenizer = load_tokenizer(model_dir)
-        self.tokenizer = tokenizer
+            # loads in a thread (~1 s, most of it importing transformers): the ingress is ready
+            # without it; a request that comes first waits for it (tokenizer_loaded). A
+            # checkpoint without a usable tokenizer fails the LLM replicas' start, which reads
+            # its files, so the application does not deploy.
+            self._loading = LazyTokenizer(model_dir).preload()
+        else:
+            self._use_tokenizer(tokenizer)
         self.guard = RequestGuard(settings.http, settings.auth)
         self.admission = Admission()  # admission by expected wait (router/admission.py)
         self.calls = ReplicaCalls(handle, Policy(settings.routing), settings.engine.block_size)
-        self.dialects: dict[bool, Dialect] = {  # by `chat`
-            False: CompletionDialect(tokenizer, settings.model_name),
-            True: ChatDialect(tokenizer, settings.model_name),
-        }
         self._info: dict | None = None
         self._info_lock = asyncio.Lock()
         self._warned_fields: set[str] = set()
-        self.template_tools = template_supports_tools(tokenizer)
         self._checked_specs: dict = {}  # structured-output spec -> its error message or None
+
+    def _use_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.dialects: dict[bool, Dialect] = {  # by `chat`
+            False: CompletionDialect(tokenizer, self.settings.model_name),
+            True: ChatDialect(tokenizer, self.settings.model_name),
+        }
+        self.template_tools = template_supports_tools(tokenizer)
+
+    async def tokenizer_loaded(self) -> None:
+        """Wait for the tokenizer, if it is still loading (the ingress's first second); a
+        failed load raises its error here, for each request, until a load succeeds."""
+        loading = self._loading
+        if loading is None:
+            return
+        tokenizer = loading.get() if loading.loaded else await asyncio.to_thread(loading.get)
+        if self._loading is not None:
+            self._use_tokenizer(tokenizer)
+            self._loading = None
 
     @property
     def inflight(self) -> int:
@@ -247,6 +268,7 @@ class IngressCore:
 
     async def tokenize(self, request: Request) -> Response:
         self.guard.check_auth(request)
+        await self.tokenizer_loaded()
         req = await self.read_request(request, TokenizeRequest)
         if req.messages is not None:
             messages = [m.as_template_dict() for m in req.messages]
@@ -264,6 +286,7 @@ class IngressCore:
 
     async def detokenize(self, request: Request) -> Response:
         self.guard.check_auth(request)
+        await self.tokenizer_loaded()
         req = await self.read_request(request, DetokenizeRequest)
         info = await self.model_info()
         vocab = info["vocab_size"]
@@ -432,6 +455,7 @@ class IngressCore:
                 self.warn_ignored(req.ignored_fields)
             # before the chat template and tokenizer: a refusal under a burst costs little
             expected_wait = self.admit_by_wait(req, deadline_s)
+            await self.tokenizer_loaded()
             if chat:
                 prompts = [self.request_chat_prompt(req)]
             else:
@@ -677,6 +701,7 @@ class Ingress:
         every known replica is unhealthy or the model cannot be reached."""
 
         async def check() -> Response:
+            await self.core.tokenizer_loaded()  # a tokenizer that cannot load: not ready
             info = await asyncio.wait_for(self.core.model_info(), timeout=10)
             replicas = replica_readiness()
             ready = sum(1 for r in replicas if r["ready"])

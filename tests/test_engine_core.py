@@ -121,6 +121,47 @@ def test_streams_match_the_in_thread_engine(tiny_llama_dir):
     assert stopped.new_text == text[: text.index(stop)]
 
 
+def test_the_front_is_ready_before_its_tokenizer_and_its_first_request_waits(
+    tiny_llama_dir, monkeypatch
+):
+    """The front's tokenizer loads in a thread: the front is ready without it, and a request
+    that comes before it has loaded waits for it, then streams the same text as later ones."""
+    import threading
+
+    import replica.tokenizer
+
+    release = threading.Event()
+    real_load = replica.tokenizer.load_tokenizer
+
+    def held_load(model_dir):
+        assert release.wait(60)
+        return real_load(model_dir)
+
+    monkeypatch.setattr(replica.tokenizer, "load_tokenizer", held_load)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = mixed_prompts(1, [9])[0]
+
+    async def body():
+        engine = ProcessEngine(config(tiny_llama_dir))  # returns with the load still held
+        try:
+            assert not engine._tokenizer.loaded
+            first = asyncio.ensure_future(collect(engine.generate(prompt, params)))
+            await asyncio.sleep(0.5)
+            assert not first.done() and len(engine.processor) == 0  # waiting, not submitted
+            release.set()
+            early = await first
+            later = await collect(engine.generate(prompt, params))
+            assert engine._tokenizer.loaded
+            return early, later
+        finally:
+            release.set()
+            engine.shutdown()
+
+    early, later = in_loop(body)
+    assert early.new_token_ids == later.new_token_ids and len(early.new_token_ids) == 8
+    assert early.new_text == later.new_text and early.new_text
+
+
 def test_abort_errors_and_calls_cross_the_process(tiny_llama_dir):
     async def body():
         engine = ProcessEngine(config(tiny_llama_dir, num_kv_blocks=40))
