@@ -9,7 +9,7 @@ moment of the host does not favour one:
     python bench/startup.py --runs 3 --tree new=. --tree old=/tmp/before
     python bench/startup.py --engine-only --runs 5 --tree new=. --tree old=/tmp/before
     python bench/startup.py --runs 4 --tree prestart=. --tree noprestart=. \
-        --env noprestart:STEPSERVE_PRESTART_CORE=0
+        --env prestart:STEPSERVE_PRESTART_CORE=1
 
 `--engine-only` times the engine's construction alone, `Engine(EngineConfig(model=default))` in
 a fresh process that has imported torch and the replica's deployment module (what a replica
@@ -118,7 +118,7 @@ def main() -> int:
         action="append",
         default=[],
         help="NAME:KEY=VALUE, an environment variable for the tree NAME's server "
-        "(e.g. --tree new=. --tree noprestart=. --env noprestart:STEPSERVE_PRESTART_CORE=0)",
+        "(e.g. --tree new=. --tree prestart=. --env prestart:STEPSERVE_PRESTART_CORE=1)",
     )
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--out", default=None, help="JSON file for the results")

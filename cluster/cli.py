@@ -319,21 +319,24 @@ def start(config: ClusterConfig, address: str | None = None, timings: dict | Non
 
 
 _PYTHON_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-PRESTART_ENV = "STEPSERVE_PRESTART_CORE"  # "0": no pre-started engine core
+# "1": pre-start the engine core (opt-in: a pre-started core decoded 1.12-1.42x slower per
+# token than one its replica spawned, in 4 alternated served runs at batch 1 on a 2-vCPU host,
+# cause not found; it saves ~1.7 s of start-up: bench/README.md, "Start-up")
+PRESTART_ENV = "STEPSERVE_PRESTART_CORE"
 _prestarted: list = []  # the PrestartedCore of this process's embedded cluster, if any
 
 
 def prestart_core(config: ClusterConfig):
-    """Start the LLM replica's engine core before Ray (replica/engine_core.py PrestartedCore):
-    on the embedded one-machine cluster, for a CPU engine core process at tp=1 with a replica
-    to adopt it. Its torch import and engine build (~6 s of CPU here) then overlap Ray's and
+    """Start the LLM replica's engine core before Ray (replica/engine_core.py PrestartedCore),
+    when STEPSERVE_PRESTART_CORE=1: on the embedded one-machine cluster, for a CPU engine core
+    process at tp=1 with a replica to adopt it. Its torch import and engine build (~6 s of CPU here) then overlap Ray's and
     Serve's start, which wait on each other's processes more than they compute."""
     from replica.engine_core import PrestartedCore
 
     engine = config.engine
     replicas = config.autoscaling.min_replicas if config.autoscaling.enabled else config.replicas
     if (
-        os.environ.get(PRESTART_ENV, "1") == "0"
+        os.environ.get(PRESTART_ENV, "0") != "1"
         or engine.engine_core != "process"
         or engine.tensor_parallel_size != 1
         or engine.device not in ("cpu", "auto")  # auto: the core itself checks for a GPU

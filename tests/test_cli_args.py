@@ -229,17 +229,23 @@ def test_a_port_left_in_time_wait_by_a_stopped_server_is_free():
         (["--engine-core", "thread"], {}),
         (["--device", "cuda"], {}),
         (["--min-replicas", "0", "--max-replicas", "2"], {}),
+        ([], {"STEPSERVE_PRESTART_CORE": None}),
         ([], {"STEPSERVE_PRESTART_CORE": "0"}),
     ],
-    ids=["tp2", "thread-core", "cuda", "no-replica-at-start", "turned-off"],
+    ids=["tp2", "thread-core", "cuda", "no-replica-at-start", "not-asked", "turned-off"],
 )
 def test_no_prestarted_core_where_no_replica_would_adopt_it(argv, env, monkeypatch):
-    """The engine core is started before Ray only for a CPU (or auto) core process at tp=1 with
-    a replica at start, unless turned off: these return before starting anything."""
+    """The engine core is started before Ray only when asked (STEPSERVE_PRESTART_CORE=1), for
+    a CPU (or auto) core process at tp=1 with a replica at start: these return before starting
+    anything."""
     from cluster import cli
 
+    monkeypatch.setenv("STEPSERVE_PRESTART_CORE", "1")
     for key, value in env.items():
-        monkeypatch.setenv(key, value)
+        if value is None:
+            monkeypatch.delenv(key)
+        else:
+            monkeypatch.setenv(key, value)
     started = []
     monkeypatch.setattr(
         "replica.engine_core.PrestartedCore",
@@ -247,7 +253,7 @@ def test_no_prestarted_core_where_no_replica_would_adopt_it(argv, env, monkeypat
     )
     assert cli.prestart_core(parse(*argv)) is None
     assert not started
-    monkeypatch.delenv("STEPSERVE_PRESTART_CORE", raising=False)
-    assert cli.prestart_core(parse()) is not None  # the default: one is started
+    monkeypatch.setenv("STEPSERVE_PRESTART_CORE", "1")
+    assert cli.prestart_core(parse()) is not None  # asked for, with a replica to adopt it
     assert len(started) == 1
     cli._prestarted.clear()

@@ -53,9 +53,10 @@ def _listening_pids(port: int) -> list[int]:
     return [listener.pid for listener in find_listeners(port)]
 
 
-def _start_serve(port: int, log: Path, *extra: str) -> subprocess.Popen:
+def _start_serve(port: int, log: Path, *extra: str, env_extra: dict | None = None):
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    env.update(env_extra or {})
     with open(log, "w") as out:
         # a session of its own: the test kills the whole group, as a crash or OOM kill would
         return subprocess.Popen(
@@ -88,7 +89,8 @@ def test_serve_survives_sigkill_then_answers_and_drains_on_sigterm(default_model
     comes up, runs HAProxy in front of the ingress, answers a chat from the default model, and
     on SIGTERM lets an in-flight stream finish before it exits 0."""
     port = free_port()
-    proc = _start_serve(port, tmp_path / "first.log")
+    # the first server pre-starts its engine core (opt-in), the second does not
+    proc = _start_serve(port, tmp_path / "first.log", env_extra={"STEPSERVE_PRESTART_CORE": "1"})
     try:
         _wait_ready(proc, tmp_path / "first.log")
         first = _answer(port)
@@ -117,8 +119,9 @@ def test_serve_survives_sigkill_then_answers_and_drains_on_sigterm(default_model
     proc = _start_serve(port, log)
     try:
         _wait_ready(proc, log)
-        assert _answer(port) == first
+        assert _answer(port) == first  # the same answer from a core its replica spawned
         assert f"http://127.0.0.1:{port}/v1" in log.read_text()
+        assert re.search(r"core_process [\d.]+\)", log.read_text()), log.read_text()[-3000:]
         # HAProxy, not Ray's Python proxy, listens on the port
         assert any("haproxy" in cmd for cmd in _process_commands()), "no HAProxy process"
         # the ingress replicas drain for 1 s, not the 30 s meant for external load balancers
