@@ -103,7 +103,8 @@ def test_serve_survives_sigkill_then_answers_and_drains_on_sigterm(default_model
         )
         assert report, (tmp_path / "first.log").read_text()[-3000:]
         ready_s, application_s, engine_s = map(float, report.groups())
-        assert 0 < engine_s < application_s < ready_s
+        # the engine phase of an adopted core is the wait for it: 0.0 s once it is built
+        assert 0 <= engine_s < application_s < ready_s
         # the replica adopted the engine core `stepserve serve` started before Ray
         assert re.search(r"core_adopted [\d.]+\)", (tmp_path / "first.log").read_text())
         holders = _listening_pids(port)
