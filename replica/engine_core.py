@@ -607,8 +607,7 @@ class ProcessEngine(StreamingEngine):
         return self._tokenizer.get()
 
     async def _prepare(self, params: SamplingParams):
-        if not self._tokenizer.loaded:  # a request within the first second of the replica
-            await asyncio.to_thread(self._tokenizer.get)
+        await self._tokenizer.wait()  # loading only for a request in the replica's first second
         return None  # the core compiles grammars beside its loop
 
     def _submit(self, rid, prompt_token_ids, params, arrival_time, compiled, priority) -> None:

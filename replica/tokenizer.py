@@ -99,6 +99,15 @@ class LazyTokenizer:
                 self._tokenizer = load_tokenizer(self.model_dir)
             return self._tokenizer
 
+    async def wait(self):
+        """`get()` for an event loop: the tokenizer, waiting for its load in a worker thread
+        (not on the loop) while it is still loading."""
+        if self.loaded:
+            return self._tokenizer
+        import asyncio
+
+        return await asyncio.to_thread(self.get)
+
     def preload(self) -> LazyTokenizer:
         """Start loading now, in a thread of its own; `get()` waits for it. A load that fails
         there is tried again, and its error raised, by the next `get()`."""

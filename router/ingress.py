@@ -106,7 +106,7 @@ class IngressCore:
         loading = self._loading
         if loading is None:
             return
-        tokenizer = loading.get() if loading.loaded else await asyncio.to_thread(loading.get)
+        tokenizer = await loading.wait()
         if self._loading is not None:
             self._use_tokenizer(tokenizer)
             self._loading = None
