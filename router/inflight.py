@@ -33,6 +33,14 @@ class InflightLoad:
     completion on another replica (a request the replica rejected, then sent elsewhere) does
     not cancel the `routed` that follows.
 
+    Choices not yet routed: Ray routes a burst of requests one after another in one pass of its
+    event loop, and hands each to its replica (`routed`) only after the replica has accepted
+    it, a round trip later. Counted from `routed` alone, every request of a burst would see the
+    same tally and go to the same replica. So the router also notes its choice at once
+    (`chosen`): the request counts on the replica it was chosen for until `routed` (or Ray's
+    completion hook) says where it went, or for `choice_ttl_s` at most (a request cancelled
+    while waiting for a replica).
+
     Prefill: a request routed with `prompt_tokens` and a `key` counts as prefilling until its
     first token; the prompt tokens per second from routing to first token over recent requests
     (`prefill_rate`: moving averages of prompt tokens and of seconds, divided) discount what it
@@ -41,9 +49,14 @@ class InflightLoad:
     """
 
     def __init__(
-        self, completion_window_s: float = 60.0, max_early: int = 10_000, rate_alpha: float = 0.2
+        self,
+        completion_window_s: float = 60.0,
+        max_early: int = 10_000,
+        rate_alpha: float = 0.2,
+        choice_ttl_s: float = 5.0,
     ) -> None:
         self.completion_window_s = completion_window_s
+        self.choice_ttl_s = choice_ttl_s
         self._lock = threading.Lock()
         # entry id (the key, else Ray's request id) -> (replica id, tokens, Ray's request id)
         self._requests: dict[str, tuple[str, int, str]] = {}
@@ -59,6 +72,37 @@ class InflightLoad:
         self._rate_alpha = rate_alpha
         self._rate_tokens = self._rate_seconds = 0.0  # moving averages per request
         self.prefill_rate = 0.0  # prompt tokens/s, routed -> first token; 0: none seen yet
+        # Ray's request id -> (replica id, tokens, time) of a choice not yet routed
+        self._chosen: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
+        self._chosen_counts: dict[str, int] = {}
+        self._chosen_tokens: dict[str, int] = {}
+
+    def chosen(self, request_id: str, replica_id: str, tokens: int, now: float) -> None:
+        """The router chose `replica_id` for Ray's request `request_id`: count it there until
+        it is routed (a new choice for the same request replaces this one)."""
+        with self._lock:
+            self._drop_choice(request_id)
+            self._expire_choices(now)
+            self._chosen[request_id] = (replica_id, tokens, now)
+            self._chosen_counts[replica_id] = self._chosen_counts.get(replica_id, 0) + 1
+            self._chosen_tokens[replica_id] = self._chosen_tokens.get(replica_id, 0) + tokens
+
+    def _drop_choice(self, request_id: str) -> None:
+        entry = self._chosen.pop(request_id, None)
+        if entry is None:
+            return
+        replica_id, tokens, _ = entry
+        self._chosen_counts[replica_id] -= 1
+        self._chosen_tokens[replica_id] -= tokens
+        if not self._chosen_counts[replica_id]:
+            del self._chosen_counts[replica_id], self._chosen_tokens[replica_id]
+
+    def _expire_choices(self, now: float) -> None:
+        while self._chosen:  # oldest first
+            request_id, (_, _, at) = next(iter(self._chosen.items()))
+            if now - at <= self.choice_ttl_s:
+                break
+            self._drop_choice(request_id)
 
     def routed(
         self,
@@ -70,6 +114,7 @@ class InflightLoad:
         now: float = 0.0,
     ) -> None:
         with self._lock:
+            self._drop_choice(request_id)
             if key is None:
                 if self._finished_early.get(request_id) == replica_id:  # it has finished
                     del self._finished_early[request_id]
@@ -134,6 +179,7 @@ class InflightLoad:
     def completed(self, request_id: str, replica_id: str, now: float) -> None:
         """Ray's completion hook (ignored for requests whose sender reports their end)."""
         with self._lock:
+            self._drop_choice(request_id)  # a rejection ends a choice too: it is chosen again
             if request_id in self._reported:
                 return
             entry = self._requests.get(request_id)
@@ -165,10 +211,12 @@ class InflightLoad:
         return totals
 
     def snapshot(self, now: float) -> dict:
-        """This tally as plain data (for the ingress's stats): per replica, requests in flight,
-        their tokens and the prefill estimate; the learned prefill rate."""
+        """This tally as plain data (for the ingress's stats): per replica, requests in flight
+        (choices not yet routed included), their tokens and the prefill estimate; the learned
+        prefill rate."""
         with self._lock:
-            replicas = {rid: n for rid, n in self._counts.items() if n}
+            ids = set(self._counts) | set(self._chosen_counts)
+            replicas = {rid: self.requests(rid) for rid in ids if self.requests(rid)}
         prefill = self.prefill_by_replica(now)
         return {
             "prefill_rate": self.prefill_rate,
@@ -183,10 +231,16 @@ class InflightLoad:
         }
 
     def requests(self, replica_id: str) -> int:
-        return self._counts.get(replica_id, 0)
+        """This router's requests on `replica_id`: routed there, or chosen for it and not yet
+        routed."""
+        return self._counts.get(replica_id, 0) + self._chosen_counts.get(replica_id, 0)
 
     def tokens(self, replica_id: str) -> int:
-        return self._tokens.get(replica_id, 0)
+        return self._tokens.get(replica_id, 0) + self._chosen_tokens.get(replica_id, 0)
+
+    def choices(self) -> int:
+        """Choices not yet routed (nor expired)."""
+        return len(self._chosen)
 
     def completed_since(self, replica_id: str, since: float) -> int:
         """This router's requests on `replica_id` that finished after time `since`."""
@@ -210,6 +264,8 @@ class InflightLoad:
                 _, _, request_id = self._requests.pop(entry)
                 self._reported.discard(request_id)
                 self._end_prefill(entry)
+            for request_id in [q for q, (r, _, _) in self._chosen.items() if r not in alive]:
+                self._drop_choice(request_id)
 
 
 def replica_stats(

@@ -388,6 +388,19 @@ def rank_replicas(
     return tiers
 
 
+def lead_replica(
+    tier: Sequence[str], replicas: Sequence[ReplicaStats], cfg: RoutingConfig, rng: random.Random
+) -> list[str]:
+    """`tier` with the replica a request goes to first: the fewest requests (`effective_queue`),
+    ties at random. The router notes that choice (`InflightLoad.chosen`) before Ray routes the
+    next request of a burst; left to Ray, the pick among a tier's equals would not be known."""
+    by_id = {r.replica_id: r for r in replicas}
+    order = list(tier)
+    rng.shuffle(order)
+    order.sort(key=lambda rid: effective_queue(by_id[rid], cfg) if rid in by_id else 0)
+    return order
+
+
 class Policy:
     """The router's entry point: `rank` dispatches on cfg.policy and keeps the state that
     pow2 (random source) and round_robin (position) need."""

@@ -6,6 +6,12 @@ on_request_completed for requests the ingress did not send), plus the
 stats each replica records about once a second (waiting, running, KV usage, recent
 preemptions, token budget).
 
+The best tier's first replica is picked here, not by Ray, and the request counts there from
+that moment (`InflightLoad.chosen`) until Ray's on_request_routed says where it went: Ray
+routes a burst of requests in one pass of its event loop and reports each only after its
+replica has accepted it, so without the choice every request of a burst would be ranked on the
+same numbers and land on the same replica.
+
 Ray builds the router inside the process that holds the deployment handle, the ingress replica,
 and gives user code no reference to it: each router registers its tally with router/inflight.py
 (`register_inflight`), where the ingress's notes reach it. Not in
@@ -26,7 +32,14 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from replica.contracts import GenerateRequest, RoutingStats
 from router.inflight import InflightLoad, register_inflight, register_router, replica_stats
 from router.kv_routing import KVRouting, register_kv_routing
-from router.policy import Policy, ReplicaStats, RequestSize, RoutingConfig, decision_reason
+from router.policy import (
+    Policy,
+    ReplicaStats,
+    RequestSize,
+    RoutingConfig,
+    decision_reason,
+    lead_replica,
+)
 
 
 def _request(pending_request: PendingRequest | None) -> GenerateRequest | None:
@@ -118,11 +131,20 @@ class LoadAwareRouter(RequestRouter):
         stats = [self._stats_of(by_id[rid], now, prefill, hits.get(rid, 0)) for rid in ids]
         if self.kv is not None and request.reports_progress:
             self._hits[request.request_id] = (hits, stats)  # for on_request_routed
-        tiers = self.policy.rank(stats, request.prefix_key, request.footprint_tokens)
-        ranked = []
-        for tier in tiers:
-            replicas = [by_id[rid] for rid in tier if rid in by_id]
-            # Ray takes the tier's replica with the fewest in-flight requests and, among equals,
+        ranked_ids = self.policy.rank(stats, request.prefix_key, request.footprint_tokens)
+        tiers = [kept for tier in ranked_ids if (kept := [rid for rid in tier if rid in by_id])]
+        if not tiers:
+            return []
+        # the request goes to one replica of the best tier, chosen here and counted there at
+        # once (InflightLoad.chosen): the rest of a burst sees it (module docstring)
+        lead, *rest = lead_replica(tiers[0], stats, self.routing_config, self._rng)
+        self.inflight.chosen(
+            pending_request.metadata.internal_request_id, lead, request.footprint_tokens, now
+        )
+        ranked = [[by_id[lead]]]
+        for tier in [rest, *tiers[1:]]:
+            replicas = [by_id[rid] for rid in tier]
+            # Ray takes a tier's replica with the fewest in-flight requests and, among equals,
             # the first: shuffle so ties do not always land on the same replica
             self._rng.shuffle(replicas)
             if replicas:

@@ -35,7 +35,7 @@ from replica.request import Request, RequestRejected, SamplingParams
 from replica.scheduler import Scheduler
 from router.inflight import InflightLoad, replica_stats
 from router.kv_index import KVIndex
-from router.policy import Policy, RequestSize, decision_reason
+from router.policy import Policy, RequestSize, decision_reason, lead_replica
 from sim.calibrate import serving_step
 from sim.profile import Profile, StepShape
 from sim.workloads import Conversation, RequestSpec, oracle_hit_tokens
@@ -296,14 +296,10 @@ class SimIngress:
         ]  # fmt: skip
         tiers = self.policy.rank(stats, req.prefix_key, req.footprint)
         self.decisions += 1
-        chosen = None
-        for tier in tiers:
-            members = [by_id[rid] for rid in tier]
-            self.rng.shuffle(members)  # Ray: the tier's least-loaded replica, ties at random
-            chosen = min(members, key=lambda r: r.ongoing)
-            break
-        if chosen is None:
+        if not tiers:
             return False
+        # as the router: the best tier's replica with the fewest requests, ties at random
+        chosen = by_id[lead_replica(tiers[0], stats, sim.config.routing, self.rng)[0]]
         if self.index is not None:
             req.predicted_hit = hits.get(chosen.rid, 0)
             size = RequestSize.of(stats, req.footprint)

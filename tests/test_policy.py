@@ -553,3 +553,54 @@ def test_sampled_candidates_always_hold_the_replicas_with_the_prompt_cached():
         picked = policy.candidates(ids, None, cached)
         assert len(picked) == 16 and len(set(picked)) == 16
         assert {"r7", "r900", "r3", "r4"} <= set(picked)  # the top k // 4 holders
+
+
+def test_inflight_load_counts_a_choice_until_it_is_routed() -> None:
+    load = InflightLoad(choice_ttl_s=5.0)
+    load.chosen("r1", "a", 100, now=0.0)
+    load.chosen("r2", "a", 50, now=0.0)
+    assert (load.requests("a"), load.tokens("a"), load.choices()) == (2, 150, 2)
+    load.chosen("r2", "b", 50, now=0.1)  # chosen again (its first replica refused it)
+    assert (load.requests("a"), load.requests("b")) == (1, 1)
+    load.routed("r1", "a", 100)  # routed where it was chosen: counted once
+    assert (load.requests("a"), load.tokens("a"), load.choices()) == (1, 100, 1)
+    load.routed("r2", "a", 50, key="k2")  # routed elsewhere than last chosen: counted there
+    assert (load.requests("a"), load.requests("b"), load.choices()) == (2, 0, 0)
+    load.chosen("r3", "b", 10, now=1.0)
+    load.completed("r3", "b", now=1.2)  # a rejection's completion ends the choice too
+    assert (load.requests("b"), load.choices()) == (0, 0)
+    load.chosen("lost", "b", 10, now=2.0)  # cancelled while waiting: never routed
+    assert load.requests("b") == 1
+    load.chosen("r4", "a", 10, now=7.5)  # past the choice's time to live: it expires
+    assert (load.requests("b"), load.choices()) == (0, 1)
+    load.chosen("r5", "gone", 10, now=8.0)
+    load.forget_missing(["a", "b"])
+    assert (load.requests("gone"), load.choices()) == (0, 1)
+    assert load.snapshot(8.0)["replicas"]["a"]["requests"] == 3  # 2 routed, 1 chosen
+
+
+def _burst(noted: bool, n: int = 8) -> Counter:
+    """`n` requests routed as Ray routes a burst: every decision before the first of them is
+    reported routed, Ray's in-flight count still 0 everywhere; replica b's fresh report shows
+    one request running, so a scores lower at first."""
+    from replica.contracts import RoutingStats
+    from router.inflight import replica_stats
+    from router.policy import lead_replica
+
+    load, policy, rng = InflightLoad(), Policy(LOAD_AWARE), random.Random(0)
+    reports = {"a": RoutingStats("a", ts=99.5), "b": RoutingStats("b", ts=99.5, running=1)}
+    placed: Counter = Counter()
+    for i in range(n):
+        stats = [replica_stats(rid, 0, reports[rid], load, 0.0, 100.0) for rid in ("a", "b")]
+        tiers = policy.rank(stats, request_tokens=200)
+        lead = lead_replica(tiers[0], stats, LOAD_AWARE, rng)[0]
+        if noted:
+            load.chosen(f"r{i}", lead, 200, now=100.0)
+        placed[lead] += 1
+    return placed
+
+
+def test_a_burst_spreads_when_each_choice_is_counted_before_it_is_routed() -> None:
+    assert _burst(noted=False) == Counter({"a": 8})  # the herd: every decision saw the same
+    placed = _burst(noted=True)
+    assert sorted(placed.values()) == [4, 4] or sorted(placed.values()) == [3, 5], placed

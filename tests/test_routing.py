@@ -183,3 +183,55 @@ def test_router_counts_prefill_until_the_ingress_sees_the_first_token(serving, t
         assert not router["replicas"], router  # finished: nothing left in the tally
     finally:
         serve.delete(APP)
+
+
+def test_a_burst_is_spread_over_the_replicas(serving, tiny_llama_dir):
+    """Eight requests sent at once to two idle replicas: Ray routes them in one pass and reports
+    each routed only after its replica accepted it, so the router counts its choice at once
+    (InflightLoad.chosen); otherwise each decision sees the same numbers (a random split at
+    best, all eight on one replica when one report differs)."""
+    port, url = serving
+    config = _config(tiny_llama_dir, port).model_copy(update={"replicas": 2})
+    config = config.model_copy(
+        update={"autoscaling": config.autoscaling.model_copy(update={"enabled": False})}
+    )
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    try:
+        deadline = time.time() + 120
+        while _running(APP) < 2:
+            assert time.time() < deadline
+            time.sleep(0.5)
+        time.sleep(1.0)  # both replicas have recorded stats
+        for _ in range(3):  # three bursts, each of eight requests at once
+            before = _success_by_replica(url)
+
+            async def burst():
+                async with httpx.AsyncClient(timeout=120) as client:
+                    return await asyncio.gather(
+                        *(
+                            client.post(
+                                f"{url}/v1/completions",
+                                json={
+                                    "prompt": [5 + i] * 8,
+                                    "max_tokens": 64,
+                                    "temperature": 0,
+                                    "ignore_eos": True,
+                                },
+                            )
+                            for i in range(8)
+                        )
+                    )
+
+            results = asyncio.run(burst())
+            assert all(r.status_code == 200 for r in results), [r.text for r in results]
+            deadline = time.time() + 30
+            while True:  # replicas push metrics about once a second
+                after = _success_by_replica(url)
+                placed = {rid: after[rid] - before.get(rid, 0) for rid in after}
+                if sum(placed.values()) >= 8:
+                    break
+                assert time.time() < deadline, placed
+                time.sleep(0.5)
+            assert len(placed) == 2 and min(placed.values()) >= 3, placed
+    finally:
+        serve.delete(APP)
