@@ -31,6 +31,9 @@ SHAPES = {  # name: (context before, query tokens) per request
     "512-token prompt": [(0, 512)],
     "2048-token prompt": [(0, 2048)],
     "256-token chunk after 1024 cached": [(1024, 256)],
+    "4096-token prompt": [(0, 4096)],
+    "256-token chunk after 3840 cached": [(3840, 256)],
+    "256-token chunk after 7936 cached": [(7936, 256)],
 }
 
 

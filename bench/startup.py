@@ -11,6 +11,14 @@ moment of the host does not favour one:
     python bench/startup.py --runs 4 --tree prestart=. --tree noprestart=. \
         --env prestart:STEPSERVE_PRESTART_CORE=1
 
+`--decode N` then sends N requests one at a time (64 random token ids, 48 tokens, greedy,
+ignore_eos, streamed) and records each one's median gap between streamed tokens: the served
+decode step at batch 1 of each tree, measured in the same alternation (pass
+`--serve-args="--num-speculative-tokens 0"` for plain steps: drafts deliver tokens in bursts):
+
+    python bench/startup.py --runs 4 --decode 8 --serve-args="--num-speculative-tokens 0" \
+        --tree spawned=. --tree prestart=. --env prestart:STEPSERVE_PRESTART_CORE=1
+
 `--engine-only` times the engine's construction alone, `Engine(EngineConfig(model=default))` in
 a fresh process that has imported torch and the replica's deployment module (what a replica
 has loaded when its constructor runs): the engine's own start, its imports included.
@@ -39,7 +47,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_run(tree: Path, python: str, log: Path, extra_env: dict[str, str]) -> dict:
+def decode_gaps(url: str, n: int, seed: int = 0) -> list[float]:
+    """`n` streamed requests one at a time; each one's median gap between tokens (ms)."""
+    import random
+
+    rng = random.Random(seed)
+    medians = []
+    for _ in range(n):
+        body = {
+            "prompt": [rng.randrange(100, 40000) for _ in range(64)],
+            "max_tokens": 48,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        stamps = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.perf_counter())
+        gaps = [1000 * (b - a) for a, b in zip(stamps[1:], stamps[2:])]  # after the first token
+        medians.append(round(statistics.median(gaps), 2))
+    return medians
+
+
+def one_run(
+    tree: Path,
+    python: str,
+    log: Path,
+    extra_env: dict[str, str],
+    decode: int = 0,
+    serve_args: list[str] = (),
+) -> dict:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     env["PYTHONPATH"] = str(tree)
@@ -47,7 +87,7 @@ def one_run(tree: Path, python: str, log: Path, extra_env: dict[str, str]) -> di
     started = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [python, "-m", "cluster.cli", "serve", "--port", str(port)],
+            [python, "-m", "cluster.cli", "serve", "--port", str(port), *serve_args],
             cwd=tree, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     try:
@@ -65,6 +105,7 @@ def one_run(tree: Path, python: str, log: Path, extra_env: dict[str, str]) -> di
         answered = time.monotonic() - started
         time.sleep(1.5)  # the report line follows the ready line
         text = log.read_text()
+        gaps = decode_gaps(f"http://127.0.0.1:{port}", decode) if decode else []
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -73,6 +114,9 @@ def one_run(tree: Path, python: str, log: Path, extra_env: dict[str, str]) -> di
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     result = {"ready_s": round(ready, 2), "answer_s": round(answered, 2)}
+    if gaps:
+        result["decode_gap_ms"] = statistics.median(gaps)
+        result["decode_gaps_ms"] = gaps
     phases = re.search(r"ready [\d.]+ s after start \(([^)]*)\)", text)
     if phases:
         for part in phases.group(1).split(", "):
@@ -123,6 +167,10 @@ def main() -> int:
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--out", default=None, help="JSON file for the results")
     p.add_argument("--engine-only", action="store_true", help="time Engine() alone")
+    p.add_argument(
+        "--decode", type=int, default=0, help="then N one-at-a-time streams: the token gap"
+    )
+    p.add_argument("--serve-args", default="", help="more `stepserve serve` arguments")
     args = p.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
     envs: dict[str, dict[str, str]] = {name: {} for name in trees}
@@ -137,11 +185,17 @@ def main() -> int:
             if args.engine_only:
                 result = engine_run(tree, args.python)
             else:
-                result = one_run(tree, args.python, Path(f"/tmp/startup-{name}.log"), envs[name])
+                log = Path(f"/tmp/startup-{name}.log")
+                serve_args = args.serve_args.split()
+                result = one_run(tree, args.python, log, envs[name], args.decode, serve_args)
             runs[name].append(result)
             print(name, i, json.dumps(result), flush=True)
     summary = {
-        name: {key: statistics.median(r.get(key, float("nan")) for r in rs) for key in rs[0]}
+        name: {
+            key: statistics.median(r.get(key, float("nan")) for r in rs)
+            for key in rs[0]
+            if key != "decode_gaps_ms"
+        }
         for name, rs in runs.items()
     }
     for name in summary:

@@ -140,6 +140,51 @@ def test_prefill_attention_paths_match_transformers_over_chunks_and_prefix_hits(
     assert run.outputs == expected_outputs(tiny_model_dir, prompts, max_tokens)
 
 
+@pytest.fixture(scope="module")
+def tiny_long_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """The tiny Llama with room for prompts past the native prefill's AVX2 key limit."""
+    from replica.tiny_models import build_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-llama-2k")
+    build_tiny_model(out, tiny_tokenizer_dir, "llama", seed=4, max_position_embeddings=2048)
+    return out
+
+
+@needs_native
+def test_long_prefills_match_transformers_on_either_side_of_the_key_limit(
+    tiny_long_llama_dir, run_generation, cpu_isa_level
+):
+    """Prompts of 1100-1300 tokens, in chunks of 256 and after a cached prefix of 1024, so most
+    of their queries attend more keys than NATIVE_PREFILL_MAX_KEYS: at the AVX-512 levels they
+    take the native kernel (no limit there), at AVX2 torch SDPA; exact either way."""
+    from replica.layers.attention.native_decode import (
+        NATIVE_PREFILL_MAX_KEYS,
+        NO_KEY_LIMIT_LEVELS,
+        VECTOR_PREFILL_LEVELS,
+    )
+
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 512) for _ in range(1024)]
+    prompts = [shared + [rng.randrange(3, 512) for _ in range(n)] for n in (76, 276)]
+    prompts.append([rng.randrange(3, 512) for _ in range(1200)])
+    max_tokens = [5, 4, 6]
+    run = run_generation(
+        tiny_long_llama_dir,
+        prompts,
+        [greedy_params(n) for n in max_tokens],
+        block_size=16,
+        max_num_batched_tokens=256,
+        max_model_len=2048,
+        enable_prefix_caching=True,
+    )
+    assert run.runner.native_prefill == (cpu_isa_level in VECTOR_PREFILL_LEVELS)
+    if run.runner.native_prefill:
+        unlimited = cpu_isa_level in NO_KEY_LIMIT_LEVELS
+        assert run.runner.attn_builder.max_keys == (None if unlimited else NATIVE_PREFILL_MAX_KEYS)
+    assert max(r.num_cached_tokens for r in run.requests[:2]) >= 1024
+    assert run.outputs == expected_outputs(tiny_long_llama_dir, prompts, max_tokens)
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 def test_cpu_weights_are_packed_once_and_the_row_major_copies_released(
     tiny_llama_dir, run_generation

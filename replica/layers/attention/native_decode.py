@@ -83,11 +83,19 @@ def _decode_batch(
     )
 
 
-# A prefill whose queries attend more keys than this runs torch SDPA instead: for long
-# contexts torch's blocked flash-attention kernel is faster (bench/prefill_attention.py on a
-# 2-core AVX2 host: the native kernel 1.54-1.74x faster up to 512 keys, 0.74x at 1280, 0.84x
-# at 2048)
+# At AVX2, a prefill whose queries attend more keys than this runs torch SDPA instead: for long
+# contexts torch's blocked flash-attention kernel is faster (bench/prefill_attention.py, 2
+# threads, fp32, at the avx2 level: 1.7-2.0x faster up to 512 keys, 1.05x at 1280, 0.77-0.79x
+# from 2048 to 8192 keys). The AVX-512 build wins at every length measured (1.27-2.88x up to
+# 8192 keys, on the same host), so it has no limit.
 NATIVE_PREFILL_MAX_KEYS = 1024
+NO_KEY_LIMIT_LEVELS = ("avx512", "avx512_bf16")
+
+
+def native_prefill_max_keys(level: str) -> int | None:
+    """The most keys a prefill's queries may attend to take the native kernel at `level`
+    (None: no limit)."""
+    return None if level in NO_KEY_LIMIT_LEVELS else NATIVE_PREFILL_MAX_KEYS
 
 
 def _prefill_batch(spans: list[int], layout: StepLayout, block_size: int) -> PrefillBatch | None:
@@ -113,9 +121,16 @@ def _prefill_batch(spans: list[int], layout: StepLayout, block_size: int) -> Pre
 
 
 class NativeDecodeMetadataBuilder(AttentionMetadataBuilder):
-    def __init__(self, block_size: int, device: torch.device | str, native_prefill: bool) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device | str,
+        native_prefill: bool,
+        max_keys: int | None = NATIVE_PREFILL_MAX_KEYS,
+    ) -> None:
         super().__init__(block_size, device)
         self.native_prefill = native_prefill
+        self.max_keys = max_keys  # longer prefills run torch SDPA (None: no limit)
 
     def build(
         self, starts: list[int], query_lens: list[int], block_ids: list[list[int]]
@@ -124,10 +139,11 @@ class NativeDecodeMetadataBuilder(AttentionMetadataBuilder):
         layout = step_layout(starts, query_lens, block_ids, block_size)
         batch, torch_only = None, None  # None: every prefill on torch SDPA
         if self.native_prefill:
+            limit = self.max_keys
             native = [
                 i
                 for i, n in enumerate(query_lens)
-                if n > 1 and layout.seq_lens[i] <= NATIVE_PREFILL_MAX_KEYS
+                if n > 1 and (limit is None or layout.seq_lens[i] <= limit)
             ]
             batch = _prefill_batch(native, layout, block_size)
             torch_only = set(range(len(query_lens))) - set(native)  # the long contexts
@@ -195,8 +211,13 @@ class NativeDecodeBackend(AttentionBackend):
 
     @classmethod
     def make_builder(cls, spec: AttentionSpec) -> NativeDecodeMetadataBuilder:
+        from replica.layers.cpu_isa import active_level
+
         return NativeDecodeMetadataBuilder(
-            spec.block_size, spec.device, native_prefill_runs_here(spec)
+            spec.block_size,
+            spec.device,
+            native_prefill_runs_here(spec),
+            native_prefill_max_keys(active_level()),  # the runner builds inside its level
         )
 
 
