@@ -47,11 +47,13 @@ BUCKETS = [(1, 7), (8, 31), (32, 1 << 30)]
 
 
 # -- workload --------------------------------------------------------------------------------
-def make_workload(num_requests: int, vocab_size: int, seed: int = 0) -> dict:
+def make_workload(
+    num_requests: int, vocab_size: int, seed: int = 0, prompt_len: tuple[int, int] = PROMPT_LEN
+) -> dict:
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(PROMPT_LEN[0], PROMPT_LEN[1] + 1, num_requests)
+    prompt_lens = rng.integers(prompt_len[0], prompt_len[1] + 1, num_requests)
     output_lens = np.clip(np.round(rng.exponential(OUTPUT_MEAN, num_requests)), *OUTPUT_CLIP)
     prompts = [rng.integers(0, vocab_size, int(n)).tolist() for n in prompt_lens]
     return {
@@ -446,6 +448,11 @@ def main() -> None:
         help="every request's output length (1: prefill only); default exponential, mean 128",
     )
     parser.add_argument(
+        "--prompt-len",
+        default=f"{PROMPT_LEN[0]},{PROMPT_LEN[1]}",
+        help="MIN,MAX: prompt lengths uniform in [MIN, MAX] (default W1's)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -479,7 +486,8 @@ def main() -> None:
 
     args.model_dir = model_dir(args.model)
     vocab = int(load_hf_config(args.model_dir).vocab_size)
-    workload = make_workload(args.num_requests, vocab)
+    prompt_len = tuple(int(n) for n in args.prompt_len.split(","))
+    workload = make_workload(args.num_requests, vocab, prompt_len=prompt_len)
     if args.output_tokens is not None:
         workload["output_lens"] = [args.output_tokens] * args.num_requests
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -566,7 +574,8 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
         "workload": {
             "model": Path(args.model_dir).name,
             "num_requests": len(lens),
-            "prompt_len": f"uniform integers in [{PROMPT_LEN[0]}, {PROMPT_LEN[1]}], random token ids",
+            "prompt_len": f"uniform integers in [{args.prompt_len.replace(',', ', ')}], "
+            "random token ids",
             "output_len": f"exponential mean {OUTPUT_MEAN}, rounded, clipped to {list(OUTPUT_CLIP)}",
             "sampling": "greedy, ignore_eos",
             "seed": workload["seed"],
