@@ -24,7 +24,7 @@ from replica.hub import get_hub
 from replica.kv_publisher import KVEventPublisher
 from replica.metrics import EngineMetrics
 from replica.request import RequestOutput
-from replica.startup import process_age_s
+from replica.startup import freeze_heap, process_age_s
 
 logger = logging.getLogger("ray.serve")
 
@@ -142,6 +142,7 @@ class LLMServer:
                 start_http_server(int(port), registry=self.metrics.registry)
             except OSError as exc:
                 logger.warning("metrics port %s unavailable (%s); hub only", port, exc)
+        freeze_heap()  # started (again after the front's tokenizer load: ProcessEngine)
         logger.info(
             "replica %s ready: max_model_len=%d, %d KV blocks of %d tokens",
             self.replica_id,

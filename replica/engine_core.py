@@ -57,6 +57,7 @@ from replica.engine import (
     check_request,
 )
 from replica.request import RequestOutput, SamplingParams
+from replica.startup import freeze_heap
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +273,7 @@ def _serve(engine, conn: Connection, kv_events: bool, info: dict) -> None:
     """Tell the front the engine is ready, then step until it leaves; exits the process."""
     try:
         core = EngineCore(engine, conn, kv_events)
+        freeze_heap()  # started: torch, the model, the kernels (replica/startup.py)
         conn.send(("ready", info))
     except (EOFError, OSError):
         os._exit(0)
@@ -521,7 +523,7 @@ class ProcessEngine(StreamingEngine):
         # in _prepare
         from replica.tokenizer import LazyTokenizer
 
-        self._tokenizer = LazyTokenizer(config.model_dir()).preload()
+        self._tokenizer = LazyTokenizer(config.model_dir()).preload(then=freeze_heap)
         self.processor = OutputProcessor(self._tokenizer)
         started = time.perf_counter()
         adopted = self._adopt_core(init)

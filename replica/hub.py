@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from replica.kv_events import KVEventHub
+from replica.startup import freeze_heap
 
 HUB_NAMESPACE = "stepserve"
 
@@ -26,6 +27,7 @@ class ApplicationHub(KVEventHub):
     def __init__(self, keep_batches: int = 1024, forget_after_s: float = 60.0) -> None:
         super().__init__(keep_batches=keep_batches, forget_after_s=forget_after_s)
         self._expositions: dict[str, tuple[float, bytes]] = {}
+        freeze_heap()  # its polls and pushes are not stalled by collections over Ray's import
 
     def push(self, replica_id: str, text: bytes) -> None:
         self._expositions[replica_id] = (time.time(), text)

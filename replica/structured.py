@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from replica.request import StructuredOutput
+from replica.startup import freeze_heap
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +79,8 @@ def preload_later(delay_s: float) -> None:
         try:
             _xgrammar()
         except StructuredOutputError:
-            pass  # the first structured request reports it
+            return  # the first structured request reports it
+        freeze_heap()  # a late import of the serving process (replica/startup.py)
 
     threading.Thread(target=load, name="xgrammar-preload", daemon=True).start()
 

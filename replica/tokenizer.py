@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
@@ -108,15 +109,18 @@ class LazyTokenizer:
 
         return await asyncio.to_thread(self.get)
 
-    def preload(self) -> LazyTokenizer:
+    def preload(self, then: Callable[[], None] | None = None) -> LazyTokenizer:
         """Start loading now, in a thread of its own; `get()` waits for it. A load that fails
-        there is tried again, and its error raised, by the next `get()`."""
+        there is tried again, and its error raised, by the next `get()`; one that succeeds
+        calls `then` (a serving process freezes its heap: replica/startup.py)."""
 
         def load() -> None:
             try:
                 self.get()
             except Exception:  # said by the get() that needs it
-                pass
+                return
+            if then is not None:
+                then()
 
         threading.Thread(target=load, name="tokenizer-load", daemon=True).start()
         return self

@@ -21,6 +21,7 @@ from ray import serve
 from replica.hub import find_hub
 from replica.metrics import merge_expositions
 from replica.request import SamplingParams
+from replica.startup import freeze_heap
 from replica.structured import StructuredOutputError, grammar_engine_loaded
 from replica.structured import check as check_structured
 from replica.structured import preload_later as preload_grammar_engine_later
@@ -81,7 +82,7 @@ class IngressCore:
             # without it; a request that comes first waits for it (tokenizer_loaded). A
             # checkpoint without a usable tokenizer fails the LLM replicas' start, which reads
             # its files, so the application does not deploy.
-            self._loading = LazyTokenizer(model_dir).preload()
+            self._loading = LazyTokenizer(model_dir).preload(then=freeze_heap)
         else:
             self._use_tokenizer(tokenizer)
         self.guard = RequestGuard(settings.http, settings.auth)
@@ -635,6 +636,7 @@ class Ingress:
             self.ingress_id, self.app_name = context.replica_id.unique_id, context.app_name
         except Exception:
             self.ingress_id, self.app_name = "ingress", "default"
+        freeze_heap()  # started: Ray, Serve, FastAPI (again after the tokenizer and xgrammar)
 
     def stats(self) -> dict:
         """Requests this ingress holds now and its routers' view of them (a handle call; used

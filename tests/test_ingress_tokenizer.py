@@ -77,3 +77,37 @@ def test_a_tokenizer_that_fails_to_load_fails_requests_until_it_loads(tiny_llama
 
     asyncio.run(body())
     assert core.tokenizer is not None
+
+
+def test_the_ingress_freezes_its_heap_once_its_tokenizer_has_loaded(tiny_llama_dir, monkeypatch):
+    """The tokenizer's load (transformers' import) is the last of the ingress's start: then its
+    heap is frozen out of the garbage collector's passes (replica/startup.py); not before, and
+    not after a load that failed."""
+    import router.ingress
+
+    frozen = []
+    monkeypatch.setattr(router.ingress, "freeze_heap", lambda: frozen.append(True))
+    release = threading.Event()
+    real_load = replica.tokenizer.load_tokenizer
+    monkeypatch.setattr(
+        replica.tokenizer, "load_tokenizer", lambda d: release.wait(60) and real_load(d)
+    )
+    core = _core(tiny_llama_dir)
+    assert not frozen  # still loading
+    release.set()
+    asyncio.run(asyncio.wait_for(core.tokenizer_loaded(), 60))
+    deadline = threading.Event()
+    for _ in range(100):  # the load's thread calls it right after the load
+        if frozen:
+            break
+        deadline.wait(0.05)
+    assert frozen == [True]
+
+    def fail(model_dir):
+        raise OSError("no tokenizer files")
+
+    frozen.clear()
+    monkeypatch.setattr(replica.tokenizer, "load_tokenizer", fail)
+    _core(tiny_llama_dir)
+    deadline.wait(0.5)
+    assert not frozen
