@@ -216,7 +216,7 @@ class InflightLoad:
         prefill rate."""
         with self._lock:
             ids = set(self._counts) | set(self._chosen_counts)
-            replicas = {rid: self.requests(rid) for rid in ids if self.requests(rid)}
+            replicas = {rid: n for rid in ids if (n := self.requests(rid))}
         prefill = self.prefill_by_replica(now)
         return {
             "prefill_rate": self.prefill_rate,

@@ -50,6 +50,13 @@ def _config(model_dir, port: int) -> ClusterConfig:
     )
 
 
+def _fixed_config(model_dir, port: int, replicas: int = 1) -> ClusterConfig:
+    """`_config` without autoscaling: a fixed count of `replicas`."""
+    config = _config(model_dir, port)
+    autoscaling = config.autoscaling.model_copy(update={"enabled": False})
+    return config.model_copy(update={"autoscaling": autoscaling, "replicas": replicas})
+
+
 def _by_replica(url: str, sample_name: str) -> dict[str, float]:
     """One metric from /metrics summed per replica label."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -149,10 +156,7 @@ def test_router_counts_prefill_until_the_ingress_sees_the_first_token(serving, t
     end: Ray's own completion hook fires as the replica accepts a stream, which used to take
     every stream off the router's tally at once (the mid-stream count below was 0)."""
     port, url = serving
-    config = _config(tiny_llama_dir, port)
-    config = config.model_copy(
-        update={"autoscaling": config.autoscaling.model_copy(update={"enabled": False})}
-    )
+    config = _fixed_config(tiny_llama_dir, port)
     prompt = [11] * 24
     serve.run(build_app(config), name=APP, route_prefix="/")
     try:
@@ -191,10 +195,7 @@ def test_a_burst_is_spread_over_the_replicas(serving, tiny_llama_dir):
     (InflightLoad.chosen); otherwise each decision sees the same numbers (a random split at
     best, all eight on one replica when one report differs)."""
     port, url = serving
-    config = _config(tiny_llama_dir, port).model_copy(update={"replicas": 2})
-    config = config.model_copy(
-        update={"autoscaling": config.autoscaling.model_copy(update={"enabled": False})}
-    )
+    config = _fixed_config(tiny_llama_dir, port, replicas=2)
     serve.run(build_app(config), name=APP, route_prefix="/")
     try:
         deadline = time.time() + 120
