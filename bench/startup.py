@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,11 +39,8 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cluster.cli import free_port  # noqa: E402
 
 
 def decode_gaps(url: str, n: int, seed: int = 0) -> list[float]:

@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -178,8 +179,34 @@ BUSY_HOST_RAY_ENV = {
 _HAPROXY_PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
+# Ports handed out for listeners Ray starts later. Not the kernel's ephemeral range: the port
+# the kernel gives `bind(host, 0)` is one it may give next to any of Ray's own processes (their
+# gRPC servers, their outgoing connections) before the listener binds it. Not Ray's worker
+# ports (10002-19999) nor Serve's direct-ingress ports (30000-31000, gRPC 40000-41000) either.
+_LISTEN_PORTS = (20000, 30000)
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on at `host` now."""
+    """A TCP port nothing listens on at `host` now, chosen where no process is given one by
+    the kernel in the meantime (see _LISTEN_PORTS); any free port if that range is all taken."""
+    low, high = _LISTEN_PORTS
+    eph_low, eph_high = _ephemeral_ports()
+    candidates = [p for p in range(low, high) if not eph_low <= p <= eph_high]
+    for port in random.sample(candidates, min(len(candidates), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -257,3 +257,27 @@ def test_no_prestarted_core_where_no_replica_would_adopt_it(argv, env, monkeypat
     assert cli.prestart_core(parse()) is not None  # asked for, with a replica to adopt it
     assert len(started) == 1
     cli._prestarted.clear()
+
+
+def test_free_ports_are_outside_the_kernels_ephemeral_range(monkeypatch):
+    """A port the kernel hands to `bind(0)` or an outgoing connection may go to one of Ray's
+    processes before Serve's proxy binds it (CI once failed on 'Failed to bind to address'):
+    free_port picks where the kernel does not, and skips a port a listener holds."""
+    import socket
+
+    from cluster import cli
+
+    low, high = cli._ephemeral_ports()
+    ports = {cli.free_port() for _ in range(20)}
+    assert all(cli._LISTEN_PORTS[0] <= p < cli._LISTEN_PORTS[1] for p in ports), ports
+    assert not any(low <= p <= high for p in ports)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(cli, "_ephemeral_ports", lambda: (1, 2))
+        monkeypatch.setattr(cli, "_LISTEN_PORTS", (taken, taken + 1))
+        other = cli.free_port()  # the only candidate is held: any free port instead
+        assert other != taken
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", other))
