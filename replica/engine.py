@@ -22,6 +22,7 @@ from replica.detokenizer import IncrementalDetokenizer
 from replica.request import (
     EngineDeadError,
     EngineOverloaded,
+    GrammarRejected,
     Request,
     RequestOutput,
     RequestRejected,
@@ -279,7 +280,7 @@ class Engine:
         try:
             return self.structured.compile(params.structured)
         except StructuredOutputError as exc:
-            raise RequestRejected(str(exc)) from None
+            raise GrammarRejected(str(exc)) from None
 
     def add_request(
         self,

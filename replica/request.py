@@ -12,6 +12,12 @@ class RequestRejected(ValueError):
     """The request can never be served with this configuration (a user error: HTTP 400)."""
 
 
+class GrammarRejected(RequestRejected):
+    """A structured-output constraint that cannot become a grammar (HTTP 400 naming the
+    request's constraint field). Replicas compile grammars; the ingress does not import the
+    grammar engine, and learns a spec's error from the replica that rejected it."""
+
+
 class EngineOverloaded(RuntimeError):
     """The replica's queue is full or it is draining; retry later (HTTP 429)."""
 

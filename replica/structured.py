@@ -18,13 +18,11 @@ import json
 import logging
 import re
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from replica.request import StructuredOutput
-from replica.startup import freeze_heap
 
 if TYPE_CHECKING:
     import torch
@@ -65,24 +63,8 @@ def _xgrammar():
 
 
 def grammar_engine_loaded() -> bool:
-    """Whether this process has imported the grammar engine (preload_later's, or a request's)."""
+    """Whether this process has imported the grammar engine (a request's first compile)."""
     return _LOADED.is_set()
-
-
-def preload_later(delay_s: float) -> None:
-    """Import xgrammar (and torch, which it imports: ~4 s of CPU) in a daemon thread after
-    `delay_s`, so the ingress starts without it (on a small host, while the LLM replicas load)
-    and a structured request after that finds it loaded; one before waits for the import."""
-
-    def load() -> None:
-        time.sleep(delay_s)
-        try:
-            _xgrammar()
-        except StructuredOutputError:
-            return  # the first structured request reports it
-        freeze_heap()  # a late import of the serving process (replica/startup.py)
-
-    threading.Thread(target=load, name="xgrammar-preload", daemon=True).start()
 
 
 def _clean(exc: BaseException) -> str:
@@ -202,7 +184,7 @@ def build_grammar(spec: StructuredOutput):
 
 
 def check(spec: StructuredOutput) -> None:
-    """Raise StructuredOutputError if the spec cannot become a grammar (the ingress's check)."""
+    """Raise StructuredOutputError if the spec cannot become a grammar."""
     build_grammar(spec)
 
 

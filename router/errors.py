@@ -38,7 +38,7 @@ def invalid_request(errors) -> HTTPError:
     return HTTPError(400, detail["message"], detail["type"], detail["param"])
 
 
-def _root_cause(exc: BaseException) -> BaseException:
+def root_cause(exc: BaseException) -> BaseException:
     cause = getattr(exc, "cause", None)  # RayTaskError keeps the replica's exception here
     return cause if isinstance(cause, BaseException) else exc
 
@@ -68,18 +68,18 @@ def replica_full(exc: BaseException) -> bool:
     """Whether a replica refused a call because its queue was full or it was draining
     (EngineOverloaded): momentary, and another replica, or the same one a step later, may
     take it."""
-    return isinstance(_root_cause(exc), EngineOverloaded)
+    return isinstance(root_cause(exc), EngineOverloaded)
 
 
 def replica_lost(exc: BaseException) -> bool:
     """Whether a replica call failed because its replica actor is gone (not because of the
     request): retried on another replica while nothing of it reached the client."""
-    return type(_root_cause(exc)).__name__ in REPLICA_LOST
+    return type(root_cause(exc)).__name__ in REPLICA_LOST
 
 
 def classify_error(exc: BaseException) -> HTTPError:
     """Map what a replica (or Ray) raised to the HTTP error a client should see."""
-    exc = _root_cause(exc)
+    exc = root_cause(exc)
     name = type(exc).__name__
     if isinstance(exc, HTTPError):
         return exc

@@ -20,11 +20,9 @@ from ray import serve
 
 from replica.hub import find_hub
 from replica.metrics import merge_expositions
-from replica.request import SamplingParams
+from replica.request import GrammarRejected, SamplingParams
 from replica.startup import freeze_heap
-from replica.structured import StructuredOutputError, grammar_engine_loaded
-from replica.structured import check as check_structured
-from replica.structured import preload_later as preload_grammar_engine_later
+from replica.structured import grammar_engine_loaded
 from router.admission import Admission
 from router.dialects import (
     ChatDialect,
@@ -35,7 +33,14 @@ from router.dialects import (
     token_logprobs,
     without_generated,
 )
-from router.errors import HTTPError, bad_request, classify_error, guarded, invalid_request
+from router.errors import (
+    HTTPError,
+    bad_request,
+    classify_error,
+    guarded,
+    invalid_request,
+    root_cause,
+)
 from router.fanout import Job, ReplicaCalls
 from router.guard import RequestGuard
 from router.inflight import inflight_state, replica_readiness
@@ -91,7 +96,7 @@ class IngressCore:
         self._info: dict | None = None
         self._info_lock = asyncio.Lock()
         self._warned_fields: set[str] = set()
-        self._checked_specs: dict = {}  # structured-output spec -> its error message or None
+        self._rejected_specs: dict = {}  # structured-output spec -> a replica's error for it
 
     def _use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -151,23 +156,22 @@ class IngressCore:
             )
 
     def check_structured(self, params: SamplingParams, req) -> None:
-        """400 now, before routing, for a constraint that cannot compile (cached by spec)."""
+        """400 now, before routing, for a constraint a replica already could not compile.
+        The ingress does not import the grammar engine (xgrammar and torch: ~1.6 s of CPU
+        that holds the GIL, a stall for every request passing through): replicas compile,
+        and a spec's error is learnt from the first replica that rejects it."""
         spec = params.structured
-        if spec is None:
-            return
-        if spec not in self._checked_specs:
-            try:
-                check_structured(spec)
-                error = None
-            except StructuredOutputError as exc:
-                error = str(exc)
-            if len(self._checked_specs) > 1024:
-                self._checked_specs.clear()
-            self._checked_specs[spec] = error
-        error = self._checked_specs[spec]
-        if error is not None:
-            param = "tools" if spec.kind == "tool_calls" else _constraint_field(req)
-            raise bad_request(error, param=param)
+        if spec is not None and spec in self._rejected_specs:
+            raise self.grammar_error(spec, self._rejected_specs[spec], req)
+
+    def grammar_error(self, spec, message: str, req) -> HTTPError:
+        """The 400 for a constraint that cannot compile, naming the request's field; the spec
+        is remembered (up to 1024 of them) so its next request is refused before routing."""
+        if spec not in self._rejected_specs and len(self._rejected_specs) >= 1024:
+            self._rejected_specs.clear()
+        self._rejected_specs[spec] = message
+        param = "tools" if spec.kind == "tool_calls" else _constraint_field(req)
+        return bad_request(message, param=param)
 
     async def sampling_for(self, req, prompt_ids: list[int]) -> SamplingParams:
         info = await self.model_info()
@@ -468,27 +472,38 @@ class IngressCore:
             self.admission.enter(ticket.key, req.priority)
             echo = None if chat else self.echoes(req, prompts)
             dialect = self.dialects[chat]
-            if req.stream:
-                events = self.stream(jobs, dialect, req, ticket, echo)
-                owns_slot = False  # the stream frees it, however it ends
-                # The first item comes within a second (an event, or a keep-alive while
-                # queued), so a quick refusal by a replica is still a real 429 (or 503).
-                # Once started, the stream's cleanup runs even if the response is never
-                # iterated (the event loop finalizes started async generators).
-                first = await anext(events)
-                headers = {"Cache-Control": "no-cache"}
-                if expected_wait is not None:  # what admission expected for the first token
-                    headers[EXPECTED_WAIT_HEADER] = f"{expected_wait:.2f}"
-                return StreamingResponse(
-                    _prepend(first, events), media_type="text/event-stream", headers=headers
-                )
-            result = await self.aggregate(jobs, dialect, req, ticket, echo)
-            return JSONResponse(result.model_dump(exclude_none=False))
+            owns_slot = not req.stream  # a stream frees its slot, however it ends
+            try:
+                return await self.answer(jobs, dialect, req, ticket, echo, expected_wait)
+            except Exception as exc:
+                cause = root_cause(exc)
+                if isinstance(cause, GrammarRejected):  # a replica could not compile it
+                    raise self.grammar_error(jobs[0][2].structured, str(cause), req) from None
+                raise
         finally:
             if owns_slot:
                 if ticket is not None:
                     self.admission.leave(ticket.key)
                 slot.release()
+
+    async def answer(self, jobs, dialect, req, ticket, echo, expected_wait) -> Response:
+        """The SSE stream or the aggregated answer of an admitted request. A stream owns the
+        request's slot from its start, however it ends."""
+        if req.stream:
+            events = self.stream(jobs, dialect, req, ticket, echo)
+            # The first item comes within a second (an event, or a keep-alive while queued),
+            # so a quick refusal by a replica is still a real 429 (or 503, or 400). Once
+            # started, the stream's cleanup runs even if the response is never iterated (the
+            # event loop finalizes started async generators).
+            first = await anext(events)
+            headers = {"Cache-Control": "no-cache"}
+            if expected_wait is not None:  # what admission expected for the first token
+                headers[EXPECTED_WAIT_HEADER] = f"{expected_wait:.2f}"
+            return StreamingResponse(
+                _prepend(first, events), media_type="text/event-stream", headers=headers
+            )
+        result = await self.aggregate(jobs, dialect, req, ticket, echo)
+        return JSONResponse(result.model_dump(exclude_none=False))
 
 
 class Ticket:
@@ -619,24 +634,18 @@ def retries_exposition(ingress_id: str, retries: int) -> bytes:
     ).encode()
 
 
-# the grammar engine (xgrammar, and torch with it) is imported this long after the ingress
-# starts: not while the LLM replicas load on the same cores (a fresh `stepserve serve`)
-GRAMMAR_PRELOAD_DELAY_S = 20.0
-
-
 @serve.ingress(fastapi_app)
 class Ingress:
     """The ingress replica: FastAPI routes over one IngressCore."""
 
     def __init__(self, llm_handle, settings: IngressSettings) -> None:
         self.core = IngressCore(llm_handle, settings)
-        preload_grammar_engine_later(GRAMMAR_PRELOAD_DELAY_S)
         try:
             context = serve.get_replica_context()
             self.ingress_id, self.app_name = context.replica_id.unique_id, context.app_name
         except Exception:
             self.ingress_id, self.app_name = "ingress", "default"
-        freeze_heap()  # started: Ray, Serve, FastAPI (again after the tokenizer and xgrammar)
+        freeze_heap()  # started: Ray, Serve, FastAPI (again after the tokenizer's load)
 
     def stats(self) -> dict:
         """Requests this ingress holds now and its routers' view of them (a handle call; used
@@ -648,6 +657,7 @@ class Ingress:
             "kv_routing": kv_routing_state(),
             "replica_retries": self.core.calls.retries,
             "grammar_engine_loaded": grammar_engine_loaded(),
+            "rejected_specs": len(self.core._rejected_specs),
         }
 
     def kv_index(self) -> list[dict]:

@@ -170,6 +170,11 @@ def test_json_object_and_vllm_constraints_on_both_endpoints(client):
 
 
 def test_constraints_that_cannot_compile_are_400s_naming_the_problem(client):
+    """A replica compiles the constraint and rejects it; the ingress answers 400 naming the
+    request's field, streamed or not, remembers the spec (its next request is refused before
+    routing) and never imports the grammar engine itself."""
+    ingress = serve.get_deployment_handle("Ingress", app_name=APP)
+    remembered = ingress.stats.remote().result(timeout_s=30)["rejected_specs"]
     bad = [
         (
             {
@@ -193,13 +198,19 @@ def test_constraints_that_cannot_compile_are_400s_naming_the_problem(client):
             None,
         ),
     ]
-    for kwargs, needle, param in bad:
-        with pytest.raises(openai.BadRequestError) as info:
-            chat(client, max_tokens=5, **kwargs)
-        error = info.value.body
-        assert needle in error["message"], error
-        if param:
-            assert error["param"] == param
+    for i, (kwargs, needle, param) in enumerate(bad):
+        # the first call reaches a replica (streamed for every other case); the second is
+        # refused from the ingress's memory
+        for stream in (True, False) if i % 2 == 0 else (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                chat(client, max_tokens=5, stream=stream, **kwargs)
+            error = info.value.body
+            assert needle in error["message"], error
+            if param:
+                assert error["param"] == param
+    stats = ingress.stats.remote().result(timeout_s=30)
+    assert stats["rejected_specs"] == remembered + 3  # the three that reached a replica
+    assert not stats["grammar_engine_loaded"]
 
 
 # -- tools --------------------------------------------------------------------------------------
