@@ -4,8 +4,9 @@ request that yields the step's allowed-token bitmask and is fed every sampled to
 
 Only constrained requests pay: the runner fills bitmask rows for the requests that hold a
 `GrammarState` and the sampler masks those rows alone. Compiled grammars are cached by spec
-(xgrammar's compiler caches them per spec text too); the ingress builds the same grammar
-without a tokenizer (`check`) so a spec that cannot compile is a 400 before it is routed.
+(xgrammar's compiler caches them per spec text too). A spec that cannot compile is rejected by
+the replica (GrammarRejected, a 400 the ingress names and remembers); the ingress does not
+import xgrammar.
 
 JSON is generated compactly (no free whitespace between tokens: small models given free
 whitespace can loop on it until max_tokens); tool calls use the Hermes layout
