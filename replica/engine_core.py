@@ -126,6 +126,8 @@ class EngineCore:
         self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._compiling: set[str] = set()  # requests whose grammar is being compiled
         self._compiled: deque = deque()  # ... and those whose grammar is ready
+        self._grammar_engine_tried = False  # imported once the core has idled a heartbeat
+        self._busy_at = time.monotonic()  # when the core last had a request
 
     def send(self, message: tuple) -> None:
         with self._send_lock:
@@ -151,6 +153,12 @@ class EngineCore:
                         return
                     if not conn.poll(0):
                         break
+            if engine.has_unfinished() or self._compiling:  # a request just added counts
+                self._busy_at = time.monotonic()
+            elif not self._grammar_engine_tried and (
+                time.monotonic() - self._busy_at >= IDLE_HEARTBEAT_S
+            ):
+                self._load_grammar_engine()
             while self._compiled:
                 self._add(*self._compiled.popleft())
             if not engine.has_unfinished():
@@ -190,6 +198,20 @@ class EngineCore:
             return False
         return True
 
+    def _load_grammar_engine(self) -> None:
+        """Import xgrammar and build its compiler's view of the vocabulary (with torch loaded,
+        ~0.5-0.6 s that holds the GIL) once the core has idled a heartbeat, not at the first
+        constrained request, whose compile thread would pause every request running beside
+        it. A request that arrives meanwhile waits for it, once."""
+
+        self._grammar_engine_tried = True
+        try:
+            self.engine.structured.prepare()
+        except Exception as exc:  # a constrained request reports it
+            logger.warning("grammar engine not loaded: %s", exc)
+            return
+        freeze_heap()  # a late import of the serving process (replica/startup.py)
+
     def _compile(self, rid, ids, params, arrival, priority) -> None:
         try:
             compiled = self.engine.compile_grammar(params)
@@ -220,6 +242,8 @@ class EngineCore:
             return None
         if op == "kv_snapshot":
             return self.sealer.log.snapshot() if self.sealer else None
+        if op == "grammar_compiler_ready":
+            return self.engine.structured.prepared
         if op == "kv_stats":
             return self.sealer.stats() if self.sealer else {}
         raise ValueError(f"unknown engine core call {op!r}")

@@ -22,6 +22,7 @@ from replica.engine import AsyncEngine, Engine
 from replica.engine_core import ProcessEngine, decode_output, encode_outputs
 from replica.request import (
     EngineDeadError,
+    GrammarRejected,
     RequestOutput,
     RequestRejected,
     SamplingParams,
@@ -171,7 +172,7 @@ def test_abort_errors_and_calls_cross_the_process(tiny_llama_dir):
                 await collect(engine.generate([1] * 200, SamplingParams(max_tokens=100)))
             # a grammar the core cannot compile: its error reaches the stream
             bad = SamplingParams(max_tokens=5, structured=StructuredOutput("regex", "(unclosed"))
-            with pytest.raises(RequestRejected):
+            with pytest.raises(GrammarRejected, match="cannot compile the regex"):
                 await collect(engine.generate([1, 2, 3], bad))
             # leaving a stream early aborts the request in the core and frees its blocks
             stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=120, ignore_eos=True))
@@ -190,6 +191,24 @@ def test_abort_errors_and_calls_cross_the_process(tiny_llama_dir):
         finally:
             engine.shutdown()
         assert engine._proc.poll() is not None
+
+    in_loop(body)
+
+
+def test_an_idle_core_loads_the_grammar_engine_before_a_constrained_request(tiny_llama_dir):
+    """The core imports xgrammar and builds its compiler once it has been idle for a
+    heartbeat, so the first constrained request does not pause the requests running beside
+    it with that work."""
+
+    async def body():
+        engine = ProcessEngine(config(tiny_llama_dir))
+        try:
+            deadline = time.monotonic() + 30
+            while not engine.call("grammar_compiler_ready").result(10):
+                assert time.monotonic() < deadline, "the idle core never loaded xgrammar"
+                await asyncio.sleep(0.2)
+        finally:
+            engine.shutdown()
 
     in_loop(body)
 
