@@ -277,7 +277,7 @@ class StructuredOutputs:
 
 def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
     """The packed allowed-token bitmask [len(states), ceil(V/32)] int32 of the given matchers."""
-    import torch  # here, not at the top: the ingress checks grammars without torch
+    import torch  # here, not at the top: the ingress imports this module without torch
 
     bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for row, state in enumerate(states):
