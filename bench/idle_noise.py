@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.serving_vs_peer import stop, wait_healthy  # noqa: E402
 from cluster.cli import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -138,29 +139,14 @@ def start_server(env_overrides: dict[str, str], log: Path) -> tuple[subprocess.P
         [str(ROOT / ".venv/bin/stepserve"), "serve", "--port", str(port)],
         env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    import httpx
-
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"stepserve serve exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"stepserve serve not ready in 180 s; see {log}")
+    wait_healthy(url, proc, 180, log)
+    return proc, url
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    """The server's process group stopped (serving_vs_peer's `stop`), then any Ray left."""
+    stop(proc)
     subprocess.run([str(ROOT / ".venv/bin/ray"), "stop", "--force"], capture_output=True)
     time.sleep(2)
 

@@ -153,12 +153,11 @@ class EngineCore:
                         return
                     if not conn.poll(0):
                         break
-            if engine.has_unfinished() or self._compiling:  # a request just added counts
-                self._busy_at = time.monotonic()
-            elif not self._grammar_engine_tried and (
-                time.monotonic() - self._busy_at >= IDLE_HEARTBEAT_S
-            ):
-                self._load_grammar_engine()
+            if not self._grammar_engine_tried:  # until then, no work in the step loop
+                if engine.has_unfinished() or self._compiling:  # a request just added counts
+                    self._busy_at = time.monotonic()
+                elif time.monotonic() - self._busy_at >= IDLE_HEARTBEAT_S:
+                    self._load_grammar_engine()
             while self._compiled:
                 self._add(*self._compiled.popleft())
             if not engine.has_unfinished():
@@ -203,7 +202,6 @@ class EngineCore:
         ~0.5-0.6 s that holds the GIL) once the core has idled a heartbeat, not at the first
         constrained request, whose compile thread would pause every request running beside
         it. A request that arrives meanwhile waits for it, once."""
-
         self._grammar_engine_tried = True
         try:
             self.engine.structured.prepare()

@@ -164,6 +164,10 @@ class IngressCore:
         if spec is not None and spec in self._rejected_specs:
             raise self.grammar_error(spec, self._rejected_specs[spec], req)
 
+    @property
+    def num_rejected_specs(self) -> int:
+        return len(self._rejected_specs)
+
     def grammar_error(self, spec, message: str, req) -> HTTPError:
         """The 400 for a constraint that cannot compile, naming the request's field; the spec
         is remembered (up to 1024 of them) so its next request is refused before routing."""
@@ -657,7 +661,7 @@ class Ingress:
             "kv_routing": kv_routing_state(),
             "replica_retries": self.core.calls.retries,
             "grammar_engine_loaded": grammar_engine_loaded(),
-            "rejected_specs": len(self.core._rejected_specs),
+            "rejected_specs": self.core.num_rejected_specs,
         }
 
     def kv_index(self) -> list[dict]:
