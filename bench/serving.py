@@ -478,8 +478,19 @@ def _pair(text: str) -> tuple[int, int]:
     return a, b
 
 
-def build_dataset(args: argparse.Namespace) -> list[RequestSpec]:
-    rng = random.Random(args.seed)
+# A sweep's i-th rate draws its prompts with seed + i * SWEEP_SEED_STRIDE, so no rate replays
+# another's prompts (a server with a prefix cache would find them cached and answer the later
+# rates' first tokens from it); --same-prompts keeps one set for every rate.
+SWEEP_SEED_STRIDE = 7919
+
+
+def sweep_seed(seed: int, index: int, same_prompts: bool = False) -> int:
+    """The seed of a sweep's `index`-th rate: its prompts and its arrival times."""
+    return seed if same_prompts else seed + index * SWEEP_SEED_STRIDE
+
+
+def build_dataset(args: argparse.Namespace, seed: int | None = None) -> list[RequestSpec]:
+    rng = random.Random(args.seed if seed is None else seed)
     tr = _pair(args.token_id_range)
     n = args.num_prompts
     if args.dataset == "random":
@@ -526,6 +537,12 @@ def main() -> None:
     p.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
     p.add_argument("--label", default="server", help="name of the system under test")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="send the same prompts at every rate of a sweep (by default each rate draws its "
+        "own, so a prefix cache cannot answer a later rate from an earlier one's prompts)",
+    )
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--result-file", help="write the results as JSON here")
     p.add_argument("--save-detailed", action="store_true", help="per-request columns in the JSON")
@@ -537,10 +554,11 @@ def main() -> None:
     slos = parse_slos(args.goodput)
     percentiles = [float(x) for x in args.percentiles.split(",")]
     rates = [float(x) for x in args.request_rate.split(",")]
-    specs = build_dataset(args)
     model = args.model or asyncio.run(fetch_model(args.base_url))
     runs = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
+        seed = sweep_seed(args.seed, i, args.same_prompts)
+        specs = build_dataset(args, seed)
         cfg = LoadConfig(
             base_url=args.base_url,
             endpoint=args.endpoint,
@@ -548,7 +566,7 @@ def main() -> None:
             request_rate=rate,
             burstiness=args.burstiness,
             max_concurrency=args.max_concurrency,
-            seed=args.seed,
+            seed=seed,
             timeout_s=args.timeout_s,
             extra_body=json.loads(args.extra_body),
             tokenizer=args.tokenizer,
@@ -556,7 +574,7 @@ def main() -> None:
         results, duration = asyncio.run(run_load(cfg, specs))
         summary = summarize(results, duration, slos, percentiles)
         print_summary(f"{args.label} @ {rate:g} req/s ({args.dataset}, {args.endpoint})", summary)
-        run = {"request_rate": rate, **summary}
+        run = {"request_rate": rate, "seed": seed, **summary}
         if args.save_detailed:
             run["requests"] = per_request(results)
         runs.append(run)

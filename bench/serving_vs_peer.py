@@ -1,8 +1,9 @@
 """Whole serving stacks side by side: `stepserve serve` and vLLM's OpenAI server (CPU build, its
 own virtual environment) on the same model, dtype and cores, each started in turn on
 127.0.0.1, warmed up, swept over request rates with bench/serving.py (the same requests at the
-same arrival times for every system) and stopped before the next one starts. With
-`--rounds N` the order rotates each round and every figure is the median over rounds.
+same arrival times for every system; each rate its own prompts, none of them the warm-up's)
+and stopped before the next one starts. With `--rounds N` the order rotates each round and
+every figure is the median over rounds.
 
 What a user choosing a stack sees: HTTP in, SSE out, tokenization, scheduling and the model,
 measured by one client. Writes bench/results/<out>.json and <out>_latency_vs_rate.png.
@@ -33,6 +34,9 @@ from bench.serving import machine_info  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+# The warm-up's prompts come from a seed no sweep rate uses (bench/serving.py draws rate i's
+# from seed + i * 7919, seed 0 by default), so the prefix cache holds none of the measured ones.
+WARMUP_SEED = 999_983
 
 
 def tree_of(system: str, args) -> str | None:
@@ -252,6 +256,7 @@ def main() -> None:
                     wait_healthy(base, proc, args.startup_timeout_s, log)
                     startup_s = time.time() - started
                     warm = ["--dataset", args.dataset, "--num-prompts", str(args.warmup_prompts)]
+                    warm += ["--seed", str(WARMUP_SEED)]  # prompts the sweep never sends
                     run_serving(base, f"{system} warm-up", [*warm, "--request-rate", "inf"], None)
                     result = Path(tmp) / f"{system}-{r}.json"
                     data = run_serving(
