@@ -489,8 +489,8 @@ def sweep_seed(seed: int, index: int, same_prompts: bool = False) -> int:
     return seed if same_prompts else seed + index * SWEEP_SEED_STRIDE
 
 
-def build_dataset(args: argparse.Namespace, seed: int | None = None) -> list[RequestSpec]:
-    rng = random.Random(args.seed if seed is None else seed)
+def build_dataset(args: argparse.Namespace, seed: int) -> list[RequestSpec]:
+    rng = random.Random(seed)
     tr = _pair(args.token_id_range)
     n = args.num_prompts
     if args.dataset == "random":

@@ -34,8 +34,9 @@ from bench.serving import machine_info  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
-# The warm-up's prompts come from a seed no sweep rate uses (bench/serving.py draws rate i's
-# from seed + i * 7919, seed 0 by default), so the prefix cache holds none of the measured ones.
+# The warm-up's prompts come from a seed no sweep rate uses (bench/serving.py's sweep_seed: rate
+# i's from seed + i * SWEEP_SEED_STRIDE, seed 0 by default), so the prefix cache holds none of the
+# measured ones.
 WARMUP_SEED = 999_983
 
 
