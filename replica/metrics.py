@@ -22,6 +22,10 @@ _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
 )  # fmt: skip
+_STEP_BUCKETS = (
+    0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.3, 0.5,
+    1.0, 2.5,
+)  # fmt: skip
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _COUNT_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
 
@@ -87,10 +91,21 @@ class EngineMetrics:
         self.queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS
         )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "First scheduled to first token: the prompt's compute, queue time excluded.",
+            _LATENCY_BUCKETS,
+        )
+        self.step_duration = histogram(
+            "engine_step_duration_seconds",
+            "One engine step: schedule, model, sample (where the engine runs).",
+            _STEP_BUCKETS,
+        )
         self.iteration_tokens = histogram(
             "iteration_tokens", "Tokens scheduled per engine step.", _TOKEN_BUCKETS
         )
         self._arrival: dict[str, float] = {}
+        self._scheduled: dict[str, float] = {}  # first scheduled, until the first token
         self._last_token: dict[str, float] = {}
         # counters fed from the scheduler's running totals: (counter, SchedulerStats field)
         self._totals = (
@@ -119,11 +134,15 @@ class EngineMetrics:
         now = report.end
         for rid in report.finished_request_ids:  # aborted or ended last step
             self._arrival.pop(rid, None)
+            self._scheduled.pop(rid, None)
             self._last_token.pop(rid, None)
         self.iteration_tokens.observe(report.num_scheduled_tokens)
+        if report.num_scheduled_tokens:
+            self.step_duration.observe(report.step_time)
         started = now - report.step_time  # the step (and its schedule) began here
         for rid, arrival in report.first_scheduled:
             self._arrival[rid] = arrival
+            self._scheduled[rid] = started
             self.queue_time.observe(max(0.0, started - arrival))
         for out in outputs:
             rid = out.request_id
@@ -132,6 +151,9 @@ class EngineMetrics:
             arrival = self._arrival.get(rid, now)
             if last is None:
                 self.ttft.observe(now - arrival)
+                scheduled = self._scheduled.pop(rid, None)
+                if scheduled is not None:
+                    self.prefill_time.observe(now - scheduled)
                 self.prompt_tokens.inc(out.num_prompt_tokens)
             elif n:
                 gap = (now - last) / n
@@ -144,6 +166,7 @@ class EngineMetrics:
                 self.request_success(out.finish_reason).inc()
                 self.request_num_preemptions.observe(out.num_preemptions)
                 self._arrival.pop(rid, None)
+                self._scheduled.pop(rid, None)
                 self._last_token.pop(rid, None)
         self.update_gauges(report.stats)
 

@@ -113,3 +113,41 @@ def test_queue_time_ends_when_the_first_step_starts_and_ttft_when_it_ends(tiny_l
     queue, ttft = total("request_queue_time_seconds"), total("time_to_first_token_seconds")
     assert waited <= queue < ttft
     assert abs((ttft - queue) - steps[0]) < 0.005  # the first step's own duration
+
+
+def test_prefill_time_is_the_first_step_and_step_duration_counts_every_step(tiny_llama_dir):
+    """request_prefill_time (vLLM's name): first scheduled to first token, the queue left out;
+    engine_step_duration: one sample per step that scheduled tokens, summing their times. A
+    served engine's step times beside the client's TTFT say how much of it is the engine."""
+    import time
+
+    from replica.config import EngineConfig
+    from replica.engine import Engine
+    from replica.request import SamplingParams
+
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_llama_dir), device="cpu", block_size=4, num_kv_blocks=32,
+            num_speculative_tokens=0,
+        )
+    )  # fmt: skip
+    metrics = EngineMetrics(engine, "m", "r0")
+    steps: list[float] = []
+    engine.step_listeners.append(lambda _e, _s, _o, elapsed: steps.append(elapsed))
+    engine.add_request(
+        "q", [5, 6, 7, 8], SamplingParams(max_tokens=3), arrival_time=time.monotonic() - 0.3
+    )
+    while engine.has_unfinished():
+        engine.step()
+    engine.shutdown()
+    labels = {"model_name": "m", "replica": "r0"}
+
+    def sample(name: str, suffix: str) -> float:
+        return metrics.registry.get_sample_value(f"stepserve:{name}_{suffix}", labels)
+
+    assert sample("request_prefill_time_seconds", "count") == 1
+    prefill = sample("request_prefill_time_seconds", "sum")
+    assert abs(prefill - steps[0]) < 0.005 and prefill < 0.3  # no queue time in it
+    assert sample("engine_step_duration_seconds", "count") == len(steps) == 3
+    assert abs(sample("engine_step_duration_seconds", "sum") - sum(steps)) < 1e-6
+    assert metrics._scheduled == {}  # nothing kept after the request ended
