@@ -133,9 +133,7 @@ class EngineMetrics:
         applied: where the engine runs, or in the front of an engine core process."""
         now = report.end
         for rid in report.finished_request_ids:  # aborted or ended last step
-            self._arrival.pop(rid, None)
-            self._scheduled.pop(rid, None)
-            self._last_token.pop(rid, None)
+            self._forget(rid)
         self.iteration_tokens.observe(report.num_scheduled_tokens)
         if report.num_scheduled_tokens:
             self.step_duration.observe(report.step_time)
@@ -165,10 +163,13 @@ class EngineMetrics:
                 self.e2e.observe(now - arrival)
                 self.request_success(out.finish_reason).inc()
                 self.request_num_preemptions.observe(out.num_preemptions)
-                self._arrival.pop(rid, None)
-                self._scheduled.pop(rid, None)
-                self._last_token.pop(rid, None)
+                self._forget(rid)
         self.update_gauges(report.stats)
+
+    def _forget(self, rid: str) -> None:
+        """Drop what is kept of a request that ended (finished, aborted)."""
+        for kept in (self._arrival, self._scheduled, self._last_token):
+            kept.pop(rid, None)
 
     def update_gauges(self, stats) -> None:
         self.num_requests_running.set(stats.num_running)
