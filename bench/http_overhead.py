@@ -95,7 +95,7 @@ async def engine_request(engine, spec: RequestSpec) -> tuple[float, float]:
     start = time.perf_counter()
     ttft = None
     async for out in engine.generate(spec.prompt_ids, params):
-        if ttft is None and out.new_token_ids:
+        if ttft is None and getattr(out, "new_token_ids", None):  # not an Accepted
             ttft = time.perf_counter() - start
     return time.perf_counter() - start, ttft or 0.0
 
@@ -129,7 +129,7 @@ async def handle_request(handle, spec: RequestSpec) -> tuple[float, float]:
     start = time.perf_counter()
     ttft = None
     async for out in handle.generate.remote(request):
-        if ttft is None and out.new_token_ids:
+        if ttft is None and getattr(out, "new_token_ids", None):  # not an Accepted
             ttft = time.perf_counter() - start
     return time.perf_counter() - start, ttft or 0.0
 

@@ -3,6 +3,8 @@ autoscaler and a replica, each defined once and used on both sides (as vLLM's
 EngineCoreRequest, or Ray Serve LLM's typed requests between deployments):
 
   GenerateRequest   ingress -> (router) -> replica: one choice to generate, with routing hints
+  Accepted          replica -> ingress: the replica holds a request whose first output is not out
+                    yet (so a stream may start: a refusal would have come instead)
   RoutingStats      replica -> routers: its load, recorded about once a stats period
   AutoscalingStats  replica -> autoscaling policy: the per-replica metrics Serve aggregates
 
@@ -46,6 +48,21 @@ class GenerateRequest:
     def footprint_tokens(self) -> int:
         """The KV footprint the request can reach: prompt + max_tokens."""
         return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """What a replica streams first for a request it took but has not produced output for within
+    ACCEPTED_NOTICE_S (queued, or a long prefill): the ingress holds a stream's HTTP headers
+    until a replica either refuses the request (which becomes a real 429 or 503 status) or
+    accepts it, so a refusal never arrives as an error event inside a 200 stream."""
+
+    request_id: str
+
+
+# How long a replica waits for a request's first output before it sends Accepted: most requests
+# on an idle replica have their first token by then, so they cost no extra message.
+ACCEPTED_NOTICE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ stats, and failing its health check when the engine is dead."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -17,7 +19,14 @@ from prometheus_client import start_http_server
 from ray import serve
 
 from replica.config import EngineConfig
-from replica.contracts import AutoscalingStats, GenerateRequest, PreemptionRate, RoutingStats
+from replica.contracts import (
+    ACCEPTED_NOTICE_S,
+    Accepted,
+    AutoscalingStats,
+    GenerateRequest,
+    PreemptionRate,
+    RoutingStats,
+)
 from replica.engine import AsyncEngine, Engine
 from replica.engine_core import ProcessEngine
 from replica.hub import get_hub
@@ -169,21 +178,43 @@ class LLMServer:
             return
         self.engine.set_num_threads(threads)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """RequestOutput deltas of one choice; cancellation aborts the request."""
-        async for out in self.engine.generate(
+    def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(
             request.prompt_token_ids,
             request.sampling,
             request.request_id,
             priority=request.priority,
-        ):
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput | Accepted]:
+        """RequestOutput deltas of one choice, after an Accepted when the first of them takes
+        longer than ACCEPTED_NOTICE_S; a refusal (queue full, draining, a bad request) raises
+        before anything is sent. Cancellation aborts the request."""
+        outputs = self._outputs(request)
+        first = asyncio.ensure_future(anext(outputs))
+        try:
+            done, _ = await asyncio.wait({first}, timeout=ACCEPTED_NOTICE_S)
+            if not done:
+                yield Accepted(request.request_id)
+            try:
+                out = await asyncio.shield(first)
+            except StopAsyncIteration:
+                return
             yield out
+            async for out in outputs:
+                yield out
+        finally:
+            if not first.done():  # cancelled while waiting: the engine's stream aborts it
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
+            await outputs.aclose()
 
     async def generate_all(self, request: GenerateRequest) -> RequestOutput:
         """The whole answer as one RequestOutput (all deltas merged): what a non-streaming
         client needs, without a message per token. Cancellation aborts the request."""
         result = None
-        async for out in self.generate(request):
+        async for out in self._outputs(request):
             result = out if result is None else result.merge(out)
         return result
 

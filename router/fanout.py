@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from replica.contracts import GenerateRequest
+from replica.contracts import Accepted, GenerateRequest
 from replica.request import RequestOutput, SamplingParams
 from router.errors import (
     ReplicaCallCancelled,
@@ -89,13 +89,18 @@ class ReplicaCalls:
 
     async def one_stream(
         self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[RequestOutput | Accepted]:
+        """The deltas of one choice, with the replica's Accepted (if it sent one) passed on;
+        a call its replica lost or refused before any output is sent again."""
         first_sent = time.monotonic()
         for send in itertools.count():
             request = self.request(prompt_ids, params, priority)
             first = True
             try:
                 async for out in self.stream_handle.generate.remote(request):
+                    if isinstance(out, Accepted):  # queued there: the response may start
+                        yield out
+                        continue
                     if first:  # prefill is over: tell the router (it weighs prefill still ahead)
                         first = False
                         note_first_token(request.request_id)
@@ -161,9 +166,9 @@ class ReplicaCalls:
 
     async def fan_out(
         self, jobs: list[Job], priority: int = 0
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every job concurrently; yield (choice index, delta) as they come. Leaving early
-        cancels every choice (and so aborts it in its replica)."""
+    ) -> AsyncIterator[tuple[int, RequestOutput | Accepted]]:
+        """Run every job concurrently; yield (choice index, delta or Accepted) as they come.
+        Leaving early cancels every choice (and so aborts it in its replica)."""
         if len(jobs) == 1:
             index, ids, params = jobs[0]
             async for out in self.one_stream(ids, params, priority):

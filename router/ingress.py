@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
+from replica.contracts import Accepted
 from replica.hub import find_hub
 from replica.metrics import merge_expositions
 from replica.request import GrammarRejected, SamplingParams
@@ -355,9 +356,10 @@ class IngressCore:
         self, jobs: list[Job], dialect: Dialect, req, ticket: "Ticket", echo=None
     ) -> AsyncIterator[str]:
         """SSE events of an admitted request, which owns its in-flight slot until it ends.
-        The first item comes within a second: the first event, or a keep-alive comment when
-        the request is still queued (a failure before it, such as a replica refusing, raises
-        to the caller and becomes a plain HTTP error). After that a comment follows every
+        The first item is the first event, or a keep-alive comment once a replica has accepted
+        the request without output yet (Accepted, about half a second after it took it). A
+        failure before that, such as every replica refusing while the fan-out retries, raises
+        to the caller and becomes a plain HTTP error. After that a comment follows every
         http.keepalive_s without an event, a failure is sent as an error event, and past the
         deadline the request ends with a timeout error event (its calls cancelled, so its
         replicas free its blocks)."""
@@ -370,12 +372,10 @@ class IngressCore:
         started = False
         first_token = False
         keepalive = self.settings.http.keepalive_s
-        paced = _paced(
-            self.calls.fan_out(jobs, req.priority), min(FIRST_EVENT_WAIT_S, keepalive), keepalive
-        )
+        paced = _paced(self.calls.fan_out(jobs, req.priority), keepalive)
         try:
             async for item in _until(paced, ticket):
-                if item is _KEEPALIVE:
+                if item is _KEEPALIVE or isinstance(item[1], Accepted):
                     started = True
                     yield KEEPALIVE_COMMENT
                     continue
@@ -495,10 +495,11 @@ class IngressCore:
         request's slot from its start, however it ends."""
         if req.stream:
             events = self.stream(jobs, dialect, req, ticket, echo)
-            # The first item comes within a second (an event, or a keep-alive while queued),
-            # so a quick refusal by a replica is still a real 429 (or 503, or 400). Once
-            # started, the stream's cleanup runs even if the response is never iterated (the
-            # event loop finalizes started async generators).
+            # The first item comes once a replica has the request (an event, or a keep-alive
+            # while queued there), so a replica's refusal is still a real 429 (or 503, or 400),
+            # however long the fan-out retried. Once started, the stream's cleanup runs even if
+            # the response is never iterated (the event loop finalizes started async
+            # generators).
             first = await anext(events)
             headers = {"Cache-Control": "no-cache"}
             if expected_wait is not None:  # what admission expected for the first token
@@ -533,18 +534,18 @@ class Ticket:
         )
 
 
-FIRST_EVENT_WAIT_S = 1.0  # a stream's headers wait this long for a quick refusal
 KEEPALIVE_COMMENT = ": keep-alive\n\n"
 TIMEOUT_HEADER = "X-Request-Timeout"
 EXPECTED_WAIT_HEADER = "X-Expected-Wait-S"
 _KEEPALIVE = object()
 
 
-async def _paced(events: AsyncIterator, first_wait_s: float, every_s: float) -> AsyncIterator:
+async def _paced(events: AsyncIterator, every_s: float) -> AsyncIterator:
     """The items of `events`, with _KEEPALIVE between them whenever one takes longer than
-    `every_s` (`first_wait_s` for the first). Closing this closes `events`."""
+    `every_s`; none before the first (a replica's Accepted says when the response may start).
+    Closing this closes `events`."""
     pending = None
-    wait = first_wait_s
+    wait = None
     try:
         while True:
             if pending is None:

@@ -488,12 +488,16 @@ def test_burst_of_10x_capacity_gets_429s_bounded_queues_and_memory(cluster):
     url = cluster["url"]
     capacity = MAX_PENDING
     n_burst = 10 * capacity
+    # An admitted request holds its slot for ~100 decode steps, so the burst has arrived long
+    # before the first wave is done, even on a host busy enough to slow the client's dispatch
+    # (with 24 tokens a CI run admitted 169 of 320 as slots turned over during the arrival)
+    n_tokens = 96
     wait_idle(2)
 
     async def burst(n: int) -> list[dict]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            bodies = [completion_body(24, stream=i % 2 == 0, seed=i) for i in range(n)]
+            bodies = [completion_body(n_tokens, stream=i % 2 == 0, seed=i) for i in range(n)]
             return await asyncio.gather(*(call(client, url, b) for b in bodies))
 
     def sample_queues(stop: threading.Event, samples: list) -> None:
@@ -522,6 +526,7 @@ def test_burst_of_10x_capacity_gets_429s_bounded_queues_and_memory(cluster):
     statuses = [r["status"] for r in results]
     assert set(statuses) <= {200, 429}, sorted(set(statuses))
     n_ok, n_refused = statuses.count(200), statuses.count(429)
+    print(f"burst: {n_ok} admitted, {n_refused} refused")
     assert n_refused >= n_burst // 2, f"a 10x burst must mostly be refused: {n_refused} 429s"
     assert n_ok >= 1
     for r in results:
@@ -529,7 +534,7 @@ def test_burst_of_10x_capacity_gets_429s_bounded_queues_and_memory(cluster):
             assert r["headers"]["retry-after"] == "1"
             assert r["json"]["error"]["type"] == "rate_limit_error"
         else:  # an admitted request completes in full
-            assert completed_tokens(r) == 24, r
+            assert completed_tokens(r) == n_tokens, r
     # bounded queues: the ingress never held more than its limit, a replica never more than
     # max_num_seqs running + max_queue_len waiting
     assert samples, "no queue samples were taken"
