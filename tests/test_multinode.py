@@ -33,7 +33,10 @@ from tests import helpers  # noqa: E402
 from tests.helpers import free_port, multinode_serve, sse_data  # noqa: E402
 
 APP = "multinode"
-LONG = 160  # tokens per long stream: a few seconds of decoding, so the kill lands mid-stream
+# tokens per long stream (the model's 512 less the prompt's 8, and room): seconds of decoding, so
+# both replicas are seen running and the kill lands mid-stream (with 160 a CI run on a fast host
+# saw 8 streams end before both replicas' stats showed one running)
+LONG = 480
 
 
 @pytest.fixture(scope="module")
