@@ -222,6 +222,13 @@ def main() -> None:
         "--tree before=/tmp/before --systems stepserve+haproxy,stepserve+haproxy@before)",
     )
     p.add_argument("--warmup-prompts", type=int, default=16)
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=3.0,
+        help="idle seconds after the warm-up: a server's one-time deferred work (stepserve's "
+        "core loads its grammar engine once it has idled 1 s) happens before the sweep",
+    )
     p.add_argument("--stepserve-args", default="", help="more `stepserve serve` flags")
     p.add_argument("--vllm-args", default="", help="more vLLM api_server flags")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
@@ -259,6 +266,7 @@ def main() -> None:
                     warm = ["--dataset", args.dataset, "--num-prompts", str(args.warmup_prompts)]
                     warm += ["--seed", str(WARMUP_SEED)]  # prompts the sweep never sends
                     run_serving(base, f"{system} warm-up", [*warm, "--request-rate", "inf"], None)
+                    time.sleep(args.settle_s)
                     result = Path(tmp) / f"{system}-{r}.json"
                     data = run_serving(
                         base, system, [*bench_args, "--request-rate", args.request_rate], result
