@@ -53,15 +53,19 @@ class GenerateRequest:
 @dataclass(frozen=True, slots=True)
 class Accepted:
     """What a replica streams first for a request it took but has not produced output for within
-    ACCEPTED_NOTICE_S (queued, or a long prefill): the ingress holds a stream's HTTP headers
-    until a replica either refuses the request (which becomes a real 429 or 503 status) or
-    accepts it, so a refusal never arrives as an error event inside a 200 stream."""
+    ACCEPTED_NOTICE_S (queued, compiling its grammar, or a long prefill): the ingress holds a
+    stream's HTTP headers until a replica either refuses the request (a real 429 or 503 status)
+    or accepts it, or until the fan-out's retries of full replicas are over (STREAM_HOLD_S in
+    router/ingress.py), so a refusal comes as an HTTP status rather than an error event inside
+    a 200 stream. (Still an error event: a choice of n > 1 refused after another started, or a
+    call sent again after its replica was lost.)"""
 
     request_id: str
 
 
-# How long a replica waits for a request's first output before it sends Accepted: most requests
-# on an idle replica have their first token by then, so they cost no extra message.
+# How long a replica waits for a request's first output before it sends Accepted (twice as long
+# for a constrained request): most requests on an idle replica have their first token by then,
+# so they cost no extra message.
 ACCEPTED_NOTICE_S = 0.5
 
 

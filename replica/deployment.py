@@ -5,7 +5,6 @@ stats, and failing its health check when the engine is dead."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -192,8 +191,11 @@ class LLMServer:
         before anything is sent. Cancellation aborts the request."""
         outputs = self._outputs(request)
         first = asyncio.ensure_future(anext(outputs))
+        # a constrained request's grammar compiles first, and a grammar that cannot compile is
+        # a 400: it gets twice as long before the response starts
+        notice_s = ACCEPTED_NOTICE_S * (1 if request.sampling.structured is None else 2)
         try:
-            done, _ = await asyncio.wait({first}, timeout=ACCEPTED_NOTICE_S)
+            done, _ = await asyncio.wait({first}, timeout=notice_s)
             if not done:
                 yield Accepted(request.request_id)
             try:
@@ -206,8 +208,9 @@ class LLMServer:
         finally:
             if not first.done():  # cancelled while waiting: the engine's stream aborts it
                 first.cancel()
-                with contextlib.suppress(BaseException):
-                    await first
+                await asyncio.wait({first})  # a second cancellation still propagates
+            if not first.cancelled():
+                first.exception()  # retrieved (raised above, or moot once cancelled)
             await outputs.aclose()
 
     async def generate_all(self, request: GenerateRequest) -> RequestOutput:

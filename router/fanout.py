@@ -7,8 +7,8 @@ A call that failed before anything of it reached the client is sent again when t
 the replica's, not the request's: its replica was lost (actor died, node gone: Serve's router
 drops a replica whose call raised ActorDiedError, LoadAwareRouter avoids one found
 unreachable), up to MAX_SENDS sends; or its replica was momentarily full or draining (the
-ingress had admitted it by its own expected wait; a stream's 200 may already be out), with
-growing pauses for up to FULL_RETRY_S."""
+ingress had admitted it by its own expected wait), with growing pauses for up to FULL_RETRY_S
+(a stream's headers wait for that: router/ingress.py's STREAM_HOLD_S)."""
 
 from __future__ import annotations
 

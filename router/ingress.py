@@ -42,7 +42,7 @@ from router.errors import (
     invalid_request,
     root_cause,
 )
-from router.fanout import Job, ReplicaCalls
+from router.fanout import FULL_RETRY_S, Job, ReplicaCalls
 from router.guard import RequestGuard
 from router.inflight import inflight_state, replica_readiness
 from router.kv_routing import exposition as kv_exposition
@@ -357,9 +357,10 @@ class IngressCore:
     ) -> AsyncIterator[str]:
         """SSE events of an admitted request, which owns its in-flight slot until it ends.
         The first item is the first event, or a keep-alive comment once a replica has accepted
-        the request without output yet (Accepted, about half a second after it took it). A
-        failure before that, such as every replica refusing while the fan-out retries, raises
-        to the caller and becomes a plain HTTP error. After that a comment follows every
+        the request without output yet (Accepted, about half a second after it took it), or
+        after STREAM_HOLD_S without either (the request waits in Serve's router for a replica
+        with room). A failure before that, such as every replica refusing while the fan-out
+        retries, raises to the caller and becomes a plain HTTP error. After that a comment follows every
         http.keepalive_s without an event, a failure is sent as an error event, and past the
         deadline the request ends with a timeout error event (its calls cancelled, so its
         replicas free its blocks)."""
@@ -372,7 +373,7 @@ class IngressCore:
         started = False
         first_token = False
         keepalive = self.settings.http.keepalive_s
-        paced = _paced(self.calls.fan_out(jobs, req.priority), keepalive)
+        paced = _paced(self.calls.fan_out(jobs, req.priority), keepalive, STREAM_HOLD_S)
         try:
             async for item in _until(paced, ticket):
                 if item is _KEEPALIVE or isinstance(item[1], Accepted):
@@ -534,18 +535,22 @@ class Ticket:
         )
 
 
+# A stream's headers wait this long for its first event or a replica's Accepted: past the
+# fan-out's retries of full replicas (FULL_RETRY_S and its last pause), so their refusal is still
+# a 429 status; then keep-alives start (a request waiting in Serve's router for a replica).
+STREAM_HOLD_S = FULL_RETRY_S + 2.0
 KEEPALIVE_COMMENT = ": keep-alive\n\n"
 TIMEOUT_HEADER = "X-Request-Timeout"
 EXPECTED_WAIT_HEADER = "X-Expected-Wait-S"
 _KEEPALIVE = object()
 
 
-async def _paced(events: AsyncIterator, every_s: float) -> AsyncIterator:
+async def _paced(events: AsyncIterator, every_s: float, first_wait_s: float) -> AsyncIterator:
     """The items of `events`, with _KEEPALIVE between them whenever one takes longer than
-    `every_s`; none before the first (a replica's Accepted says when the response may start).
-    Closing this closes `events`."""
+    `every_s` (`first_wait_s` for the first: a replica's Accepted, as an item, usually says
+    sooner when the response may start). Closing this closes `events`."""
     pending = None
-    wait = None
+    wait = first_wait_s
     try:
         while True:
             if pending is None:

@@ -201,11 +201,11 @@ async def _slow_events(delays: list[float]):
 
 
 def test_paced_events_send_keepalives_while_waiting_and_deadlines_end_them():
-    async def collect(delays, deadline_s):
+    async def collect(delays, deadline_s, first_wait_s=0.1):
         ticket = Ticket(slot=None, deadline_s=deadline_s)
         out = []
         try:
-            async for item in _until(_paced(_slow_events(delays), 0.1), ticket):
+            async for item in _until(_paced(_slow_events(delays), 0.1, first_wait_s), ticket):
                 out.append("ka" if item is _KEEPALIVE else item)
         except HTTPError as err:
             out.append(err.status)
@@ -215,9 +215,12 @@ def test_paced_events_send_keepalives_while_waiting_and_deadlines_end_them():
     assert got[0] == 0 and got[-2:] == [1, 2] and 2 <= got.count("ka") <= 4
     got = asyncio.run(collect([0.0, 5.0], deadline_s=0.3))
     assert got[0] == 0 and got[-1] == 408 and "ka" in got
-    # nothing before the first item, however long it takes (the HTTP headers wait for a
-    # replica's output, Accepted or refusal), and the deadline still ends the wait
-    got = asyncio.run(collect([0.35, 0.0], deadline_s=5))
+    # the first item is waited for longer (the HTTP headers wait for a replica's output,
+    # Accepted or refusal, past the fan-out's retries), then keep-alives start; the deadline
+    # still ends the wait
+    got = asyncio.run(collect([0.35, 0.0], deadline_s=5, first_wait_s=1.0))
     assert got == [0, 1]
-    got = asyncio.run(collect([5.0], deadline_s=0.3))
+    got = asyncio.run(collect([0.55, 0.0], deadline_s=5, first_wait_s=0.3))
+    assert got[0] == "ka" and got[-2:] == [0, 1] and 2 <= got.count("ka") <= 4
+    got = asyncio.run(collect([5.0], deadline_s=0.3, first_wait_s=1.0))
     assert got == [408]

@@ -16,7 +16,7 @@ pytest.importorskip("ray")
 from replica import deployment  # noqa: E402
 from replica.contracts import Accepted, GenerateRequest  # noqa: E402
 from replica.deployment import LLMServer  # noqa: E402
-from replica.request import EngineOverloaded, SamplingParams  # noqa: E402
+from replica.request import EngineOverloaded, SamplingParams, StructuredOutput  # noqa: E402
 from router import fanout  # noqa: E402
 from router.fanout import ReplicaCalls  # noqa: E402
 from router.policy import Policy, RoutingConfig  # noqa: E402
@@ -76,6 +76,26 @@ def test_a_request_held_past_the_notice_is_accepted_first():
     assert got[0] == Accepted("r1")
     assert [o.token for o in got[1:]] == [0, 1, 2]
     assert engine.closed == ["r1"]
+
+
+def test_a_constrained_request_gets_twice_the_notice(monkeypatch):
+    """Its grammar compiles first, and one that cannot compile is a 400 status, not an error
+    event: so 1.5 notices without output send no Accepted, 4 do."""
+    notice_s = 0.2
+    monkeypatch.setattr(deployment, "ACCEPTED_NOTICE_S", notice_s)
+    structured = StructuredOutput(kind="json_object", spec="")
+    params = SamplingParams(temperature=0.0, max_tokens=3, structured=structured)
+
+    def run(first_s):
+        llm = server(FakeEngine(first_s=first_s))
+
+        async def go():
+            return [out async for out in llm.generate(GenerateRequest([1, 2, 3], params, "c"))]
+
+        return asyncio.run(go())
+
+    assert not any(isinstance(o, Accepted) for o in run(notice_s * 1.5))
+    assert run(notice_s * 4)[0] == Accepted("c")
 
 
 def test_a_refusal_raises_before_anything_is_sent():
