@@ -360,10 +360,10 @@ class IngressCore:
         the request without output yet (Accepted, about half a second after it took it), or
         after STREAM_HOLD_S without either (the request waits in Serve's router for a replica
         with room). A failure before that, such as every replica refusing while the fan-out
-        retries, raises to the caller and becomes a plain HTTP error. After that a comment follows every
-        http.keepalive_s without an event, a failure is sent as an error event, and past the
-        deadline the request ends with a timeout error event (its calls cancelled, so its
-        replicas free its blocks)."""
+        retries, raises to the caller and becomes a plain HTTP error. After that a comment
+        follows every http.keepalive_s without an event, a failure is sent as an error event,
+        and past the deadline the request ends with a timeout error event (its calls
+        cancelled, so its replicas free its blocks)."""
         token_ids = getattr(req, "return_token_ids", False)
         shape = dialect.stream(token_ids, **self.answer_options(req, echo))
         echo_only = getattr(req, "echo_only", False)
@@ -497,8 +497,8 @@ class IngressCore:
         if req.stream:
             events = self.stream(jobs, dialect, req, ticket, echo)
             # The first item comes once a replica has the request (an event, or a keep-alive
-            # while queued there), so a replica's refusal is still a real 429 (or 503, or 400),
-            # however long the fan-out retried. Once started, the stream's cleanup runs even if
+            # while queued there) or after STREAM_HOLD_S, so a replica's refusal while the
+            # fan-out retries is still a real 429 (or 503, or 400). Once started, the stream's cleanup runs even if
             # the response is never iterated (the event loop finalizes started async
             # generators).
             first = await anext(events)

@@ -188,3 +188,25 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
         for line in lines:
             if line.startswith(b"data: "):
                 yield line[len(b"data: ") :].decode()
+
+
+async def cancel_after_first(stream: AsyncIterator) -> list:
+    """Read `stream` in a task of its own until its first item, then cancel that task (a client
+    that leaves); returns what was read. The stream's own cleanup has run when this returns."""
+    import asyncio
+
+    import pytest
+
+    got: list = []
+
+    async def read() -> None:
+        async for item in stream:
+            got.append(item)
+
+    task = asyncio.ensure_future(read())
+    while not got:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return got

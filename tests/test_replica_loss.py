@@ -18,6 +18,7 @@ from router import fanout  # noqa: E402
 from router.fanout import MAX_SENDS, ReplicaCalls  # noqa: E402
 from router.policy import Policy, RoutingConfig  # noqa: E402
 from router.request_router import LoadAwareRouter  # noqa: E402
+from tests.helpers import cancel_after_first  # noqa: E402
 
 
 class ActorDiedError(Exception):  # what Ray raises, matched by name (router/errors.py)
@@ -188,19 +189,8 @@ def test_a_stream_cancelled_by_its_client_is_not_sent_again():
     calls_ = ReplicaCalls(handle, Policy(RoutingConfig()), block_size=16)
 
     async def run() -> None:
-        got = []
-
-        async def read() -> None:
-            async for out in calls_.one_stream([1, 2, 3], params()):
-                got.append(out.token)
-
-        task = asyncio.ensure_future(read())
-        while not got:
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert got == [0]
+        got = await cancel_after_first(calls_.one_stream([1, 2, 3], params()))
+        assert [out.token for out in got] == [0]
 
     asyncio.run(run())
     assert len(handle.sends) == 1

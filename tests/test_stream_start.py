@@ -1,8 +1,9 @@
 """When a stream's HTTP response may start: a replica sends Accepted for a request it holds
 without output yet (replica/deployment.py), the ingress's fan-out passes it on and the stream
-sends its headers and a keep-alive then, not after a fixed second (router/ingress.py), so a
-replica's refusal, however long the fan-out retried it, is a real 429 and never an error event
-inside a 200 stream. A fake engine and a fake handle; the real burst is test_reliability's."""
+sends its headers and a keep-alive then, or after STREAM_HOLD_S without either, not after a
+fixed second (router/ingress.py), so a replica's refusal while the fan-out retries it is a real
+429, not an error event inside a 200 stream. A fake engine and a fake handle; the real burst is
+test_reliability's."""
 
 from __future__ import annotations
 
@@ -16,10 +17,16 @@ pytest.importorskip("ray")
 from replica import deployment  # noqa: E402
 from replica.contracts import Accepted, GenerateRequest  # noqa: E402
 from replica.deployment import LLMServer  # noqa: E402
-from replica.request import EngineOverloaded, SamplingParams, StructuredOutput  # noqa: E402
+from replica.request import (  # noqa: E402
+    EngineOverloaded,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutput,
+)
 from router import fanout  # noqa: E402
 from router.fanout import ReplicaCalls  # noqa: E402
 from router.policy import Policy, RoutingConfig  # noqa: E402
+from tests.helpers import cancel_after_first  # noqa: E402
 
 NOTICE_S = 0.05
 
@@ -43,7 +50,10 @@ class FakeEngine:
         try:
             await asyncio.sleep(self.first_s)
             for token in range(3):
-                yield types.SimpleNamespace(token=token, num_cached_tokens=0)
+                yield RequestOutput(
+                    request_id, [token], str(token), len(prompt_ids), token + 1,
+                    finish_reason="length" if token == 2 else None,
+                )  # fmt: skip
         finally:
             self.closed.append(request_id)
 
@@ -67,14 +77,14 @@ def items(llm: LLMServer) -> list:
 
 def test_a_quick_first_output_comes_without_accepted():
     got = items(server(FakeEngine(first_s=0.0)))
-    assert [o.token for o in got] == [0, 1, 2]
+    assert [o.new_token_ids for o in got] == [[0], [1], [2]]
 
 
 def test_a_request_held_past_the_notice_is_accepted_first():
     engine = FakeEngine(first_s=NOTICE_S * 4)
     got = items(server(engine))
     assert got[0] == Accepted("r1")
-    assert [o.token for o in got[1:]] == [0, 1, 2]
+    assert [o.new_token_ids for o in got[1:]] == [[0], [1], [2]]
     assert engine.closed == ["r1"]
 
 
@@ -108,35 +118,14 @@ def test_a_caller_that_leaves_while_queued_aborts_the_engine_stream():
     engine = FakeEngine(first_s=30.0)
     llm = server(engine)
 
-    async def run():
-        got = []
-
-        async def read():
-            async for out in llm.generate(request("gone")):
-                got.append(out)
-
-        task = asyncio.ensure_future(read())
-        while not got:
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return got
-
-    assert asyncio.run(run()) == [Accepted("gone")]
+    assert asyncio.run(cancel_after_first(llm.generate(request("gone")))) == [Accepted("gone")]
     assert engine.closed == ["gone"]
 
 
 def test_non_streaming_calls_get_no_accepted():
     llm = server(FakeEngine(first_s=NOTICE_S * 4))
-    merged = []
-
-    async def run():
-        async for out in llm._outputs(request()):
-            merged.append(out.token)
-
-    asyncio.run(run())
-    assert merged == [0, 1, 2]
+    merged = asyncio.run(llm.generate_all(request()))
+    assert merged.new_token_ids == [0, 1, 2] and merged.finish_reason == "length"
 
 
 class Handle:
