@@ -46,9 +46,25 @@ class IncrementalDetokenizer:
             self._ids.append(token_id)
             prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
             new_text = self._decode(self._ids[self._prefix_offset :])
-            if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            if new_text.endswith("\ufffd"):
                 continue  # an incomplete UTF-8 sequence: wait for the next token
-            delta = new_text[len(prefix_text) :]
+            # The prompt's last tokens can end inside a character (decoded alone, U+FFFD); an
+            # output token that completes it yields that character, as a decode of the whole
+            # sequence shows it (tokenizers' DecodeStream, vLLM V1), not nothing until a later
+            # character comes.
+            stable = len(prefix_text.rstrip("\ufffd"))
+            if (
+                stable < len(prefix_text)
+                and not new_text.startswith(prefix_text)
+                and new_text.startswith(prefix_text[:stable])
+            ):
+                if len(new_text) <= stable:
+                    continue
+                delta = new_text[stable:]
+            elif len(new_text) <= len(prefix_text):
+                continue  # nothing printable yet (a skipped special token, a merge)
+            else:
+                delta = new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             self._append(delta)
