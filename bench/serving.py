@@ -51,6 +51,8 @@ class RequestResult:
     success: bool = False
     error: str = ""
     start: float = 0.0  # seconds since the run started
+    sent_at: float = 0.0  # time.perf_counter() when sent (CLOCK_MONOTONIC on Linux: a server's
+    # time.monotonic() on the same host, for lining requests up with a server-side trace)
     ttft: float = 0.0
     e2e: float = 0.0
     output_len: int = 0
@@ -103,6 +105,7 @@ async def send_request(
     result = RequestResult(spec.kind, len(spec.prompt_ids), spec.output_len)
     start = time.perf_counter()
     result.start = start - t_zero
+    result.sent_at = start
     last = start
     chunks = 0
     try:
@@ -404,6 +407,7 @@ def per_request(results: Sequence[RequestResult]) -> dict:
         "kind": [r.kind for r in results],
         "success": [r.success for r in results],
         "start_s": [round(r.start, 4) for r in results],
+        "sent_at": [round(r.sent_at, 6) for r in results],
         "prompt_len": [r.prompt_len for r in results],
         "output_len": [r.output_len for r in results],
         "ttft_s": [round(r.ttft, 5) for r in results],

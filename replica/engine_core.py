@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_HEARTBEAT_S = 1.0  # an idle core says so this often (the front's liveness clock)
 PARENT_POLL_S = 0.5  # how often the core checks that the process that started it lives
+STEP_TRACE_ENV = "STEPSERVE_STEP_TRACE"  # a file: the core appends one JSON line per add and step
 
 
 # -- the wire format of a step's outputs ------------------------------------------------------
@@ -128,6 +129,10 @@ class EngineCore:
         self._compiled: deque = deque()  # ... and those whose grammar is ready
         self._grammar_engine_tried = False  # imported once the core has idled a heartbeat
         self._busy_at = time.monotonic()  # when the core last had a request
+        trace = os.environ.get(STEP_TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1) if trace else None
+        if self._trace is not None:
+            engine.step_listeners.append(self._trace_step)
 
     def send(self, message: tuple) -> None:
         with self._send_lock:
@@ -135,6 +140,19 @@ class EngineCore:
 
     def _on_step(self, engine, scheduler_output, outputs, step_time) -> None:
         self._report = StepReport.of(engine, scheduler_output, step_time)
+
+    def _trace_step(self, engine, scheduler_output, outputs, step_time) -> None:
+        """STEPSERVE_STEP_TRACE: when each step ended, how long it took and what it ran (per
+        request: id, first position, tokens, draft tokens, prompt tokens)."""
+        rows = [
+            [s.request_id, s.start, s.num_tokens, len(s.draft), s.request.num_prompt_tokens]
+            for s in scheduler_output.scheduled
+        ]
+        line = {"ev": "step", "t": time.monotonic(), "dur": step_time, "reqs": rows}
+        times = getattr(engine.runner, "step_times", None)
+        if times is not None:
+            line["forward"] = times.forward
+        self._trace.write(json.dumps(line) + "\n")
 
     def _on_kv_batch(self, batch) -> None:
         self._kv_batch = batch
@@ -175,6 +193,9 @@ class EngineCore:
         kind = message[0]
         if kind == "add":
             _, rid, ids, params, arrival, priority = message
+            if self._trace is not None:
+                line = {"ev": "add", "t": time.monotonic(), "rid": rid, "arrival": arrival}
+                self._trace.write(json.dumps(line) + "\n")
             if params.structured is not None:  # compiled beside the loop, not between steps
                 self._compiling.add(rid)
                 if self._grammar_pool is None:

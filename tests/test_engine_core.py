@@ -195,6 +195,43 @@ def test_abort_errors_and_calls_cross_the_process(tiny_llama_dir):
     in_loop(body)
 
 
+def test_the_step_trace_records_each_add_and_step(tiny_llama_dir, tmp_path, monkeypatch):
+    """STEPSERVE_STEP_TRACE: the core appends a line per request it is handed and per step,
+    on the monotonic clock the front's arrival times use (bench/ttft_decompose.py lines the
+    client's send times up with them)."""
+    from replica.engine_core import STEP_TRACE_ENV
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(STEP_TRACE_ENV, str(trace))
+
+    async def body():
+        engine = ProcessEngine(config(tiny_llama_dir, num_speculative_tokens=0))
+        try:
+            before = time.monotonic()
+            out = await collect(
+                engine.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True),
+                                request_id="traced")
+            )  # fmt: skip
+            assert out.num_output_tokens == 3
+        finally:
+            engine.shutdown()
+        return before, time.monotonic()
+
+    before, after = in_loop(body)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    (add,) = [line for line in lines if line["ev"] == "add"]
+    assert add["rid"] == "traced" and before <= add["arrival"] <= add["t"] <= after
+    steps = [line for line in lines if line["ev"] == "step"]
+    rows = [row for step in steps for row in step["reqs"] if row[0] == "traced"]
+    # the prompt in one step (5 tokens from position 0), then one token per step (drafts
+    # off), every row naming the prompt's length
+    assert rows[0][1:] == [0, 5, 0, 5]
+    assert [row[1] for row in rows] == [0, 5, 6]
+    assert all(row[4] == 5 for row in rows)
+    for step in steps:
+        assert add["t"] < step["t"] <= after and 0 < step["forward"] <= step["dur"]
+
+
 def test_an_idle_core_loads_the_grammar_engine_before_a_constrained_request(tiny_llama_dir):
     """The core imports xgrammar and builds its compiler once it has been idle for a
     heartbeat, so the first constrained request does not pause the requests running beside

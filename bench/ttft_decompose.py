@@ -1,0 +1,332 @@
+"""Where a served first token's time goes, request by request, beside vLLM's server on the same
+requests: `stepserve serve` runs with its engine core's step trace (STEPSERVE_STEP_TRACE: one
+JSON line per request added and per step, on the host's monotonic clock) and bench/serving.py
+records when it sent each request on the same clock, so each request's TTFT splits into
+
+  in      client sent -> the replica's front handed it to the engine core (HTTP, HAProxy, the
+          ingress, Serve's routing, the Ray hop to the replica)
+  wait    -> the first step that runs it starts (the step under way when it came, and queueing)
+  prefill -> the end of the step that finished its prompt (the core's first token)
+  extra   -> the core's step that produced the client's first text (a byte-level token that
+          is part of a character shows no text: the first text can need the second token);
+          taken as the last of the request's steps that ended before the client read it, so an
+          `out` longer than a decode step counts here
+  out     -> the client read that text (the front, the Ray stream, the ingress, SSE, HAProxy)
+
+Also, for every system, its own histograms' means over each rate (time to first token, queue
+time, prefill time, as the server measures them: vLLM from its API server's arrival, stepserve
+from its replica front's), the CPU seconds each of its processes used during each rate (from
+/proc: what the serving stack around the engine costs on these cores), and the client's TTFT
+and TPOT. Systems run in turn (never two at once), each warmed up and let settle, as
+bench/serving_vs_peer.py does, whose server commands this reuses; with --rounds the order
+rotates. Writes bench/results/<out>.json.
+
+Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/ttft_decompose.py \
+        --systems stepserve+haproxy,vllm-2cores --request-rate 1,3 --num-prompts 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._models import model_dir as resolve_model  # noqa: E402
+from bench.serving import machine_info, sweep_seed  # noqa: E402
+from bench.serving_vs_peer import (  # noqa: E402
+    DEFAULT_VLLM_PYTHON,
+    WARMUP_SEED,
+    run_serving,
+    server_command,
+    stop,
+    wait_healthy,
+    wait_port_free,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+TRACE_ENV = "STEPSERVE_STEP_TRACE"  # replica/engine_core.py's STEP_TRACE_ENV
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# process groups by command line, first match wins
+GROUPS = [
+    ("engine core", r"replica\.engine_core"),
+    ("front (LLMServer actor)", r"ServeReplica:[^ ]*:LLMServer"),
+    ("ingress", r"ServeReplica:[^ ]*:Ingress"),
+    ("haproxy", r"haproxy|HAProxyManager|ProxyActor"),
+    ("serve controller", r"ServeController"),
+    ("kv-event hub", r"ApplicationHub"),
+    (
+        "ray system",
+        r"gcs_server|raylet|dashboard|DashboardAgent|RuntimeEnvAgent|log_monitor|monitor\.py",
+    ),
+    ("vllm worker", r"VLLM::Worker"),
+    ("vllm engine core", r"VLLM::EngineCore"),
+    ("vllm api server", r"vllm\.entrypoints"),
+]
+
+
+def cpu_by_process() -> dict[int, tuple[str, float]]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out[int(entry)] = (cmd, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    return out
+
+
+def cpu_split(before: dict, after: dict) -> dict[str, float]:
+    groups: dict[str, float] = {}
+    for pid, (cmd, cpu) in after.items():
+        used = cpu - before.get(pid, (cmd, 0.0))[1]
+        if used <= 0:
+            continue
+        name = next((g for g, pattern in GROUPS if re.search(pattern, cmd)), "other")
+        groups[name] = groups.get(name, 0.0) + used
+    return {k: round(v, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}
+
+
+SERVER_HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+)
+
+
+def scrape_histograms(base: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the server's own first-token histograms (vLLM's `vllm:` names and
+    stepserve's `stepserve:` ones, the same names), summed over label sets."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(?:vllm|stepserve):(\w+?)_(sum|count)(?:\{[^}]*\})? (\S+)$", line)
+        if m and m.group(1) in SERVER_HISTOGRAMS:
+            entry = out.setdefault(m.group(1), [0.0, 0.0])
+            entry[0 if m.group(2) == "sum" else 1] += float(m.group(3))
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def histogram_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean (ms) of each histogram over the observations between two scrapes."""
+    means = {}
+    for name, (total, count) in after.items():
+        total0, count0 = before.get(name, (0.0, 0.0))
+        if count > count0:
+            means[name.removesuffix("_seconds")] = round(
+                1000 * (total - total0) / (count - count0), 1
+            )
+    return means
+
+
+def read_trace(path: Path, skip: int) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh.readlines()[skip:]]
+
+
+def decompose(trace: list[dict], requests: dict) -> list[dict]:
+    """Per request of a serving.py run (its per-request columns), its TTFT's parts (ms), from
+    the engine core's trace lines of that run. Requests are matched to the core's adds in
+    order of arrival with equal prompt lengths (two requests sent within a millisecond can
+    swap)."""
+    arrival, first_start, token_ends, prompt_len = {}, {}, {}, {}
+    adds = []
+    for line in trace:
+        if line["ev"] == "add":
+            adds.append(line["rid"])
+            arrival[line["rid"]] = line["arrival"]
+            continue
+        start = line["t"] - line["dur"]
+        for rid, pos, num, drafts, prompt in line["reqs"]:
+            if rid not in arrival:
+                continue
+            first_start.setdefault(rid, start)
+            prompt_len[rid] = prompt
+            if pos + num - drafts >= prompt:  # this step sampled the request's next token(s)
+                token_ends.setdefault(rid, []).append(line["t"])
+    order = sorted(range(len(requests["sent_at"])), key=lambda i: requests["sent_at"][i])
+    used: set[int] = set()
+    rows = []
+    for rid in adds:
+        if rid not in token_ends:
+            continue
+        i = next(
+            (j for j in order if j not in used and requests["prompt_len"][j] == prompt_len[rid]),
+            None,
+        )
+        if i is None or not requests["success"][i]:
+            continue
+        used.add(i)
+        sent = requests["sent_at"][i]
+        received = sent + requests["ttft_s"][i]
+        ends = token_ends[rid]
+        # the core step whose token the client's first text came with: the last one before it
+        text_step = max((t for t in ends if t <= received), default=ends[0])
+        rows.append(
+            {
+                "ttft": received - sent,
+                "in": arrival[rid] - sent,
+                "wait": first_start[rid] - arrival[rid],
+                "prefill": ends[0] - first_start[rid],
+                "extra": text_step - ends[0],
+                "out": received - text_step,
+                "text_token": 1 + sum(1 for t in ends if t < text_step),
+                "prompt_len": prompt_len[rid],
+            }
+        )
+    return [
+        {k: round(v * 1000, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows
+    ]
+
+
+def summarize(rows: list[dict]) -> dict:
+    out = {"requests": len(rows)}
+    for key in ("ttft", "in", "wait", "prefill", "extra", "out"):
+        values = sorted(r[key] for r in rows)
+        out[key] = {
+            "p50": round(statistics.median(values), 1),
+            "p90": round(values[int(0.9 * (len(values) - 1))], 1),
+            "mean": round(statistics.fmean(values), 1),
+        }
+    out["first_text_at_token"] = {
+        str(k): sum(1 for r in rows if r["text_token"] == k)
+        for k in sorted({r["text_token"] for r in rows})
+    }
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default="stepserve+haproxy,vllm-2cores")
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--request-rate", default="1,3")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--dataset", default="long-tail")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--warmup-prompts", type=int, default=16)
+    p.add_argument("--settle-s", type=float, default=3.0)
+    p.add_argument("--stepserve-args", default="")
+    p.add_argument("--vllm-args", default="")
+    p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    p.add_argument("--vllm-kv-gib", type=int, default=2)
+    p.add_argument("--port", type=int, default=8032)
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--out", default="ttft_decompose")
+    args = p.parse_args()
+    args.tree = []  # server_command's SYSTEM@TREE (not offered here)
+    model = resolve_model(args.model)
+    base = f"http://127.0.0.1:{args.port}"
+    rates = [r.strip() for r in args.request_rate.split(",") if r.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for system in systems[r % len(systems) :] + systems[: r % len(systems)]:
+                argv, env = server_command(system, args, model, args.port)
+                trace = Path(tmp) / f"trace-{system}-{r}.jsonl"
+                if system.startswith("stepserve"):
+                    env[TRACE_ENV] = str(trace)
+                log = Path(tmp) / f"{system}-{r}.log"
+                print(f"== round {r + 1}/{args.rounds}: {system}", flush=True)
+                with open(log, "w") as fh:
+                    proc = subprocess.Popen(
+                        argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                try:
+                    wait_healthy(base, proc, args.startup_timeout_s, log)
+                    warm = ["--dataset", args.dataset, "--num-prompts", str(args.warmup_prompts)]
+                    warm += ["--seed", str(WARMUP_SEED), "--request-rate", "inf"]
+                    run_serving(base, f"{system} warm-up", warm, None)
+                    time.sleep(args.settle_s)
+                    for i, rate in enumerate(rates):
+                        skip = len(trace.read_text().splitlines()) if trace.exists() else 0
+                        result = Path(tmp) / f"{system}-{r}-{rate}.json"
+                        bench = ["--dataset", args.dataset, "--num-prompts", str(args.num_prompts)]
+                        bench += ["--seed", str(sweep_seed(0, i)), "--request-rate", rate]
+                        bench += ["--save-detailed"]
+                        histograms = scrape_histograms(base)
+                        before = cpu_by_process()
+                        data = run_serving(base, system, bench, result)
+                        split = cpu_split(before, cpu_by_process())
+                        time.sleep(2)  # stepserve's replicas push their metrics about once a second
+                        server_means = histogram_means(histograms, scrape_histograms(base))
+                        run = data["runs"][0]
+                        entry = {
+                            "system": system,
+                            "round": r,
+                            "request_rate": float(rate),
+                            "duration_s": run["duration_s"],
+                            "completed": run["completed"],
+                            "output_tokens": run["total_output_tokens"],
+                            "ttft_ms": run["ttft_ms"],
+                            "tpot_ms": run["tpot_ms"],
+                            "cpu_s": split,
+                            "server_means_ms": server_means,
+                        }
+                        if trace.exists():
+                            rows = decompose(read_trace(trace, skip), run["requests"])
+                            entry["decomposition"] = summarize(rows)
+                            entry["per_request"] = rows
+                        runs.append(entry)
+                        report(entry)
+                finally:
+                    stop(proc)
+                    wait_port_free(args.port)
+                time.sleep(3)
+    out = {
+        "benchmark": "ttft_decompose",
+        "model": model.name,
+        "dtype": args.dtype,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "rounds": args.rounds,
+        "host": machine_info(),
+        "runs": runs,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{args.out}.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
+
+
+def report(entry: dict) -> None:
+    ttft, tpot = entry["ttft_ms"], entry["tpot_ms"]
+    print(
+        f"-- {entry['system']} @ {entry['request_rate']:g} req/s: TTFT p50 {ttft['median']:.1f} "
+        f"p90 {ttft['p90']:.1f}, TPOT p50 {tpot['median']:.1f} ms"
+    )
+    total = sum(entry["cpu_s"].values()) or 1.0
+    print(
+        "   CPU s: "
+        + ", ".join(f"{k} {v:.1f} ({100 * v / total:.0f}%)" for k, v in entry["cpu_s"].items())
+    )
+    print(f"   the server's own means (ms): {entry['server_means_ms']}")
+    d = entry.get("decomposition")
+    if d:
+        parts = ", ".join(
+            f"{k} {d[k]['p50']:.1f}/{d[k]['p90']:.1f}"
+            for k in ("in", "wait", "prefill", "extra", "out")
+        )
+        print(f"   TTFT parts p50/p90 ms ({d['requests']} requests): {parts}")
+        print(f"   first text at token: {d['first_text_at_token']}")
+
+
+if __name__ == "__main__":
+    main()
