@@ -170,9 +170,11 @@ def decompose(trace: list[dict], requests: dict) -> list[dict]:
             (j for j in order if j not in used and requests["prompt_len"][j] == prompt_len[rid]),
             None,
         )
-        if i is None or not requests["success"][i]:
+        if i is None:
             continue
-        used.add(i)
+        used.add(i)  # a failed request too: the next add of its length is another request
+        if not requests["success"][i]:
+            continue
         sent = requests["sent_at"][i]
         received = sent + requests["ttft_s"][i]
         ends = token_ends[rid]
@@ -197,6 +199,8 @@ def decompose(trace: list[dict], requests: dict) -> list[dict]:
 
 def summarize(rows: list[dict]) -> dict:
     out = {"requests": len(rows)}
+    if not rows:
+        return out
     for key in ("ttft", "in", "wait", "prefill", "extra", "out"):
         values = sorted(r[key] for r in rows)
         out[key] = {

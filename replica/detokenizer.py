@@ -3,6 +3,8 @@ blocks are freed the step its stop string appears."""
 
 from __future__ import annotations
 
+import os
+
 # Prompt tokens kept as left context: some tokenizers (SentencePiece) drop a leading space when
 # a window is decoded on its own, so each window starts a few tokens earlier.
 _CONTEXT_TOKENS = 5
@@ -52,19 +54,17 @@ class IncrementalDetokenizer:
             # output token that completes it yields that character, as a decode of the whole
             # sequence shows it (tokenizers' DecodeStream, vLLM V1), not nothing until a later
             # character comes.
-            stable = len(prefix_text.rstrip("\ufffd"))
-            if (
-                stable < len(prefix_text)
-                and not new_text.startswith(prefix_text)
-                and new_text.startswith(prefix_text[:stable])
-            ):
-                if len(new_text) <= stable:
-                    continue
-                delta = new_text[stable:]
-            elif len(new_text) <= len(prefix_text):
-                continue  # nothing printable yet (a skipped special token, a merge)
+            if len(new_text) > len(prefix_text) and new_text.startswith(prefix_text):
+                delta = new_text[len(prefix_text) :]  # the usual case
             else:
-                delta = new_text[len(prefix_text) :]
+                common = len(os.path.commonprefix([prefix_text, new_text]))
+                replaced = prefix_text[common:]
+                if replaced and replaced.strip("\ufffd") == "" and len(new_text) > common:
+                    delta = new_text[common:]  # completes what decoded alone as U+FFFD
+                elif len(new_text) <= len(prefix_text):
+                    continue  # nothing printable yet (a skipped special token, a merge)
+                else:
+                    delta = new_text[len(prefix_text) :]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             self._append(delta)

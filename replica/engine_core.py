@@ -129,10 +129,13 @@ class EngineCore:
         self._compiled: deque = deque()  # ... and those whose grammar is ready
         self._grammar_engine_tried = False  # imported once the core has idled a heartbeat
         self._busy_at = time.monotonic()  # when the core last had a request
-        trace = os.environ.get(STEP_TRACE_ENV)
-        self._trace = open(trace, "a", buffering=1) if trace else None
-        if self._trace is not None:
-            engine.step_listeners.append(self._trace_step)
+        self._trace = None
+        if trace := os.environ.get(STEP_TRACE_ENV):
+            try:
+                self._trace = open(trace, "a", buffering=1)
+                engine.step_listeners.append(self._trace_step)
+            except OSError as exc:
+                logger.warning("%s=%s: no step trace: %s", STEP_TRACE_ENV, trace, exc)
 
     def send(self, message: tuple) -> None:
         with self._send_lock:
@@ -152,7 +155,18 @@ class EngineCore:
         times = getattr(engine.runner, "step_times", None)
         if times is not None:
             line["forward"] = times.forward
-        self._trace.write(json.dumps(line) + "\n")
+        self._write_trace(line)
+
+    def _write_trace(self, line: dict) -> None:
+        """One line, or none and no more tracing once the file cannot be written (a full disk
+        ends the trace, not the engine)."""
+        if self._trace is None:
+            return
+        try:
+            self._trace.write(json.dumps(line) + "\n")
+        except (OSError, ValueError) as exc:
+            logger.warning("step trace stopped: %s", exc)
+            self._trace = None
 
     def _on_kv_batch(self, batch) -> None:
         self._kv_batch = batch
@@ -194,8 +208,9 @@ class EngineCore:
         if kind == "add":
             _, rid, ids, params, arrival, priority = message
             if self._trace is not None:
-                line = {"ev": "add", "t": time.monotonic(), "rid": rid, "arrival": arrival}
-                self._trace.write(json.dumps(line) + "\n")
+                self._write_trace(
+                    {"ev": "add", "t": time.monotonic(), "rid": rid, "arrival": arrival}
+                )
             if params.structured is not None:  # compiled beside the loop, not between steps
                 self._compiling.add(rid)
                 if self._grammar_pool is None:

@@ -44,3 +44,18 @@ def test_a_broken_prompt_end_completed_over_two_output_tokens():
 
 def test_plain_ascii_is_one_delta_per_token():
     assert stream(b"hello ", b"world") == list("world")
+
+
+def test_a_context_window_that_starts_inside_a_character_emits_none_of_its_junk():
+    """The detokenizer keeps only the prompt's last tokens as context; when that window starts
+    inside a character its first bytes decode as U+FFFD too, and none of them is output."""
+    emoji = "😀".encode()  # 4 bytes: the window holds its last 1 and 3 of the next one
+    assert stream(b"q" + emoji + emoji[:3], emoji[3:] + b"z") == ["😀", "z"]
+    assert stream(b"ab\x80" + "｠".encode()[:2], "｠".encode()[2:]) == ["｠"]
+
+
+def test_a_stop_string_made_of_a_completed_character_stops_there():
+    wide = "｠".encode()
+    detok = IncrementalDetokenizer(ByteTokenizer(), list(b"ab" + wide[:2]), stop=["｠c"])
+    assert detok.add_tokens(list(wide[2:] + b"cd")) == 2  # the stop string ends at "c"
+    assert detok.stop_string == "｠c" and detok.take_delta(finished=True) == ""

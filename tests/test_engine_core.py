@@ -232,6 +232,25 @@ def test_the_step_trace_records_each_add_and_step(tiny_llama_dir, tmp_path, monk
         assert add["t"] < step["t"] <= after and 0 < step["forward"] <= step["dur"]
 
 
+def test_a_step_trace_that_cannot_be_written_leaves_the_core_serving(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    from replica.engine_core import STEP_TRACE_ENV
+
+    monkeypatch.setenv(STEP_TRACE_ENV, str(tmp_path / "no-such-dir" / "trace.jsonl"))
+
+    async def body():
+        engine = ProcessEngine(config(tiny_llama_dir))
+        try:
+            out = await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=2)))
+            assert out.num_output_tokens == 2
+        finally:
+            engine.shutdown()
+
+    in_loop(body)
+    assert not (tmp_path / "no-such-dir").exists()
+
+
 def test_an_idle_core_loads_the_grammar_engine_before_a_constrained_request(tiny_llama_dir):
     """The core imports xgrammar and builds its compiler once it has been idle for a
     heartbeat, so the first constrained request does not pause the requests running beside
