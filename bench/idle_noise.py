@@ -51,8 +51,9 @@ SERVER_PROCESSES = ("ray::", "gcs_server", "raylet", "dashboard", "stepserve", "
                     "autoscaler", "haproxy", "engine_core")  # fmt: skip
 
 
-def process_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (CPU ticks, context switches of all its threads, command line)."""
+def process_table(cmd_chars: int | None = 80) -> dict[int, tuple[int, int, str]]:
+    """pid -> (CPU ticks, context switches of all its threads, command line: its first
+    `cmd_chars` characters, or all of it with None)."""
     table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -65,7 +66,11 @@ def process_table() -> dict[int, tuple[int, int, str]]:
                 for line in Path(f"/proc/{entry}/task/{task}/status").read_text().splitlines():
                     if "ctxt_switches" in line:
                         switches += int(line.split()[1])
-            table[int(entry)] = (int(fields[11]) + int(fields[12]), switches, cmd.strip()[:80])
+            table[int(entry)] = (
+                int(fields[11]) + int(fields[12]),
+                switches,
+                cmd.strip()[:cmd_chars],
+            )
         except (OSError, ValueError, IndexError):
             continue
     return table

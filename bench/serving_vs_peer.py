@@ -15,6 +15,7 @@ Run (it starts Ray for stepserve): flock /tmp/stepserve-ray.lock .venv/bin/pytho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -174,6 +175,31 @@ def run_serving(base_url: str, label: str, bench_args: list[str], result: Path |
     return json.loads(result.read_text()) if result is not None else {}
 
 
+@contextlib.contextmanager
+def started_server(system: str, argv: list[str], env: dict, args, log: Path):
+    """Start a server (`server_command`'s argv and env; output to `log`), wait until it is
+    healthy, warm it up on prompts no measured run sends and let it settle `args.settle_s`;
+    yields the seconds it took to become healthy; stops it and waits for its port after."""
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=tree_of(system, args),
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        started = time.time()
+        wait_healthy(base, proc, args.startup_timeout_s, log)
+        startup_s = time.time() - started
+        warm = ["--dataset", args.dataset, "--num-prompts", str(args.warmup_prompts)]
+        warm += ["--seed", str(WARMUP_SEED)]  # prompts the sweep never sends
+        run_serving(base, f"{system} warm-up", [*warm, "--request-rate", "inf"], None)
+        time.sleep(args.settle_s)
+        yield startup_s
+    finally:
+        stop(proc)
+        wait_port_free(args.port)
+
+
 def median_runs(rounds: list[list[dict]]) -> list[dict]:
     """Per request rate, the median over rounds of every number (nested dicts alike)."""
 
@@ -254,26 +280,11 @@ def main() -> None:
                 argv, env = server_command(system, args, model, args.port)
                 log = Path(tmp) / f"{system}-{r}.log"
                 print(f"== round {r + 1}/{args.rounds}: {system}: {' '.join(argv)}", flush=True)
-                with open(log, "w") as fh:
-                    proc = subprocess.Popen(
-                        argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                        start_new_session=True, cwd=tree_of(system, args),
-                    )  # fmt: skip
-                try:
-                    started = time.time()
-                    wait_healthy(base, proc, args.startup_timeout_s, log)
-                    startup_s = time.time() - started
-                    warm = ["--dataset", args.dataset, "--num-prompts", str(args.warmup_prompts)]
-                    warm += ["--seed", str(WARMUP_SEED)]  # prompts the sweep never sends
-                    run_serving(base, f"{system} warm-up", [*warm, "--request-rate", "inf"], None)
-                    time.sleep(args.settle_s)
+                with started_server(system, argv, env, args, log) as startup_s:
                     result = Path(tmp) / f"{system}-{r}.json"
                     data = run_serving(
                         base, system, [*bench_args, "--request-rate", args.request_rate], result
                     )
-                finally:
-                    stop(proc)
-                    wait_port_free(args.port)
                 rounds[system].append(data["runs"])
                 settings.setdefault(system, {"argv": argv, "startup_s": []})
                 settings[system]["startup_s"].append(round(startup_s, 1))

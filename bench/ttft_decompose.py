@@ -32,7 +32,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,20 +41,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._models import model_dir as resolve_model  # noqa: E402
+from bench.idle_noise import process_table  # noqa: E402
 from bench.serving import machine_info, sweep_seed  # noqa: E402
 from bench.serving_vs_peer import (  # noqa: E402
     DEFAULT_VLLM_PYTHON,
-    WARMUP_SEED,
     run_serving,
     server_command,
-    stop,
-    wait_healthy,
-    wait_port_free,
+    started_server,
 )
+from replica.engine_core import STEP_TRACE_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-TRACE_ENV = "STEPSERVE_STEP_TRACE"  # replica/engine_core.py's STEP_TRACE_ENV
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # process groups by command line, first match wins
 GROUPS = [
@@ -75,26 +72,11 @@ GROUPS = [
 ]
 
 
-def cpu_by_process() -> dict[int, tuple[str, float]]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        out[int(entry)] = (cmd, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
-    return out
-
-
 def cpu_split(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds per process group between two `process_table(cmd_chars=None)` snapshots."""
     groups: dict[str, float] = {}
-    for pid, (cmd, cpu) in after.items():
-        used = cpu - before.get(pid, (cmd, 0.0))[1]
+    for pid, (ticks, _, cmd) in after.items():
+        used = (ticks - before.get(pid, (0, 0, cmd))[0]) / CLOCK_TICKS
         if used <= 0:
             continue
         name = next((g for g, pattern in GROUPS if re.search(pattern, cmd)), "other")
@@ -246,19 +228,10 @@ def main() -> None:
                 argv, env = server_command(system, args, model, args.port)
                 trace = Path(tmp) / f"trace-{system}-{r}.jsonl"
                 if system.startswith("stepserve"):
-                    env[TRACE_ENV] = str(trace)
+                    env[STEP_TRACE_ENV] = str(trace)
                 log = Path(tmp) / f"{system}-{r}.log"
                 print(f"== round {r + 1}/{args.rounds}: {system}", flush=True)
-                with open(log, "w") as fh:
-                    proc = subprocess.Popen(
-                        argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-                    )
-                try:
-                    wait_healthy(base, proc, args.startup_timeout_s, log)
-                    warm = ["--dataset", args.dataset, "--num-prompts", str(args.warmup_prompts)]
-                    warm += ["--seed", str(WARMUP_SEED), "--request-rate", "inf"]
-                    run_serving(base, f"{system} warm-up", warm, None)
-                    time.sleep(args.settle_s)
+                with started_server(system, argv, env, args, log):
                     for i, rate in enumerate(rates):
                         skip = len(trace.read_text().splitlines()) if trace.exists() else 0
                         result = Path(tmp) / f"{system}-{r}-{rate}.json"
@@ -266,9 +239,9 @@ def main() -> None:
                         bench += ["--seed", str(sweep_seed(0, i)), "--request-rate", rate]
                         bench += ["--save-detailed"]
                         histograms = scrape_histograms(base)
-                        before = cpu_by_process()
+                        before = process_table(cmd_chars=None)
                         data = run_serving(base, system, bench, result)
-                        split = cpu_split(before, cpu_by_process())
+                        split = cpu_split(before, process_table(cmd_chars=None))
                         time.sleep(2)  # stepserve's replicas push their metrics about once a second
                         server_means = histogram_means(histograms, scrape_histograms(base))
                         run = data["runs"][0]
@@ -290,9 +263,6 @@ def main() -> None:
                             entry["per_request"] = rows
                         runs.append(entry)
                         report(entry)
-                finally:
-                    stop(proc)
-                    wait_port_free(args.port)
                 time.sleep(3)
     out = {
         "benchmark": "ttft_decompose",

@@ -147,6 +147,8 @@ class EngineCore:
     def _trace_step(self, engine, scheduler_output, outputs, step_time) -> None:
         """STEPSERVE_STEP_TRACE: when each step ended, how long it took and what it ran (per
         request: id, first position, tokens, draft tokens, prompt tokens)."""
+        if self._trace is None:  # stopped by a failed write
+            return
         rows = [
             [s.request_id, s.start, s.num_tokens, len(s.draft), s.request.num_prompt_tokens]
             for s in scheduler_output.scheduled
