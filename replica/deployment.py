@@ -39,6 +39,7 @@ logger = logging.getLogger("ray.serve")
 # Window over which the recent preemption rate is computed for routing and autoscaling.
 _PREEMPTION_WINDOW_S = 10.0
 METRICS_PUSH_PERIOD_S = 1.0
+METRICS_PUSH_TIMEOUT_S = 10.0
 # The threads of a replica's actor take turns on the GIL: the event loop that streams outputs,
 # Ray's threads, and the engine thread (engine_core="thread": it holds the GIL between torch
 # ops) or the core's reader (engine_core="process": it detokenizes each step). Python's
@@ -131,6 +132,7 @@ class LLMServer:
                     hub,
                     snapshot=lambda: engine.call("kv_snapshot").result(timeout=30),
                     log_stats=lambda: engine.call("kv_stats").result(timeout=30),
+                    on_active=lambda on: engine.call("kv_publish", on).result(timeout=30),
                 )
                 engine.kv_batch_listener = self.kv_events.add_batch
             else:
@@ -283,9 +285,14 @@ class LLMServer:
         return self.metrics.exposition()
 
     def _push_metrics(self) -> None:
+        """Push the exposition to the hub about once a second; its answer says whether a
+        router reads this replica's KV events (kv_publisher.py: publish only then)."""
         while not self._metrics_stop.wait(METRICS_PUSH_PERIOD_S):
             try:
-                self.hub.push.remote(self.replica_id, self.metrics.exposition())
+                ref = self.hub.push.remote(self.replica_id, self.metrics.exposition())
+                if self.kv_events is not None:
+                    self.kv_events.set_active(bool(ray.get(ref, timeout=METRICS_PUSH_TIMEOUT_S)))
+                    self.metrics.kv_events_publishing.set(self.kv_events.active)  # next push
             except Exception as exc:  # metrics must not kill the replica
                 logger.debug("metrics push failed: %s", exc)
 

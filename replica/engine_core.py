@@ -8,7 +8,7 @@ methods cross it: a step's outputs travel as plain tuples, `encode_outputs`):
 
   front -> core   ("add", rid, prompt_ids, params, arrival, priority)   ("abort", rid)
                   ("stop", [rid, ...])   a stop string ended these (the front found it)
-                  ("call", call_id, op, arg)   threads | sleep | kv_snapshot | kv_stats
+                  ("call", call_id, op, arg)   threads | sleep | kv_publish | kv_snapshot | kv_stats
                   ("shutdown",)
   core -> front   ("ready", info) | ("failed", traceback)   once, after the engine is built
                   ("step", outputs, StepReport, num_free_blocks, num_request_states)
@@ -122,7 +122,9 @@ class EngineCore:
         self._send_lock = threading.Lock()  # the grammar thread sends errors too
         self._report: StepReport | None = None
         self._kv_batch = None
-        self.sealer = KVEventSealer(engine, sink=self._on_kv_batch) if kv_events else None
+        # batches are sealed from the start (the table stays exact) and sent once the front's
+        # publisher asks (kv_publish: a router reads this replica; kv_publisher.py)
+        self.sealer = KVEventSealer(engine) if kv_events else None
         engine.step_listeners.append(self._on_step)
         self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._compiling: set[str] = set()  # requests whose grammar is being compiled
@@ -275,6 +277,10 @@ class EngineCore:
             return torch.get_num_threads()
         if op == "sleep":  # fault injection (the front checks that it is allowed)
             time.sleep(float(arg))
+            return None
+        if op == "kv_publish":
+            if self.sealer is not None:
+                self.sealer.sink = self._on_kv_batch if arg else None
             return None
         if op == "kv_snapshot":
             return self.sealer.log.snapshot() if self.sealer else None

@@ -29,8 +29,12 @@ class ApplicationHub(KVEventHub):
         self._expositions: dict[str, tuple[float, bytes]] = {}
         freeze_heap()  # its polls and pushes are not stalled by collections over Ray's import
 
-    def push(self, replica_id: str, text: bytes) -> None:
-        self._expositions[replica_id] = (time.time(), text)
+    def push(self, replica_id: str, text: bytes) -> bool:
+        """Keep a replica's exposition; the answer: whether a router reads its KV events
+        (`is_read`), so that a replica learns it from the push it makes anyway."""
+        now = time.time()
+        self._expositions[replica_id] = (now, text)
+        return self.is_read(replica_id, now)
 
     def expositions(
         self, max_age_s: float = 30.0, replica_ids: list[str] | None = None

@@ -17,9 +17,14 @@ Events are plain tuples (cheap to make on the engine thread, cheap to pickle):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 STORED, REMOVED, CLEARED = 0, 1, 2
+
+# a replica is read while a router polled for it this recently (routers poll every 50 ms when
+# busy, every 0.5 s when idle); one no router reads stops publishing (kv_publisher.py)
+READ_TTL_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +91,18 @@ class KVEventHub:
     the last `keep_batches` batches, so that a router catching up gets the batches it missed,
     or a snapshot when they are gone. A replica it does not know, or whose batches skip a
     number, is asked to resync (a snapshot in its next publish). Replicas silent for
-    `forget_after_s` (publishers send a heartbeat) are dropped."""
+    `forget_after_s` (publishers send a heartbeat) are dropped.
+
+    It also knows which replicas are read: a router polls only while it has two replicas or
+    more to choose from (router/kv_routing.py), and `is_read` tells a replica whether any
+    router polled for it in the last READ_TTL_S, so that a replica alone in its application
+    publishes nothing (replica/kv_publisher.py)."""
 
     def __init__(self, keep_batches: int = 1024, forget_after_s: float = 60.0) -> None:
         self.keep_batches = keep_batches
         self.forget_after_s = forget_after_s
         self._replicas: dict[str, dict] = {}
+        self._read_at: dict[str, float] = {}  # replica -> when a router last polled for it
 
     def publish(
         self,
@@ -100,8 +111,6 @@ class KVEventHub:
         snapshot: KVSnapshot | None = None,
         now: float | None = None,
     ) -> dict:
-        import time
-
         now = time.time() if now is None else now
         entry = self._replicas.get(replica_id)
         if snapshot is not None:
@@ -142,12 +151,17 @@ class KVEventHub:
         for rid in [r for r, e in self._replicas.items() if now - e["seen"] > self.forget_after_s]:
             del self._replicas[rid]
 
-    def poll(self, cursors: dict[str, int]) -> dict[str, tuple[str, object]]:
+    def poll(
+        self, cursors: dict[str, int], now: float | None = None
+    ) -> dict[str, tuple[str, object]]:
         """For each replica in `cursors` (its value: the last batch the caller applied, -1 for
         none) that has news: ("batches", [...]) when the hub still holds every batch after the
-        cursor, else ("snapshot", KVSnapshot); ("gone", None) for a replica the hub dropped."""
+        cursor, else ("snapshot", KVSnapshot); ("gone", None) for a replica the hub dropped.
+        Each replica in `cursors` counts as read (`is_read`)."""
+        now = time.time() if now is None else now
         out: dict[str, tuple[str, object]] = {}
         for rid, cursor in cursors.items():
+            self._read_at[rid] = now
             entry = self._replicas.get(rid)
             if entry is None:
                 if cursor >= 0:
@@ -162,8 +176,26 @@ class KVEventHub:
                 out[rid] = ("snapshot", KVSnapshot(entry["seq"], dict(entry["table"])))
         return out
 
+    def is_read(self, replica_id: str, now: float | None = None) -> bool:
+        """Whether a router polled for `replica_id` in the last READ_TTL_S."""
+        now = time.time() if now is None else now
+        self._read_at = {r: t for r, t in self._read_at.items() if now - t <= READ_TTL_S}
+        return replica_id in self._read_at
+
     def forget(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)
 
     def replicas(self) -> dict[str, int]:
         return {rid: e["seq"] for rid, e in self._replicas.items()}
+
+
+def call_hub(hub, method: str, *args, wait: bool = True):
+    """Call `method` on a hub: its Ray actor handle (waiting for the answer unless `wait` is
+    False), or a KVEventHub in this process (tests)."""
+    call = getattr(hub, method)
+    if not hasattr(call, "remote"):
+        return call(*args)
+    import ray
+
+    ref = call.remote(*args)
+    return ray.get(ref, timeout=30) if wait else None

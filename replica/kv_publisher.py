@@ -4,7 +4,15 @@ the application's KVEventHub (replica/kv_events.py) from a thread of the replica
 (KVEventPublisher) every `interval_s`, with a heartbeat when there is nothing new. When the hub
 asks for a resync (it restarted, or it missed a batch), the next publish carries a snapshot
 taken by the engine between two steps. Costs are counted (`seal_seconds`, `publish_seconds`) so
-that the per-step overhead can be stated."""
+that the per-step overhead can be stated.
+
+A replica publishes only while a router reads it (`set_active`, from the hub's answer to the
+replica's metrics push about once a second: KVEventHub.is_read). A router polls only while it
+has two replicas or more to choose from, so a replica alone in its application (the default
+`stepserve serve`, until autoscaling adds one) spends nothing on KV events: its batches are
+sealed (the table a snapshot needs stays exact) and dropped. When a router starts reading
+it, the first publish carries a snapshot; when none has read it for READ_TTL_S, it stops and
+the hub forgets it."""
 
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ import threading
 import time
 from collections import deque
 
-from replica.kv_events import KVEventBatch, KVSnapshot
+from replica.kv_events import KVEventBatch, KVSnapshot, call_hub
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +59,11 @@ class KVEventSealer:
 
 class KVEventPublisher:
     """The replica's side: queues sealed batches (`add_batch`, from any thread) and publishes
-    them. `snapshot()` returns the engine's table (taken between two steps) for a resync;
-    `log_stats()` the sealer's counters. `in_process` wires one to an AsyncEngine's Engine."""
+    them while active (`set_active`). `snapshot()` returns the engine's table (taken between two
+    steps) for a resync; `log_stats()` the sealer's counters; `on_active(bool)`, when given, is
+    told of each change first (an engine core stops or starts sending its batches).
+    `in_process` wires one to an AsyncEngine's Engine. `hub` is the hub's actor handle, or a
+    KVEventHub in this process (tests)."""
 
     def __init__(
         self,
@@ -62,6 +73,8 @@ class KVEventPublisher:
         log_stats,
         interval_s: float = 0.02,
         max_pending: int = 4096,
+        active: bool = False,
+        on_active=None,
     ) -> None:
         self.replica_id = replica_id
         self.hub = hub
@@ -69,9 +82,11 @@ class KVEventPublisher:
         self.log_stats = log_stats
         self.interval_s = interval_s
         self.max_pending = max_pending
+        self.on_active = on_active
         self._pending: deque[KVEventBatch] = deque()
         self._lock = threading.Lock()
-        self._resync = False
+        self._active = active
+        self._resync = active  # a publisher's first batch may not be the engine's first
         self._stop = threading.Event()
         self._news = threading.Event()  # set when a batch is sealed: the publisher wakes
         self.publish_seconds = 0.0
@@ -94,8 +109,40 @@ class KVEventPublisher:
         sealer.sink = publisher.add_batch
         return publisher
 
-    def add_batch(self, batch: KVEventBatch) -> None:
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def set_active(self, active: bool) -> None:
+        """Start publishing (with a snapshot first) or stop (the hub forgets this replica)."""
+        if active == self._active:
+            return
+        if active:
+            with self._lock:  # take batches before the engine sends them: none is lost
+                self._active = True
+                self._resync = True
+            if self.on_active is not None:
+                self.on_active(True)
+            self._news.set()
+            logger.info("replica %s: a router reads its KV events: publishing", self.replica_id)
+            return
         with self._lock:
+            self._active = False
+            self._pending.clear()
+        if self.on_active is not None:
+            self.on_active(False)
+        self._hub_call("forget", self.replica_id, wait=False)
+        logger.info("replica %s: no router reads its KV events: not publishing", self.replica_id)
+
+    def _hub_call(self, method: str, *args, wait: bool = True):
+        return call_hub(self.hub, method, *args, wait=wait)
+
+    def add_batch(self, batch: KVEventBatch) -> None:
+        if not self._active:  # nobody reads: the snapshot that starts publishing covers it
+            return
+        with self._lock:
+            if not self._active:
+                return
             self._pending.append(batch)
             if len(self._pending) > self.max_pending:  # the hub is not keeping up: resync
                 self._pending.clear()
@@ -121,8 +168,8 @@ class KVEventPublisher:
                 self._news.set()
 
     def publish_once(self, last: float = 0.0) -> float:
-        import ray
-
+        if not self._active:
+            return last
         snapshot: KVSnapshot | None = None
         if self._resync:
             snapshot = self.snapshot()
@@ -136,8 +183,11 @@ class KVEventPublisher:
         if not batches and snapshot is None and now - last < HEARTBEAT_S:
             return last
         t0 = time.perf_counter()
-        reply = ray.get(self.hub.publish.remote(self.replica_id, batches, snapshot), timeout=30)
+        reply = self._hub_call("publish", self.replica_id, batches, snapshot)
         self.publish_seconds += time.perf_counter() - t0
+        if not self._active:  # stopped while this publish was on its way: it must not stay
+            self._hub_call("forget", self.replica_id, wait=False)
+            return now
         self.num_published += len(batches)
         if reply.get("resync"):
             self._resync = True
@@ -149,12 +199,13 @@ class KVEventPublisher:
             **self.log_stats(),
             "publish_seconds": self.publish_seconds,
             "batches_published": self.num_published,
+            "publishing": self._active,
         }
 
     def stop(self) -> None:
         self._stop.set()
         self._news.set()
         try:
-            self.hub.forget.remote(self.replica_id)
+            self._hub_call("forget", self.replica_id, wait=False)
         except Exception:
             pass

@@ -53,6 +53,10 @@ class EngineMetrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage (1 = full).")
         self.num_preemptions = counter("num_preemptions", "Preemptions by recompute.")
+        self.kv_events_publishing = gauge(
+            "kv_events_publishing",
+            "1 while a router reads this replica's KV events and it publishes them.",
+        )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )

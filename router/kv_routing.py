@@ -1,6 +1,6 @@
 """A router's KV-event routing state (routing.kv_events): its KVIndex (router/kv_index.py), kept
 current by a thread that polls the application's KVEventHub (replica/kv_events.py) every
-`poll_s` for the replicas the router can route to; the prediction it made for each request it
+`poll_s` for the replicas the router can route to (while there are two or more); the prediction it made for each request it
 routed, checked against the hit the replica reports (`note_cached`, from the ingress); and the
 counters the ingress exports as Prometheus metrics (`exposition`).
 
@@ -17,6 +17,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from replica.kv_events import call_hub
 from router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class KVRouting:
         poll_s: float = 0.05,
         max_predictions: int = 100_000,
         start: bool = True,
+        hub=None,
     ) -> None:
         self.app_name = app_name
         self.index = KVIndex(block_size)
@@ -41,7 +43,7 @@ class KVRouting:
         self._lock = threading.Lock()
         self._predictions: OrderedDict[str, int] = OrderedDict()  # request key -> predicted
         self._max_predictions = max_predictions
-        self._hub = None
+        self._hub = hub  # the application's hub (found on first use), or a KVEventHub (tests)
         self.decisions = dict.fromkeys(REASONS, 0)
         self.predicted_tokens = 0
         self.actual_tokens = 0
@@ -101,14 +103,14 @@ class KVRouting:
         return out
 
     def poll_once(self) -> bool:
-        """One poll of the hub; True when it brought news."""
-        import ray
-
+        """One poll of the hub; True when it brought news. A router with one replica has
+        nothing to choose and does not poll: its replica, read by no router, stops publishing
+        (replica/kv_publisher.py); polling resumes when a second replica joins."""
         cursors = self.cursors()
-        if not cursors:
+        if len(cursors) < 2:
             return False
         t0 = time.perf_counter()
-        reply = ray.get(self._hub_handle().poll.remote(cursors), timeout=30)
+        reply = call_hub(self._hub_handle(), "poll", cursors)
         self.apply_poll(reply)
         self.polls += 1
         self.poll_seconds += time.perf_counter() - t0

@@ -122,14 +122,17 @@ class LoadAwareRouter(RequestRouter):
             return [[replica] for replica in order]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         hits: dict[str, int] = {}
+        # the cache matters only between replicas: with one, the index is not kept (kv_routing)
+        use_kv = self.kv is not None and len(by_id) >= 2
         if self.kv is not None:
             self.kv.start()
+        if use_kv:
             hits = self.kv.hit_tokens(request.prompt_token_ids, list(by_id))
         prefix = request.prefix_key
         ids = self.policy.candidates(list(by_id), prefix, hits)
         prefill = self.inflight.prefill_by_replica(now, ids)
         stats = [self._stats_of(by_id[rid], now, prefill, hits.get(rid, 0)) for rid in ids]
-        if self.kv is not None and request.reports_progress:
+        if use_kv and request.reports_progress:
             self._hits[request.request_id] = (hits, stats)  # for on_request_routed
         ranked_ids = self.policy.rank(stats, request.prefix_key, request.footprint_tokens)
         tiers = [kept for tier in ranked_ids if (kept := [rid for rid in tier if rid in by_id])]

@@ -74,7 +74,30 @@ def _num_running_replicas(app: str) -> int:
 
 
 @pytest.mark.ray
+def _publishing(port: int) -> dict[str, float]:
+    """stepserve:kv_events_publishing per replica, from the ingress's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return {
+        s.labels["replica"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "stepserve:kv_events_publishing"
+    }
+
+
+def _wait_publishing(port: int, condition, timeout_s: float = 30.0) -> dict[str, float]:
+    deadline = time.time() + timeout_s
+    while not condition(seen := _publishing(port)):
+        assert time.time() < deadline, f"KV-event publishing never became as expected: {seen}"
+        time.sleep(0.5)
+    return seen
+
+
 def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
+    """1 -> 3 -> 1 replicas under a burst. KV events (on by default) flow only while a router
+    has two replicas or more to choose from: none alone, before and after."""
     pytest.importorskip("ray")
     from ray import serve
 
@@ -110,7 +133,10 @@ def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
         serve.run(build_app(config), name=app, route_prefix="/")
         assert _num_running_replicas(app) == 1
         url = f"http://127.0.0.1:{port}/v1/completions"
-        peak = {"replicas": 1}
+        peak = {"replicas": 1, "publishing": 0}
+        httpx.post(url, json={"prompt": [5] * 8, "max_tokens": 2}, timeout=120)
+        # alone, the replica is read by no router: it does not publish (its push reached /metrics)
+        assert list(_wait_publishing(port, bool).values()) == [0.0]
 
         tokens = 200
 
@@ -129,7 +155,7 @@ def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
 
         async def client_loop(client, c, stop, done):
             # a closed loop: each of the 16 clients sends its next request when one ends,
-            # until the third replica runs (then the requests under way finish)
+            # until `stop` (then the requests under way finish)
             i = c
             while not stop.is_set():
                 done.append(await one(client, i))
@@ -141,9 +167,14 @@ def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
             async with httpx.AsyncClient(timeout=300) as client:
                 clients = [asyncio.ensure_future(client_loop(client, c, stop, done))
                            for c in range(16)]  # fmt: skip
-                while peak["replicas"] < 3 and time.time() - started < 120:
+                # until the third replica runs and two or more publish (read by the router)
+                while (peak["replicas"] < 3 or peak["publishing"] < 2) and (
+                    time.time() - started < 120
+                ):
                     running = await asyncio.to_thread(_num_running_replicas, app)
                     peak["replicas"] = max(peak["replicas"], running)
+                    publishing = sum((await asyncio.to_thread(_publishing, port)).values())
+                    peak["publishing"] = max(peak["publishing"], publishing)
                     await asyncio.sleep(0.25)
                 stop.set()
                 await asyncio.gather(*clients)
@@ -159,3 +190,7 @@ def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
         # the metrics endpoint reports no stale queue after scale-down
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         assert "stepserve:num_requests_waiting" in text
+        # with two replicas or more, the routers read them and they published; alone again,
+        # the survivor stops within the hub's read window (5 s) and a push or two
+        assert peak["publishing"] >= 2, peak
+        _wait_publishing(port, lambda seen: len(seen) == 1 and sum(seen.values()) == 0)

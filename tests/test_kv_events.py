@@ -233,6 +233,99 @@ def test_kv_routing_follows_the_hub_and_checks_its_predictions() -> None:
     routing.stop()
 
 
+# -- publishing only while read ---------------------------------------------------------------
+def test_the_hub_tells_a_replica_whether_a_router_reads_it(monkeypatch) -> None:
+    import replica.hub
+    from replica.kv_events import READ_TTL_S
+
+    hub = KVEventHub()
+    assert not hub.is_read("a", now=100.0)
+    hub.poll({"a": -1, "b": 3}, now=100.0)  # unknown replicas: no news, but they are read
+    assert hub.is_read("a", now=100.0 + READ_TTL_S) and hub.is_read("b", now=101.0)
+    assert not hub.is_read("a", now=100.1 + READ_TTL_S)
+    clock = [1000.0]
+    monkeypatch.setattr(replica.hub.time, "time", lambda: clock[0])
+    app_hub = ApplicationHub()
+    assert app_hub.push("a", b"x") is False  # the push's answer: nobody reads "a"
+    app_hub.poll({"a": -1}, now=clock[0])
+    assert app_hub.push("a", b"y") is True
+    clock[0] += READ_TTL_S + 1
+    assert app_hub.push("a", b"z") is False
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_replica_publishes_only_while_read_and_starts_from_a_snapshot() -> None:
+    """A replica alone sends nothing; once read, the hub's table equals the replica's, batch
+    after batch; once no longer read, the hub forgets it; read again, it resyncs."""
+    from replica.kv_events import KVEventLog
+    from replica.kv_publisher import KVEventPublisher
+
+    log = KVEventLog(BS)
+    hub = KVEventHub()
+    changes: list[bool] = []
+    pub = KVEventPublisher(
+        "a", hub, snapshot=log.snapshot, log_stats=lambda: {}, interval_s=0.001,
+        on_active=changes.append,
+    )  # fmt: skip
+    step = iter(range(1, 10**6))
+
+    def engine_step(*hashes: int) -> None:  # what the engine's sealer does after a step
+        for h in hashes:
+            log.stored(h, 0)
+        pub.add_batch(log.seal())
+
+    def hub_table() -> dict:
+        reply = hub.poll({"a": -1})
+        return reply["a"][1].blocks if "a" in reply else {}
+
+    try:
+        engine_step(next(step), next(step))
+        assert not pub.active and pub.publish_once() == 0.0 and hub.replicas() == {}
+        pub.set_active(True)
+        assert changes == [True]
+        _wait_for(lambda: hub.replicas().get("a") == log.seq)  # the snapshot: batch 1 in it
+        assert hub_table() == log.table
+        engine_step(next(step))
+        log.removed(1)
+        engine_step()
+        _wait_for(lambda: hub.replicas().get("a") == log.seq)
+        kind, batches = hub.poll({"a": 1})["a"]  # batches after the snapshot, none skipped
+        assert kind == "batches" and [b.seq for b in batches] == [2, 3]
+        assert hub_table() == log.table and 1 not in log.table
+        assert pub.stats()["publishing"] is True
+        pub.set_active(False)
+        assert changes == [True, False] and hub.replicas() == {}
+        engine_step(next(step))  # dropped: nobody reads
+        assert hub.replicas() == {}
+        pub.set_active(True)
+        _wait_for(lambda: hub.replicas().get("a") == log.seq)
+        assert hub_table() == log.table  # resynced, the dropped batch included
+    finally:
+        pub.stop()
+
+
+def test_a_router_polls_only_while_it_has_two_replicas() -> None:
+    hub = KVEventHub()
+    hub.publish("a", [_batch(1, 5)])
+    routing = KVRouting("app", BS, start=False, hub=hub)
+    routing.set_live(["a"])
+    assert routing.poll_once() is False and routing.polls == 0
+    assert not hub.is_read("a")  # so "a" would stop publishing
+    routing.set_live(["a", "b"])
+    assert routing.poll_once() is True and routing.polls == 1
+    assert hub.is_read("a") and hub.is_read("b")
+    assert routing.index.seq("a") == 1
+    routing.stop()
+
+
 # -- the policy ---------------------------------------------------------------------------------
 def _stats(rid: str, ongoing: int, cached: int = 0) -> ReplicaStats:
     return ReplicaStats(
