@@ -58,6 +58,13 @@ def server_command(system: str, args, model: Path, port: int) -> tuple[list[str]
     `SYSTEM@TREE` runs from the checkout `--tree TREE=PATH` (this interpreter, the checkout
     first on PYTHONPATH, which Ray's processes inherit): a before/after pair in one run."""
     env = dict(os.environ)
+    for spec in getattr(args, "env", None) or []:  # --env SYSTEM:KEY=VALUE
+        name, _, setting = spec.partition(":")
+        key, sep, value = setting.partition("=")
+        if not (name and key and sep):
+            raise SystemExit(f"--env {spec!r}: SYSTEM:KEY=VALUE")
+        if name == system:
+            env[key] = value
     tree = tree_of(system, args)
     system = system.partition("@")[0]
     if tree:
@@ -257,6 +264,15 @@ def main() -> None:
     )
     p.add_argument("--stepserve-args", default="", help="more `stepserve serve` flags")
     p.add_argument("--vllm-args", default="", help="more vLLM api_server flags")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="SYSTEM:KEY=VALUE, an environment variable for that system's server only; with "
+        "--tree, one tree twice under two names is an A/B of a setting (e.g. --tree lean=. "
+        "--systems stepserve+haproxy,stepserve+haproxy@lean "
+        "--env stepserve+haproxy@lean:RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000)",
+    )
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--port", type=int, default=8031)
@@ -291,6 +307,9 @@ def main() -> None:
                 for key in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_DIRECT_INGRESS"):
                     if key in env:
                         settings[system][key] = env[key]
+                own = [e.partition(":")[2] for e in args.env if e.partition(":")[0] == system]
+                if own:
+                    settings[system]["env"] = dict(e.split("=", 1) for e in own)
                 if system.startswith("vllm"):
                     settings[system]["VLLM_CPU_OMP_THREADS_BIND"] = env.get(
                         "VLLM_CPU_OMP_THREADS_BIND", "auto"
