@@ -214,9 +214,12 @@ def main() -> None:
     p.add_argument("--vllm-kv-gib", type=int, default=2)
     p.add_argument("--port", type=int, default=8032)
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--tree", action="append", default=[], help="NAME=PATH, as serving_vs_peer's")
+    p.add_argument(
+        "--env", action="append", default=[], help="SYSTEM:KEY=VALUE, as serving_vs_peer's"
+    )
     p.add_argument("--out", default="ttft_decompose")
     args = p.parse_args()
-    args.tree = []  # server_command's SYSTEM@TREE (not offered here)
     model = resolve_model(args.model)
     base = f"http://127.0.0.1:{args.port}"
     rates = [r.strip() for r in args.request_rate.split(",") if r.strip()]
@@ -271,6 +274,8 @@ def main() -> None:
         "dataset": args.dataset,
         "num_prompts": args.num_prompts,
         "rounds": args.rounds,
+        "trees": args.tree,
+        "env": args.env,
         "host": machine_info(),
         "runs": runs,
     }

@@ -463,6 +463,9 @@ def startup_report(app: str, timings: dict[str, float]) -> str:
     text = f"ready {since:.1f} s after start ({parts})"
     try:
         handle = serve.get_deployment_handle("LLMServer", app_name=app)
+        # a blocking call from this thread needs the handle's router on a loop of its own,
+        # which RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in this process's environment turns off
+        handle._init(_run_router_in_separate_loop=True)
         replica = handle.model_info.remote().result(timeout_s=10)["startup_s"]
     except Exception as exc:  # the report is informative; serving does not depend on it
         return f"{text}; replica start-up not read ({_first_line(exc)})"

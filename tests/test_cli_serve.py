@@ -117,7 +117,9 @@ def test_serve_survives_sigkill_then_answers_and_drains_on_sigterm(default_model
         assert time.time() < deadline, f"port {port} still held by {_listening_pids(port)}"
         time.sleep(0.5)
     log = tmp_path / "second.log"
-    proc = _start_serve(port, log)
+    # Ray Serve's throughput-optimized mode in this process's own environment too (as the
+    # benches set it): the start-up report's blocking handle call still reads the replica
+    proc = _start_serve(port, log, env_extra={"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"})
     try:
         _wait_ready(proc, log)
         assert _answer(port) == first  # the same answer from a core its replica spawned
