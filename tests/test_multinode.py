@@ -282,7 +282,13 @@ def test_a_lost_worker_node_loses_only_its_streams_and_a_new_node_takes_the_repl
         assert time.monotonic() < deadline, (tallied, indexed)
         time.sleep(0.5)
     assert f'replica="{survivor}"' in metrics
-    # no worker has room for the replacement (one CPU each): it waits for a node
+    # no worker has room for the replacement (one CPU each): it waits for a node. Serve's
+    # controller counts the dead replica RUNNING until its own health check fails it, which
+    # can come after the routers dropped it (a busy host): wait for that first
+    deadline = time.monotonic() + 60
+    while replica_counts().get("RUNNING") != 1:
+        assert time.monotonic() < deadline, replica_counts()
+        time.sleep(0.5)
     time.sleep(2)
     assert replica_counts().get("RUNNING") == 1, replica_counts()
     joined = cluster.add_worker()
