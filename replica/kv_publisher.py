@@ -121,18 +121,31 @@ class KVEventPublisher:
             with self._lock:  # take batches before the engine sends them: none is lost
                 self._active = True
                 self._resync = True
-            if self.on_active is not None:
-                self.on_active(True)
+            self._tell_engine(True)
             self._news.set()
             logger.info("replica %s: a router reads its KV events: publishing", self.replica_id)
             return
         with self._lock:
             self._active = False
             self._pending.clear()
-        if self.on_active is not None:
-            self.on_active(False)
+        self._tell_engine(False)
         self._hub_call("forget", self.replica_id, wait=False)
         logger.info("replica %s: no router reads its KV events: not publishing", self.replica_id)
+
+    def _tell_engine(self, active: bool) -> None:
+        """on_active(active); when it fails (the engine core did not answer), this publisher
+        goes back to the state the engine is still in, so the next answer of the hub tries
+        again, rather than believe it publishes while the engine sends nothing."""
+        if self.on_active is None:
+            return
+        try:
+            self.on_active(active)
+        except BaseException:
+            with self._lock:
+                self._active = not active
+                self._pending.clear()
+                self._resync = True
+            raise
 
     def _hub_call(self, method: str, *args, wait: bool = True):
         return call_hub(self.hub, method, *args, wait=wait)

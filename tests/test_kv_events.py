@@ -7,6 +7,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from replica.config import EngineConfig
 from replica.hub import ApplicationHub, hub_name
 from replica.kv_events import (
@@ -308,6 +310,45 @@ def test_a_replica_publishes_only_while_read_and_starts_from_a_snapshot() -> Non
         pub.set_active(True)
         _wait_for(lambda: hub.replicas().get("a") == log.seq)
         assert hub_table() == log.table  # resynced, the dropped batch included
+    finally:
+        pub.stop()
+
+
+def test_a_failed_switch_of_the_engine_is_tried_again_at_the_next_answer() -> None:
+    """When the engine core does not take the switch (on_active raises), the publisher stays
+    in the engine's state, so the hub's next answer tries again, not a publisher that believes
+    it publishes while the engine sends no batches."""
+    from replica.kv_events import KVEventLog
+    from replica.kv_publisher import KVEventPublisher
+
+    log = KVEventLog(BS)
+    hub = KVEventHub()
+    calls: list[bool] = []
+
+    def on_active(active: bool) -> None:
+        calls.append(active)
+        if len(calls) in (1, 3):  # the first switch each way times out
+            raise TimeoutError("engine core did not answer")
+
+    pub = KVEventPublisher(
+        "a", hub, snapshot=log.snapshot, log_stats=lambda: {}, interval_s=0.001,
+        on_active=on_active,
+    )  # fmt: skip
+    try:
+        with pytest.raises(TimeoutError):
+            pub.set_active(True)
+        assert not pub.active and pub.stats()["publishing"] is False
+        pub.add_batch(log.seal())  # dropped: not publishing
+        assert pub.publish_once() == 0.0 and hub.replicas() == {}
+        pub.set_active(True)  # the next answer: tried again, and taken
+        assert calls == [True, True] and pub.active
+        _wait_for(lambda: hub.replicas().get("a") == log.seq)
+        with pytest.raises(TimeoutError):
+            pub.set_active(False)
+        assert pub.active and calls == [True, True, False]
+        pub.set_active(False)
+        assert not pub.active and calls == [True, True, False, False]
+        _wait_for(lambda: hub.replicas() == {})
     finally:
         pub.stop()
 
