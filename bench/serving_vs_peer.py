@@ -53,18 +53,24 @@ def tree_of(system: str, args) -> str | None:
     return str(Path(trees[tree]).resolve())
 
 
-def server_command(system: str, args, model: Path, port: int) -> tuple[list[str], dict]:
-    """argv and environment that start `system` on 127.0.0.1:port. A stepserve system named
-    `SYSTEM@TREE` runs from the checkout `--tree TREE=PATH` (this interpreter, the checkout
-    first on PYTHONPATH, which Ray's processes inherit): a before/after pair in one run."""
-    env = dict(os.environ)
-    for spec in getattr(args, "env", None) or []:  # --env SYSTEM:KEY=VALUE
+def own_env(system: str, args) -> dict[str, str]:
+    """The `--env SYSTEM:KEY=VALUE` settings of `system` (its full name, `@TREE` included)."""
+    env = {}
+    for spec in getattr(args, "env", None) or []:
         name, _, setting = spec.partition(":")
         key, sep, value = setting.partition("=")
         if not (name and key and sep):
             raise SystemExit(f"--env {spec!r}: SYSTEM:KEY=VALUE")
         if name == system:
             env[key] = value
+    return env
+
+
+def server_command(system: str, args, model: Path, port: int) -> tuple[list[str], dict]:
+    """argv and environment that start `system` on 127.0.0.1:port. A stepserve system named
+    `SYSTEM@TREE` runs from the checkout `--tree TREE=PATH` (this interpreter, the checkout
+    first on PYTHONPATH, which Ray's processes inherit): a before/after pair in one run."""
+    env = dict(os.environ) | own_env(system, args)
     tree = tree_of(system, args)
     system = system.partition("@")[0]
     if tree:
@@ -307,9 +313,8 @@ def main() -> None:
                 for key in ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_DIRECT_INGRESS"):
                     if key in env:
                         settings[system][key] = env[key]
-                own = [e.partition(":")[2] for e in args.env if e.partition(":")[0] == system]
-                if own:
-                    settings[system]["env"] = dict(e.split("=", 1) for e in own)
+                if own := own_env(system, args):
+                    settings[system]["env"] = own
                 if system.startswith("vllm"):
                     settings[system]["VLLM_CPU_OMP_THREADS_BIND"] = env.get(
                         "VLLM_CPU_OMP_THREADS_BIND", "auto"
