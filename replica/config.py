@@ -51,6 +51,13 @@ class EngineConfig(BaseModel):
         description="CPU: reorder linear weights once into oneDNN's blocked layout (faster "
         "matmuls); off keeps torch's row-major F.linear.",
     )
+    cpu_kv_prefault_mib: int = Field(
+        default=128,
+        ge=0,
+        description="CPU: MiB of KV cache (all layers) a background thread at idle priority "
+        "keeps mapped ahead of the highest block in use, so a step's K/V writes take no "
+        "first-touch page faults; 0 leaves the pages to fault in as steps first write them.",
+    )
     cpu_decode_attention: Literal["native", "torch"] = Field(
         default="native",
         description="CPU: 'native' runs decode attention in a C kernel (built on first use "

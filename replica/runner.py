@@ -8,6 +8,7 @@ import logging
 import math
 import mmap
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from replica.config import EngineConfig
+from replica.kv_prefault import KVPrefaulter
 from replica.layers import cpu_isa
 from replica.layers.attention import (
     AttentionMetadata,
@@ -152,6 +154,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        self.kv_prefault = self._start_kv_prefault()
         self._phase("kv_cache", started)
         logger.info(
             "model %s on %s (%s, %d linear layers packed for oneDNN, %s attention, "
@@ -291,6 +294,18 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return int(total * self.config.kv_cache_memory_fraction) - peak - max(outside_torch, 0)
 
+    def _start_kv_prefault(self) -> KVPrefaulter | None:
+        """CPU: map the KV pages ahead of use on an idle-priority thread (kv_prefault.py)."""
+        mib = self.config.cpu_kv_prefault_mib
+        if self.device.type != "cpu" or mib == 0:
+            return None
+        ahead = max(1, (mib << 20) // self.kv_block_bytes)
+        prefaulter = KVPrefaulter([t for kv in self.kv_caches for t in kv], ahead)
+        # a runner dropped without shutdown() (tests, a failed start) stops the thread, which
+        # would otherwise keep the cache's memory alive
+        weakref.finalize(self, prefaulter.close, 0.0)
+        return prefaulter
+
     def shrink_kv_cache(self, num_blocks: int) -> None:
         """Keep only KV blocks 0..num_blocks-1 (a tensor-parallel group uses the smallest
         rank's pool on every rank)."""
@@ -300,6 +315,8 @@ class ModelRunner:
             )
         self.kv_caches = [(k[:num_blocks], v[:num_blocks]) for k, v in self.kv_caches]
         self.num_kv_blocks = num_blocks
+        if self.kv_prefault is not None:
+            self.kv_prefault.shrink(num_blocks)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -487,6 +504,8 @@ class ModelRunner:
             rows = None
             if batch.sample_rows:
                 rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+            if self.kv_prefault is not None:  # new blocks come from above the highest in use
+                self.kv_prefault.need(1 + max((t[-1] for t in batch.block_ids if t), default=0))
             forward_start = time.perf_counter()
             hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = (
@@ -514,6 +533,9 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Release the KV cache and weights (the runner is unusable afterwards)."""
+        if self.kv_prefault is not None:
+            self.kv_prefault.close()
+            self.kv_prefault = None
         self.kv_caches = []
         self.generators.clear()
         self.model = None
