@@ -66,11 +66,24 @@ def own_env(system: str, args) -> dict[str, str]:
     return env
 
 
+def own_args(system: str, args) -> list[str]:
+    """The `--args SYSTEM:FLAGS` server flags of `system` (its full name, `@TREE` included)."""
+    flags: list[str] = []
+    for spec in getattr(args, "args", None) or []:
+        name, sep, more = spec.partition(":")
+        if not (name and sep):
+            raise SystemExit(f"--args {spec!r}: SYSTEM:FLAGS")
+        if name == system:
+            flags += more.split()
+    return flags
+
+
 def server_command(system: str, args, model: Path, port: int) -> tuple[list[str], dict]:
     """argv and environment that start `system` on 127.0.0.1:port. A stepserve system named
     `SYSTEM@TREE` runs from the checkout `--tree TREE=PATH` (this interpreter, the checkout
     first on PYTHONPATH, which Ray's processes inherit): a before/after pair in one run."""
     env = dict(os.environ) | own_env(system, args)
+    extra = own_args(system, args)
     tree = tree_of(system, args)
     system = system.partition("@")[0]
     if tree:
@@ -99,13 +112,13 @@ def server_command(system: str, args, model: Path, port: int) -> tuple[list[str]
             argv += ["--num-speculative-tokens", "0"]
         elif system != "stepserve":  # stepserve-tN: N torch threads per replica
             argv += ["--cpu-threads", system.removeprefix("stepserve-t")]
-        argv += args.stepserve_args.split()
+        argv += args.stepserve_args.split() + extra
         return argv, env
     if system in ("vllm", "vllm-2cores"):
         argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server"]
         argv += ["--model", str(model), "--served-model-name", "model"]
         argv += ["--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
-        argv += args.vllm_args.split()
+        argv += args.vllm_args.split() + extra
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.vllm_kv_gib))
         env["HF_HUB_OFFLINE"] = "1"
         if system == "vllm-2cores":
@@ -278,6 +291,14 @@ def main() -> None:
         "--tree, one tree twice under two names is an A/B of a setting (e.g. --tree lean=. "
         "--systems stepserve+haproxy,stepserve+haproxy@lean "
         "--env stepserve+haproxy@lean:RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000)",
+    )
+    p.add_argument(
+        "--args",
+        action="append",
+        default=[],
+        help="SYSTEM:FLAGS, more server flags for that system only (an A/B of an engine "
+        "setting from one tree: --tree off=. --args 'stepserve+haproxy@off:--cpu-kv-prefault-mib "
+        "0')",
     )
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")

@@ -58,6 +58,12 @@ class EngineConfig(BaseModel):
         "keeps mapped ahead of the highest block in use, so a step's K/V writes take no "
         "first-touch page faults; 0 leaves the pages to fault in as steps first write them.",
     )
+    cpu_pin_threads: bool = Field(
+        default=True,
+        description="CPU, engine_core='process': pin the core's torch threads one to a CPU when "
+        "they are as many as the CPUs the process may use (a replica that owns the host's "
+        "cores), as vLLM's CPU worker pins its OpenMP threads; otherwise they float.",
+    )
     cpu_decode_attention: Literal["native", "torch"] = Field(
         default="native",
         description="CPU: 'native' runs decode attention in a C kernel (built on first use "

@@ -111,6 +111,50 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 # -- the core process -----------------------------------------------------------------------------
+# the CPUs the core process may use, read when the module loads: before any thread is pinned
+PROCESS_CPUS: list[int] = (
+    sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+)
+
+
+def pin_compute_threads(config: EngineConfig) -> str:
+    """Pin the core's torch threads one to a CPU (vLLM's worker pins its OpenMP threads the same
+    way) when `cpu_pin_threads` is on, the engine runs on the CPU and its threads are as many as
+    the CPUs this process may use: a replica that owns the host's cores, as `stepserve serve`'s
+    does. On a host shared with the serving stack an unpinned pair can be stacked on one CPU
+    while another process takes the other, and every parallel region waits. Otherwise every
+    thread may run on all of them (a pin undone when the count changes). Returns what was
+    done, for the ready report."""
+    import torch
+
+    from replica.layers.cpu_kernels import set_thread_cpus
+
+    n = torch.get_num_threads()
+    if config.resolved_device() != "cpu" or not PROCESS_CPUS:
+        return "not pinned: not a CPU engine"
+    if not config.cpu_pin_threads or n != len(PROCESS_CPUS):
+        why = (
+            "cpu_pin_threads off"
+            if not config.cpu_pin_threads
+            else (f"{n} threads, {len(PROCESS_CPUS)} CPUs")
+        )
+        set_thread_cpus(PROCESS_CPUS, n, pin=False)
+        return f"not pinned ({why})"
+    done = set_thread_cpus(PROCESS_CPUS, n, pin=True)
+    if done is None:
+        return "not pinned (no native library with OpenMP)"
+    if done != n:
+        set_thread_cpus(PROCESS_CPUS, n, pin=False)
+        return f"not pinned (sched_setaffinity refused for {n - done} of {n} threads)"
+    return f"pinned: thread i on CPU {PROCESS_CPUS}[i]"
+
+
+def _unpinned() -> None:
+    """A thread the core starts after pinning (it inherits its creator's one CPU) runs on all."""
+    if PROCESS_CPUS:
+        os.sched_setaffinity(0, PROCESS_CPUS)
+
+
 class EngineCore:
     """The loop of the core process: apply the front's commands, step, send the step."""
 
@@ -218,7 +262,9 @@ class EngineCore:
             if params.structured is not None:  # compiled beside the loop, not between steps
                 self._compiling.add(rid)
                 if self._grammar_pool is None:
-                    self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, "grammar")
+                    self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+                        1, "grammar", initializer=_unpinned
+                    )
                 self._grammar_pool.submit(self._compile, rid, ids, params, arrival, priority)
             else:
                 self._add(rid, ids, params, arrival, None, priority)
@@ -274,6 +320,7 @@ class EngineCore:
             import torch
 
             torch.set_num_threads(int(arg))
+            self.thread_cpus = pin_compute_threads(self.engine.config)
             return torch.get_num_threads()
         if op == "sleep":  # fault injection (the front checks that it is allowed)
             time.sleep(float(arg))
@@ -319,6 +366,7 @@ def _ready_info(engine, config: EngineConfig, prestarted: bool) -> dict:
         "startup_s": engine.startup_s,
         "stats": engine.stats(),
         "num_threads": torch.get_num_threads(),
+        "thread_cpus": pin_compute_threads(config),
         "device": config.resolved_device(),
         "prestarted": prestarted,
     }
@@ -622,8 +670,12 @@ class ProcessEngine(StreamingEngine):
         )
         self._stats = info["stats"]
         self.num_threads = info["num_threads"]
+        self.thread_cpus = info["thread_cpus"]  # pinned or not (pin_compute_threads)
         self.device = info["device"]
         self.pid = self._proc.pid
+        logger.info(
+            "engine core pid %d: %d torch threads, %s", self.pid, self.num_threads, self.thread_cpus
+        )
         self._progress_at = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
         self._reader.start()

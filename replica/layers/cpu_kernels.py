@@ -28,7 +28,12 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 # source -> its own extra compile flags. fused_ops.c without contraction: its rotary then
 # rounds every product and sum as torch does (bitwise equal).
-SOURCES = {"paged_decode.c": (), "paged_prefill.c": (), "fused_ops.c": ("-ffp-contract=off",)}
+SOURCES = {
+    "paged_decode.c": (),
+    "paged_prefill.c": (),
+    "fused_ops.c": ("-ffp-contract=off",),
+    "threads.c": (),
+}
 HEADERS = ("kv_elements.h",)  # included by the sources: part of the build's cache key
 # -march comes from the instruction-set level (cpu_isa.march_flags): the AVX-512 paths compile
 # at avx512 and above, the rest vectorize for the level's widest registers. -ffast-math lets the compiler vectorize the reductions and expf (libmvec). It is given to the
@@ -145,10 +150,25 @@ def _declare(lib: ctypes.CDLL) -> None:
         "stepserve_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i32, f32, i32, i32]),
         "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32, i32]),
         "stepserve_rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]),
+        "stepserve_set_thread_cpus": (ctypes.c_int, [ptr, i32, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
+
+
+def set_thread_cpus(cpus: list[int], num_threads: int, pin: bool) -> int | None:
+    """The CPUs of torch's OpenMP threads (a team of num_threads, the caller its thread 0): with
+    pin, thread i runs on cpus[i] only; without, each may run on all of cpus. Returns how many
+    threads took it, or None without the native library or in a build without OpenMP."""
+    lib = native_library()
+    if lib is None or not cpus or num_threads < 1 or (pin and len(cpus) < num_threads):
+        return None
+    array = (ctypes.c_int * len(cpus))(*cpus)
+    done = lib.stepserve_set_thread_cpus(
+        ctypes.cast(array, ctypes.c_void_p), len(cpus), num_threads, int(pin)
+    )
+    return None if done < 0 else int(done)
 
 
 def paged_decode_kernel():
