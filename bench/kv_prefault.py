@@ -40,9 +40,7 @@ def child(args) -> dict:
     from replica.request import SamplingParams
 
     model = args.model or str(default_model_dir())
-    llm = LLM(
-        model, dtype="float32", num_speculative_tokens=0, cpu_kv_prefault_mib=args.mib
-    )
+    llm = LLM(model, dtype="float32", num_speculative_tokens=0, cpu_kv_prefault_mib=args.mib)
     time.sleep(args.settle)
     rng = random.Random(args.seed)
     one = SamplingParams(max_tokens=1, temperature=0.0)
@@ -109,12 +107,8 @@ def main() -> int:
     summary = {
         name: {
             "prefill_ms_p50": statistics.median(x for run in rs for x in run["prefill_ms"]),
-            "prefill_faults_p50": statistics.median(
-                x for run in rs for x in run["prefill_faults"]
-            ),
-            "decode_ms_per_token_p50": statistics.median(
-                run["decode_ms_per_token"] for run in rs
-            ),
+            "prefill_faults_p50": statistics.median(x for run in rs for x in run["prefill_faults"]),
+            "decode_ms_per_token_p50": statistics.median(run["decode_ms_per_token"] for run in rs),
             "decode_faults_per_token_p50": statistics.median(
                 run["decode_faults_per_token"] for run in rs
             ),
