@@ -5,9 +5,10 @@ Each variant runs in a process of its own (the default model, fp32, this host's 
 off), built fresh, so its KV cache is fresh memory as a new replica's is. After `--settle`
 seconds idle (the thread maps its first window then), it runs `--requests` prompts of
 `--prompt-len` random token ids one at a time with 1 output token (a prefill each, new blocks
-each: no prefix hits), then one `--decode-tokens` greedy decode. For each it records the wall
-time and the process's minor page faults (getrusage), so the faults a step takes are read
-directly. Variants alternate for `--rounds`; medians per variant.
+each: no prefix hits), then, after `--settle` seconds more, one `--decode-tokens` greedy decode.
+For each it records the wall time and the process's minor page faults (getrusage: the prefault
+thread's own count too, so "on" counts the pages it mapped meanwhile), so the faults a step
+takes are read directly. Variants alternate for `--rounds`; medians per variant.
 
 Run: .venv/bin/python bench/kv_prefault.py --rounds 3 --out kv_prefault     # ~2 min
 """
@@ -51,6 +52,7 @@ def child(args) -> dict:
         llm.generate([ids], one)
         prefill_ms.append((time.perf_counter() - t0) * 1e3)
         prefill_faults.append(faults() - f0)
+    time.sleep(args.settle)  # the thread catches up on the prefills' blocks before the decode
     ids = [rng.randrange(100, 40000) for _ in range(20)]
     params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
     f0, t0 = faults(), time.perf_counter()

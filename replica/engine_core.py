@@ -115,6 +115,7 @@ def _picklable(exc: BaseException) -> BaseException:
 PROCESS_CPUS: list[int] = (
     sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 )
+_pinned_threads = 0  # how many torch threads pin_compute_threads pinned (0: none now)
 
 
 def pin_compute_threads(config: EngineConfig) -> str:
@@ -129,6 +130,7 @@ def pin_compute_threads(config: EngineConfig) -> str:
 
     from replica.layers.cpu_kernels import set_thread_cpus
 
+    global _pinned_threads
     n = torch.get_num_threads()
     if config.resolved_device() != "cpu" or not PROCESS_CPUS:
         return "not pinned: not a CPU engine"
@@ -138,14 +140,18 @@ def pin_compute_threads(config: EngineConfig) -> str:
             if not config.cpu_pin_threads
             else (f"{n} threads, {len(PROCESS_CPUS)} CPUs")
         )
-        set_thread_cpus(PROCESS_CPUS, n, pin=False)
+        if _pinned_threads:  # the team as large as when pinned: its idle threads too
+            set_thread_cpus(PROCESS_CPUS, max(n, _pinned_threads), pin=False)
+            _pinned_threads = 0
         return f"not pinned ({why})"
     done = set_thread_cpus(PROCESS_CPUS, n, pin=True)
     if done is None:
         return "not pinned (no native library with OpenMP)"
     if done != n:
         set_thread_cpus(PROCESS_CPUS, n, pin=False)
+        _pinned_threads = 0
         return f"not pinned (sched_setaffinity refused for {n - done} of {n} threads)"
+    _pinned_threads = n
     return f"pinned: thread i on CPU {PROCESS_CPUS}[i]"
 
 
@@ -320,8 +326,7 @@ class EngineCore:
             import torch
 
             torch.set_num_threads(int(arg))
-            self.thread_cpus = pin_compute_threads(self.engine.config)
-            return torch.get_num_threads()
+            return torch.get_num_threads(), pin_compute_threads(self.engine.config)
         if op == "sleep":  # fault injection (the front checks that it is allowed)
             time.sleep(float(arg))
             return None
@@ -777,7 +782,7 @@ class ProcessEngine(StreamingEngine):
 
         def applied(future: concurrent.futures.Future) -> None:
             if future.exception() is None:
-                self.num_threads = future.result()
+                self.num_threads, self.thread_cpus = future.result()
 
         self.call("threads", num_threads).add_done_callback(applied)
 

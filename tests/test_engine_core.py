@@ -477,3 +477,58 @@ def test_an_adopted_core_exits_when_its_front_is_killed(tiny_llama_dir, prestart
     front.kill()
     front.wait()
     core.proc.wait(timeout=20)  # raises if it outlives its front by 20 s
+
+
+def thread_cpus(pid: int) -> dict[str, list[frozenset[int]]]:
+    """Each thread's allowed CPUs, by thread name (/proc/PID/task)."""
+    out: dict[str, list[frozenset[int]]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+            out.setdefault(name, []).append(frozenset(os.sched_getaffinity(int(tid))))
+        except (OSError, ProcessLookupError):
+            continue  # a thread that just ended
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs 2 CPUs or more")
+def test_the_cores_threads_are_pinned_one_to_a_cpu_and_unpinned_when_fewer(tiny_llama_dir):
+    """As many torch threads as the process's CPUs: thread i runs on CPU i only (the main
+    thread, which runs the steps, is thread 0); the core's other threads on all of them; a
+    thread count below the CPUs undoes the pin, the full count pins again; off: never pinned."""
+    from replica.layers.cpu_kernels import native_library
+
+    if native_library() is None:
+        pytest.skip("no native library (no C compiler)")
+    cpus = sorted(os.sched_getaffinity(0))
+    everything = frozenset(cpus)
+
+    async def body():
+        engine = ProcessEngine(config(tiny_llama_dir), num_threads=len(cpus))
+        try:
+            assert engine.num_threads == len(cpus)
+            assert engine.thread_cpus.startswith("pinned"), engine.thread_cpus
+            # a step runs the torch threads (libgomp starts its workers on first use)
+            await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=4)))
+            masks = [m for ms in thread_cpus(engine.pid).values() for m in ms]
+            singles = sorted(next(iter(m)) for m in masks if len(m) == 1)
+            assert singles == cpus, thread_cpus(engine.pid)  # one thread on each CPU
+            assert any(m == everything for m in masks)  # the IPC and watch threads float
+            engine.set_num_threads(1)
+            await wait_until(lambda: engine.num_threads == 1)
+            assert engine.thread_cpus == f"not pinned (1 threads, {len(cpus)} CPUs)"
+            assert all(m == everything for ms in thread_cpus(engine.pid).values() for m in ms)
+            engine.set_num_threads(len(cpus))
+            await wait_until(lambda: engine.num_threads == len(cpus))
+            assert engine.thread_cpus.startswith("pinned")
+        finally:
+            engine.shutdown()
+        off = ProcessEngine(config(tiny_llama_dir, cpu_pin_threads=False), num_threads=len(cpus))
+        try:
+            assert off.thread_cpus == "not pinned (cpu_pin_threads off)"
+            await collect(off.generate([5, 6, 7], SamplingParams(max_tokens=4)))
+            assert all(m == everything for ms in thread_cpus(off.pid).values() for m in ms)
+        finally:
+            off.shutdown()
+
+    in_loop(body)
