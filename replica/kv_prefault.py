@@ -2,9 +2,9 @@
 
 The CPU KV cache lies on fresh anonymous memory (runner.zero_pages), so start-up writes nothing
 and only blocks in use become resident; but the first write to each 4 KiB page then takes a
-page fault inside the step's forward (on a 2-vCPU VM, ~20 us each: a 75-token prefill of the
-default model wrote to ~870 fresh pages, 13-19 ms of a 60-65 ms step). `KVPrefaulter` keeps
-the pages of the blocks the scheduler will hand out next already mapped: the block pool hands
+page fault inside the step's forward (on a 2-vCPU VM, ~15-20 us each: a 75-token prefill of
+the default model wrote to ~900 fresh pages, 13-19 ms of a 63-76 ms step in the profile).
+`KVPrefaulter` keeps the pages of the blocks the scheduler will hand out next already mapped: the block pool hands
 out never-used blocks in increasing id order (its free queue starts 0..N-1 and freed blocks
 rejoin at its tail), so the pages to populate are those of the blocks just above the highest
 block id a step has used. A daemon thread at SCHED_IDLE (nice 19 where that is refused) asks
