@@ -371,7 +371,6 @@ def _ready_info(engine, config: EngineConfig, prestarted: bool) -> dict:
         "startup_s": engine.startup_s,
         "stats": engine.stats(),
         "num_threads": torch.get_num_threads(),
-        "thread_cpus": pin_compute_threads(config),
         "device": config.resolved_device(),
         "prestarted": prestarted,
     }
@@ -391,6 +390,7 @@ def _build(config_json: dict, num_threads: int | None):
 def _serve(engine, conn: Connection, kv_events: bool, info: dict) -> None:
     """Tell the front the engine is ready, then step until it leaves; exits the process."""
     try:
+        info = info | {"thread_cpus": pin_compute_threads(engine.config)}
         core = EngineCore(engine, conn, kv_events)
         freeze_heap()  # started: torch, the model, the kernels (replica/startup.py)
         conn.send(("ready", info))

@@ -134,11 +134,12 @@ class KVPrefaulter:
         return True
 
     def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread; it lets go of the cache's tensors as it exits (not here: after a
+        join that timed out it may still be inside madvise on their memory)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout)
-        self._tensors = []
 
     def _run(self) -> None:
         self.priority = _lower_own_priority()
