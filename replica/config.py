@@ -76,6 +76,25 @@ class EngineConfig(BaseModel):
         "(whole prompts, chunks after cached context) in a tiled C kernel over the paged cache; "
         "'torch' runs one causal SDPA call per request over its gathered keys.",
     )
+    cuda_attention: Literal["flex", "torch"] = Field(
+        default="flex",
+        description="CUDA without flash-attn: 'flex' runs torch's flex_attention, compiled, "
+        "over the paged cache in place (block tables as its block mask; block_size a multiple "
+        "of 16); 'torch' gathers each request's blocks for SDPA.",
+    )
+    cuda_graphs: bool = Field(
+        default=True,
+        description="CUDA, tensor_parallel_size 1, flex attention: decode-only steps replay "
+        "CUDA graphs captured at start-up for batches of 1, 2, 4 .. cuda_graph_max_batch "
+        "requests (a batch runs padded to the next size); other steps run eagerly.",
+    )
+    cuda_graph_max_batch: int = Field(
+        default=256,
+        ge=1,
+        le=4096,
+        description="The largest decode batch captured as a CUDA graph (capped at "
+        "max_num_seqs); larger decode batches run eagerly.",
+    )
     cpu_fused_ops: bool = Field(
         default=True,
         description="CPU (fp32, bf16): each RMSNorm with the residual add before it, rotary and "

@@ -152,10 +152,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.decode_graphs = None  # DecodeGraphs once the KV cache is final (CUDA)
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.kv_prefault = self._start_kv_prefault()
-        self._phase("kv_cache", started)
+        started = self._phase("kv_cache", started)
+        self.decode_graphs = self._make_decode_graphs()
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture_all()
+            self._phase("cuda_graphs", started)
         logger.info(
             "model %s on %s (%s, %d linear layers packed for oneDNN, %s attention, "
             "%d modules on fused C ops), tp rank %d/%d: %d KV blocks of %d tokens, "
@@ -172,6 +177,21 @@ class ModelRunner:
             self.block_size,
             self.max_model_len,
         )
+
+    def _make_decode_graphs(self):
+        """CUDA graphs of decode steps (cuda_graphs.py): CUDA, one rank, flex attention."""
+        config = self.config
+        if not (
+            self.device.type == "cuda"
+            and config.cuda_graphs
+            and self.tp.size == 1
+            and self.attn_backend.name == "flex"
+        ):
+            return None
+        from replica.cuda_graphs import DecodeGraphs
+
+        max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
+        return DecodeGraphs(self, max_batch, capture=True)
 
     def _phase(self, name: str, started: float) -> float:
         now = time.perf_counter()
@@ -207,6 +227,8 @@ class ModelRunner:
             self.head_dim,
             config.cpu_decode_attention,
             config.cpu_prefill_attention,
+            cuda_attention=config.cuda_attention,
+            num_heads=int(self.hf_config.num_attention_heads) // self.tp.size,
         )
         self.attn_backend = select_attention_backend(spec)
         set_attention_backend(self.model, self.attn_backend)
@@ -313,13 +335,22 @@ class ModelRunner:
             raise ValueError(
                 f"cannot shrink a KV cache of {self.num_kv_blocks} blocks to {num_blocks}"
             )
-        self.kv_caches = [(k[:num_blocks], v[:num_blocks]) for k, v in self.kv_caches]
+        keep = num_blocks + int(self.attn_backend.needs_sink_block)  # the last block kept: sink
+        self.kv_caches = [(k[:keep], v[:keep]) for k, v in self.kv_caches]
         self.num_kv_blocks = num_blocks
+        self.attn_builder.bind_cache(num_blocks, num_blocks, self.max_model_len)
+        if getattr(self, "decode_graphs", None) is not None:  # captured over the old cache
+            logger.info("KV cache shrunk: decode steps run without CUDA graphs")
+            self.decode_graphs = None
         if self.kv_prefault is not None:
             self.kv_prefault.shrink(num_blocks)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """`num_blocks` blocks a layer, plus the sink block after them for a backend that
+        needs one (bound to its builder here)."""
+        sink = self.attn_backend.needs_sink_block
+        self.attn_builder.bind_cache(num_blocks, num_blocks, self.max_model_len)
+        shape = (num_blocks + int(sink), self.block_size, self.num_kv_heads, self.head_dim)
         # zeros, not empty: padded decode lanes read slots and NaN garbage would leak through
         if self.device.type == "cpu":
             return [
@@ -496,6 +527,13 @@ class ModelRunner:
         """The forward pass of one step on this rank; the logits of the sampled rows (full
         vocabulary after the TP gather), or None when no row is sampled. Times its phases in
         `step_times` (prepare: the input tensors; forward: the model and the LM head)."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(batch):
+            start = time.perf_counter()
+            logits = graphs.run(batch)
+            now = time.perf_counter()
+            self.step_times = StepTimes(prepare=0.0, forward=now - start)
+            return logits
         with self._isa_scope:  # this runner's instruction-set level (native kernels' build)
             start = time.perf_counter()
             ids, positions, meta = self._prepare_inputs(

@@ -16,6 +16,7 @@ from replica.layers.attention.backend import (
     step_layout,
 )
 from replica.layers.attention.flash_attn import FlashAttnBackend, FlashAttnMetadata
+from replica.layers.attention.flex import FlexAttentionBackend, FlexMetadata
 from replica.layers.attention.layer import Attention, set_attention_backend
 from replica.layers.attention.native_decode import (
     DecodeBatch,
@@ -33,6 +34,8 @@ from replica.layers.attention.torch_sdpa import (
 )
 
 __all__ = [
+    "FlexAttentionBackend",
+    "FlexMetadata",
     "ATTENTION_BACKENDS",
     "Attention",
     "AttentionBackend",

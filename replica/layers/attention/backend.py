@@ -23,6 +23,13 @@ class AttentionSpec:
     head_dim: int
     cpu_decode_attention: str = "native"  # EngineConfig.cpu_decode_attention
     cpu_prefill_attention: str = "native"  # EngineConfig.cpu_prefill_attention
+    cuda_attention: str = "flex"  # EngineConfig.cuda_attention
+    num_heads: int = 0  # this rank's query heads (0: as many as its KV heads)
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return max(1, self.num_heads // self.num_kv_heads)
 
 
 @dataclass
@@ -101,6 +108,10 @@ class AttentionMetadataBuilder:
         self.block_size = block_size
         self.device = device
 
+    def bind_cache(self, num_blocks: int, sink: int, max_model_len: int) -> None:
+        """The runner's KV cache was (re)allocated: `num_blocks` blocks for the scheduler and,
+        for a backend with needs_sink_block, block `sink` after them. Most keep nothing."""
+
     def build(
         self, starts: list[int], query_lens: list[int], block_ids: list[list[int]]
     ) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -136,6 +147,9 @@ class AttentionBackend:
     selector.py's ATTENTION_BACKENDS; the runner picks one at construction."""
 
     name: ClassVar[str]
+    # True: the runner allocates one KV block past the scheduler's, the sink padding lanes
+    # write to (and read), and gives it to the builder's bind_cache
+    needs_sink_block: ClassVar[bool] = False
     builder_cls: ClassVar[type[AttentionMetadataBuilder]]
     impl_cls: ClassVar[type[AttentionImpl]]
 

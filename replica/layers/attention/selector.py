@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from replica.layers.attention.backend import AttentionBackend, AttentionSpec
 from replica.layers.attention.flash_attn import FlashAttnBackend
+from replica.layers.attention.flex import FlexAttentionBackend
 from replica.layers.attention.native_decode import NativeDecodeBackend
 from replica.layers.attention.torch_sdpa import TorchSDPABackend
 
 ATTENTION_BACKENDS: list[type[AttentionBackend]] = [
     FlashAttnBackend,  # CUDA with flash-attn and a block size it pages with
+    FlexAttentionBackend,  # CUDA, cuda_attention="flex", block size a multiple of 16
     NativeDecodeBackend,  # CPU fp32/bf16 with the native library, cpu_decode_attention="native"
     TorchSDPABackend,  # everywhere
 ]
