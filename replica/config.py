@@ -77,10 +77,12 @@ class EngineConfig(BaseModel):
         "'torch' runs one causal SDPA call per request over its gathered keys.",
     )
     cuda_attention: Literal["flex", "torch"] = Field(
-        default="flex",
+        default="torch",
         description="CUDA without flash-attn: 'flex' runs torch's flex_attention, compiled, "
         "over the paged cache in place (block tables as its block mask; block_size a multiple "
-        "of 16); 'torch' gathers each request's blocks for SDPA.",
+        "of 16), with decode CUDA graphs; 'torch' gathers each request's blocks for SDPA. "
+        "'torch' stays the default until 'flex' has been verified on a GPU (tested so far on "
+        "CPU only, through flex's eager path).",
     )
     cuda_graphs: bool = Field(
         default=True,

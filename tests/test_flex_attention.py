@@ -97,6 +97,7 @@ def test_flex_greedy_matches_transformers_over_chunks(
         prompts,
         [greedy(n) for n in MAX_TOKENS],
         device=flex_device,
+        cuda_attention="flex",
         dtype="float32",
         block_size=BLOCK,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -121,6 +122,7 @@ def test_flex_prefix_hits_and_qwen2_bias(flex_device, tiny_qwen2_dir, run_genera
         prompts,
         greedy(10),
         device=flex_device,
+        cuda_attention="flex",
         dtype="float32",
         block_size=BLOCK,
         max_num_batched_tokens=64,
@@ -140,6 +142,7 @@ def test_flex_preemption_and_eager_decode_match(flex_device, tiny_qwen2_dir, run
         prompts,
         greedy(16),
         device=flex_device,
+        cuda_attention="flex",
         dtype="float32",
         block_size=BLOCK,
         num_kv_blocks=8,
@@ -263,11 +266,10 @@ def test_flex_needs_a_block_size_the_kernel_tiles():
 
     spec = dict(dtype=torch.float32, num_kv_heads=2, head_dim=16, num_heads=4)
     cuda = torch.device("cuda", 0)
-    assert flex_mod.flex_available(AttentionSpec(cuda, block_size=16, **spec)) == (
+    flex = dict(spec, cuda_attention="flex")
+    assert flex_mod.flex_available(AttentionSpec(cuda, block_size=16, **flex)) == (
         flex_mod.flex_attention is not None
     )
-    assert not flex_mod.flex_available(AttentionSpec(cuda, block_size=8, **spec))
-    assert not flex_mod.flex_available(AttentionSpec(torch.device("cpu"), block_size=16, **spec))
-    assert not flex_mod.flex_available(
-        AttentionSpec(cuda, block_size=16, cuda_attention="torch", **spec)
-    )
+    assert not flex_mod.flex_available(AttentionSpec(cuda, block_size=8, **flex))
+    assert not flex_mod.flex_available(AttentionSpec(torch.device("cpu"), block_size=16, **flex))
+    assert not flex_mod.flex_available(AttentionSpec(cuda, block_size=16, **spec))  # the default

@@ -23,7 +23,7 @@ class AttentionSpec:
     head_dim: int
     cpu_decode_attention: str = "native"  # EngineConfig.cpu_decode_attention
     cpu_prefill_attention: str = "native"  # EngineConfig.cpu_prefill_attention
-    cuda_attention: str = "flex"  # EngineConfig.cuda_attention
+    cuda_attention: str = "torch"  # EngineConfig.cuda_attention
     num_heads: int = 0  # this rank's query heads (0: as many as its KV heads)
 
     @property
