@@ -339,7 +339,7 @@ class ModelRunner:
         self.kv_caches = [(k[:keep], v[:keep]) for k, v in self.kv_caches]
         self.num_kv_blocks = num_blocks
         self.attn_builder.bind_cache(num_blocks, num_blocks, self.max_model_len)
-        if getattr(self, "decode_graphs", None) is not None:  # captured over the old cache
+        if self.decode_graphs is not None:  # captured over the old cache
             logger.info("KV cache shrunk: decode steps run without CUDA graphs")
             self.decode_graphs = None
         if self.kv_prefault is not None:

@@ -18,7 +18,7 @@ from replica.layers.attention.flex import (
     FlexMetadataBuilder,
     decode_bucket,
 )
-from replica.request import SamplingParams
+from tests.test_model_parity import expected_outputs, greedy_params, mixed_prompts
 
 BLOCK = 16  # the compiled kernel's smallest key tile; CPU runs the same layout
 
@@ -54,33 +54,11 @@ def flex_device(request, monkeypatch):
     return device
 
 
-def prompts_of(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(n)] for n in lengths]
-
-
-def hf_reference(model_dir, prompts, max_tokens, device, dtype=torch.float32):
-    """transformers' greedy continuation of each prompt alone, on `device` (eager attention)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, attn_implementation="eager"
-    ).to(device)
-    model.eval()
-    outs = []
-    for prompt, n in zip(prompts, max_tokens):
-        config = GenerationConfig(
-            max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        ids = torch.tensor([prompt], device=device)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+def run_flex(run_generation, model_dir, prompts, params, device, **overrides):
+    """The engine on `device` with the flex backend, greedy fp32 on 16-token blocks, no drafts."""
+    settings = dict(cuda_attention="flex", dtype="float32", block_size=BLOCK,
+                    num_speculative_tokens=0) | overrides  # fmt: skip
+    return run_generation(model_dir, prompts, params, device=device, **settings)
 
 
 LENGTHS = [1, 2, 5, 17, 33, 47, 150, 3, 64, 129]  # 150 and 129: more than one query tile
@@ -91,68 +69,49 @@ MAX_TOKENS = [12, 9, 16, 20, 11, 14, 8, 18, 10, 6]
 def test_flex_greedy_matches_transformers_over_chunks(
     flex_device, tiny_llama_dir, run_generation, max_num_batched_tokens
 ):
-    prompts = prompts_of(0, LENGTHS)
-    run = run_generation(
+    prompts = mixed_prompts(0, LENGTHS)
+    run = run_flex(
+        run_generation,
         tiny_llama_dir,
         prompts,
-        [greedy(n) for n in MAX_TOKENS],
-        device=flex_device,
-        cuda_attention="flex",
-        dtype="float32",
-        block_size=BLOCK,
+        [greedy_params(n) for n in MAX_TOKENS],
+        flex_device,
         max_num_batched_tokens=max_num_batched_tokens,
-        num_speculative_tokens=0,
     )
     assert run.runner.attn_backend is FlexAttentionBackend
     graphs = run.runner.decode_graphs
     assert graphs is not None
-    assert run.outputs == hf_reference(tiny_llama_dir, prompts, MAX_TOKENS, flex_device)
+    assert run.outputs == expected_outputs(tiny_llama_dir, prompts, MAX_TOKENS, flex_device)
     assert graphs.runs > 0  # decode-only steps ran through the graphs' buffers
     if flex_device == "cuda":
         assert graphs.replays == graphs.runs  # as captured graphs
 
 
 def test_flex_prefix_hits_and_qwen2_bias(flex_device, tiny_qwen2_dir, run_generation):
-    system = prompts_of(1, [40])[0]  # two full blocks shared, then a partial one
-    suffixes = prompts_of(2, [1, 4, 7, 3, 11, 2, 6, 30])
+    system = mixed_prompts(1, [40])[0]  # two full blocks shared, then a partial one
+    suffixes = mixed_prompts(2, [1, 4, 7, 3, 11, 2, 6, 30])
     prompts = [system + s for s in suffixes] + [system[:33]]
     max_tokens = [10] * len(prompts)
-    run = run_generation(
-        tiny_qwen2_dir,
-        prompts,
-        greedy(10),
-        device=flex_device,
-        cuda_attention="flex",
-        dtype="float32",
-        block_size=BLOCK,
+    run = run_flex(
+        run_generation, tiny_qwen2_dir, prompts, greedy_params(10), flex_device,
         max_num_batched_tokens=64,
-        num_speculative_tokens=0,
-    )
+    )  # fmt: skip
     assert run.scheduler.prefix_cache_hits > 0
-    assert run.outputs == hf_reference(tiny_qwen2_dir, prompts, max_tokens, flex_device)
+    assert run.outputs == expected_outputs(tiny_qwen2_dir, prompts, max_tokens, flex_device)
 
 
 def test_flex_preemption_and_eager_decode_match(flex_device, tiny_qwen2_dir, run_generation):
     """A pool too small for the batch (preemptions, recomputed prefills), decode graphs off:
     decodes run eagerly, padded to their bucket on the sink block."""
-    prompts = prompts_of(3, [14, 19, 22, 9, 17, 25, 12, 20])
+    prompts = mixed_prompts(3, [14, 19, 22, 9, 17, 25, 12, 20])
     max_tokens = [16] * len(prompts)
-    run = run_generation(
-        tiny_qwen2_dir,
-        prompts,
-        greedy(16),
-        device=flex_device,
-        cuda_attention="flex",
-        dtype="float32",
-        block_size=BLOCK,
-        num_kv_blocks=8,
-        max_num_batched_tokens=4096,
-        cuda_graphs=False,
-        num_speculative_tokens=0,
-    )
+    run = run_flex(
+        run_generation, tiny_qwen2_dir, prompts, greedy_params(16), flex_device,
+        num_kv_blocks=8, max_num_batched_tokens=4096, cuda_graphs=False,
+    )  # fmt: skip
     assert run.runner.decode_graphs is None
     assert run.scheduler.num_preemptions_total > 0
-    assert run.outputs == hf_reference(tiny_qwen2_dir, prompts, max_tokens, flex_device)
+    assert run.outputs == expected_outputs(tiny_qwen2_dir, prompts, max_tokens, flex_device)
 
 
 def test_decode_buckets_pad_up():

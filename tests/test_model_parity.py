@@ -23,25 +23,33 @@ from tests.test_cpu_kernels import NATIVE_POSSIBLE, needs_native
 
 
 @functools.cache
-def _hf_model(model_dir: Path):
+def _hf_model(model_dir: Path, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    )
+    return model.to(device).eval()
 
 
 @functools.cache
-def hf_greedy(model_dir: Path, prompt: tuple[int, ...], max_new_tokens: int, stop_at_eos: bool):
-    """transformers' greedy continuation of one prompt (no padding: one prompt at a time)."""
+def hf_greedy(
+    model_dir: Path,
+    prompt: tuple[int, ...],
+    max_new_tokens: int,
+    stop_at_eos: bool,
+    device: str = "cpu",
+):
+    """transformers' greedy continuation of one prompt (no padding: one prompt at a time), fp32
+    with eager attention on `device`."""
     from transformers import GenerationConfig
 
-    model = _hf_model(model_dir)
+    model = _hf_model(model_dir, device)
     eos = model.generation_config.eos_token_id if stop_at_eos else None
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
     )
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt) :].tolist()
@@ -60,8 +68,10 @@ def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def expected_outputs(model_dir: Path, prompts: list[list[int]], max_tokens: list[int]):
-    return [hf_greedy(model_dir, tuple(p), n, False) for p, n in zip(prompts, max_tokens)]
+def expected_outputs(
+    model_dir: Path, prompts: list[list[int]], max_tokens: list[int], device: str = "cpu"
+):
+    return [hf_greedy(model_dir, tuple(p), n, False, device) for p, n in zip(prompts, max_tokens)]
 
 
 @pytest.fixture(params=["llama", "qwen2"])

@@ -27,6 +27,7 @@ Needs block_size a multiple of 16 (the kernel's smallest key tile) and head_dim 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import logging
 from dataclasses import dataclass
@@ -77,29 +78,26 @@ def flex_available(spec: AttentionSpec) -> bool:
     )
 
 
+# the transposed lists serve only the backward pass; a torch without the keyword builds them
+_SKIP_Q_BLOCKS = (
+    {"compute_q_blocks": False}
+    if BlockMask is not None
+    and "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    else {}
+)
+
+
 def _from_kv_blocks(kv_num, kv_idx, full_num, full_idx, q_tile, block_size, mask_mod, lengths):
-    kwargs: dict[str, Any] = {"seq_lengths": lengths}
-    try:
-        return BlockMask.from_kv_blocks(
-            kv_num,
-            kv_idx,
-            full_num,
-            full_idx,
-            BLOCK_SIZE=(q_tile, block_size),
-            mask_mod=mask_mod,
-            compute_q_blocks=False,  # the transposed lists serve only the backward pass
-            **kwargs,
-        )
-    except TypeError:  # a torch without compute_q_blocks
-        return BlockMask.from_kv_blocks(
-            kv_num,
-            kv_idx,
-            full_num,
-            full_idx,
-            BLOCK_SIZE=(q_tile, block_size),
-            mask_mod=mask_mod,
-            **kwargs,
-        )
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(q_tile, block_size),
+        mask_mod=mask_mod,
+        seq_lengths=lengths,
+        **_SKIP_Q_BLOCKS,
+    )
 
 
 def decode_mask_mod(page_logical, table, seq_lens, block_size):
