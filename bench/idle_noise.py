@@ -16,6 +16,9 @@ which wakes many times a second. This measures that cost directly:
   it): the same memory, no wake-ups. The cost of the server's wake-ups is the median of the
   paired differences (each request with the server running minus the next one with it
   stopped), which the host's drift over minutes (often larger than the effect) cancels out of;
+- a variant's `STEPSERVE_PROBE_DEMOTE=REGEX:POLICY` (not passed to the server) moves every
+  thread of the matching server processes to SCHED_IDLE (`idle`), SCHED_BATCH at nice 19
+  (`batch`) or nice 19 (`nice`) once it has settled;
 - `--freeze-group NAME=REGEX` measures one group of the server's processes the same way
   (only those stopped), to see which of them costs what;
 - meanwhile the server's CPU (percent of one core) and context switches per second.
@@ -156,6 +159,36 @@ def stop_server(proc: subprocess.Popen) -> None:
     time.sleep(2)
 
 
+DEMOTE_KEY = "STEPSERVE_PROBE_DEMOTE"  # a variant's REGEX:POLICY, applied here, not the server's
+
+
+def demote(pids: list[int], spec: str) -> int:
+    """Every thread of the server processes whose command line matches REGEX to POLICY
+    (idle: SCHED_IDLE; batch: SCHED_BATCH at nice 19; nice: nice 19), as a server could do to
+    its background processes; returns how many threads. Scheduling settings are per thread on
+    Linux (renice or chrt without -a change only the main one)."""
+    pattern, _, policy = spec.rpartition(":")
+    table, done = process_table(cmd_chars=None), 0
+    for pid in pids:
+        if pid not in table or not re.search(pattern, table[pid][2]):
+            continue
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            try:
+                if policy == "idle":
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                elif policy == "batch":
+                    os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+                    os.setpriority(os.PRIO_PROCESS, tid, 19)
+                elif policy == "nice":
+                    os.setpriority(os.PRIO_PROCESS, tid, 19)
+                else:
+                    raise SystemExit(f"{DEMOTE_KEY}: policy {policy!r} is not idle|batch|nice")
+                done += 1
+            except ProcessLookupError:
+                continue
+    return done
+
+
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     name, _, rest = text.partition("=")
     env = dict(item.split("=", 1) for item in rest.split(",") if item)
@@ -214,10 +247,13 @@ def main() -> None:
     rows = []
     for round_ in range(args.rounds):
         for name, env in variants:
-            proc, _ = start_server(env, Path(f"/tmp/idle_noise_{name}.log"))
+            server_env = {k: v for k, v in env.items() if k != DEMOTE_KEY}
+            proc, _ = start_server(server_env, Path(f"/tmp/idle_noise_{name}.log"))
             try:
                 time.sleep(args.settle)
                 pids = server_pids(os.getpid())
+                if DEMOTE_KEY in env:
+                    print(f"{name}: {demote(pids, env[DEMOTE_KEY])} threads demoted", flush=True)
                 before, started = process_table(), time.monotonic()
                 time.sleep(5.0)
                 load = background(before, process_table(), time.monotonic() - started, set(pids))

@@ -120,14 +120,37 @@ def worker_ours(args, workload: dict) -> dict:
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
+    pinned = None
+    if args.pin_threads:  # as the served engine core pins them (cpu_pin_threads)
+        from replica.layers.cpu_kernels import set_thread_cpus
+
+        pinned = set_thread_cpus(sorted(os.sched_getaffinity(0)), threads, pin=True)
     llm.generate([prompts[0][:48], prompts[1][:32]], params(8))  # warm-up
     steps: list[dict] = []
     record = step_recorder(steps)
     engine.step_listeners.append(record)
-    outs, elapsed, load = _timed(lambda: llm.generate(prompts, [params(n) for n in output_lens]))
+    per_request: list[float] = []
+    if args.one_at_a_time:
+        outs, elapsed, load = _timed(
+            lambda: one_at_a_time(
+                lambda p, n: llm.generate([p], params(n))[0],
+                prompts,
+                output_lens,
+                per_request,
+                args.gap,
+            )  # fmt: skip
+        )
+    else:
+        outs, elapsed, load = _timed(
+            lambda: llm.generate(prompts, [params(n) for n in output_lens])
+        )
     engine.step_listeners.remove(record)
+    elapsed = sum(per_request) if per_request else elapsed  # the gaps are not the engine's
     tokens = [o.output_token_ids for o in outs]
     result = _result(args, workload, tokens, elapsed, load, threads)
+    result["pinned_threads"] = pinned
+    if per_request:
+        result["per_request_ms"] = [_ms(t) for t in per_request]
     result["num_speculative_tokens"] = args.draft_tokens
     result["speculative_max_running"] = args.spec_max_running
     if args.draft_tokens:
@@ -144,6 +167,19 @@ def worker_ours(args, workload: dict) -> dict:
     result["steps"] = summarize_steps(steps)
     result["steady"] = steady_state_breakdown(engine, prompts, args.steady_steps)
     return result
+
+
+def one_at_a_time(generate, prompts, output_lens, per_request: list[float], gap: float) -> list:
+    """Each request generated alone, in order, `gap` seconds after the one before (an engine
+    with nothing else to do when it arrives: a served request at a low rate), its wall time
+    appended to `per_request`."""
+    outs = []
+    for prompt, n in zip(prompts, output_lens, strict=True):
+        time.sleep(gap)
+        start = time.perf_counter()
+        outs.append(generate(prompt, n))
+        per_request.append(time.perf_counter() - start)
+    return outs
 
 
 def steady_state_breakdown(engine, prompts: list[list[int]], num_steps: int) -> dict:
@@ -280,14 +316,24 @@ def worker_vllm(args, workload: dict) -> dict:
     llm.generate(warm, params(8), use_tqdm=False)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
+    per_request: list[float] = []
+
     def run():
+        if args.one_at_a_time:
+            return one_at_a_time(
+                lambda p, n: llm.generate([p], params(n), use_tqdm=False)[0],
+                inputs, output_lens, per_request, args.gap,
+            )  # fmt: skip
         return llm.generate(inputs, [params(n) for n in output_lens], use_tqdm=False)
 
     outs, elapsed, load = _timed(run)
+    elapsed = sum(per_request) if per_request else elapsed  # the gaps are not the engine's
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     import vllm
 
     result = _result(args, workload, tokens, elapsed, load, threads=None)
+    if per_request:
+        result["per_request_ms"] = [_ms(t) for t in per_request]
     result["version"] = vllm.__version__
     result["num_speculative_tokens"] = args.draft_tokens
     result["omp_threads_bind"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
@@ -335,6 +381,7 @@ def launch(system: str, args, workload_path: Path, tmp: Path) -> dict:
     env = dict(os.environ)
     cmd = ["--model-dir", str(args.model_dir), "--workload", str(workload_path)]
     cmd += ["--result", str(result_path), "--threads", str(args.threads)]
+    cmd += ["--one-at-a-time", "--gap", str(args.gap)] if args.one_at_a_time else []
     if name.endswith("-spec"):  # prompt-lookup speculative decoding on (ours and vLLM)
         name = name.removesuffix("-spec")
         cmd += ["--draft-tokens", str(args.spec_tokens)]
@@ -343,6 +390,7 @@ def launch(system: str, args, workload_path: Path, tmp: Path) -> dict:
         cmd += ["--worker", "ours", "--dtype", dtype or "float32"]
         cmd += ["--prefill", "torch" if name == "ours-torch-prefill" else "native"]
         cmd += ["--steady-steps", str(args.steady_steps)]
+        cmd += ["--pin-threads"] if args.pin_threads else []
     elif name == "vllm":
         python = args.vllm_python
         if not Path(python).exists():
@@ -457,6 +505,20 @@ def main() -> None:
         type=int,
         default=1,
         help="runs of ours and vLLM, interleaved; the median run is reported (baselines run once)",
+    )
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="ours and vLLM: each request alone, in order (with --output-tokens 1, the "
+        "single-prompt prefill a served request meets at a low rate); per-request times",
+    )
+    parser.add_argument(
+        "--gap", type=float, default=0.3, help="--one-at-a-time: seconds between requests"
+    )
+    parser.add_argument(
+        "--pin-threads",
+        action="store_true",
+        help="ours: thread i on CPU i, as the served engine core (vLLM's are bound by --vllm-bind)",
     )
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per system")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")

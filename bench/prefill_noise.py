@@ -5,15 +5,18 @@ This asks the next question without the server: does any setting of the forward'
 make a step pay less for the same wake-ups? The server's idle wake-ups (~2200/s, ~14% of one
 core on the AVX-512 host, idle_noise's census) are stood in for by `--noise RATE:BURST_US,...`
 processes (a small C loop: sleep 1/RATE s, then spin BURST_US microseconds), so every variant
-meets the same noise.
+meets the same noise; `--noise-sched idle` runs them at SCHED_IDLE (what the step would pay if
+the stack's wake-ups never preempted it).
 
 Each variant (`--variant NAME=VAR=VALUE,...`) runs in a fresh process (OpenMP reads its
 environment once): this script's own engine (`LLM()`, the default model) prefills `--requests`
 prompts of `--prompt-len` random tokens one at a time, every other one with the noise stopped
 (SIGSTOP). The cost is the median of the paired differences (noisy minus the quiet one before
-it). Two settings are not environment variables: `STEPSERVE_PROBE_THREADS=N` (torch threads
-after the engine is built) and `STEPSERVE_PROBE_PIN=1` (thread i pinned to CPU i, what the
-served engine core does with `cpu_pin_threads`). Variants run in rotation for `--rounds`.
+it). Three settings are not environment variables: `STEPSERVE_PROBE_THREADS=N` (torch threads
+after the engine is built), `STEPSERVE_PROBE_PIN=1` (thread i pinned to CPU i, what the
+served engine core does with `cpu_pin_threads`) and `STEPSERVE_PROBE_NICE=N` (every thread of
+the probe at nice N, the noise staying at 0; below 0 needs CAP_SYS_NICE). Variants run in
+rotation for `--rounds`.
 
 Run: .venv/bin/python bench/prefill_noise.py --rounds 2 \
         --variant pinned=STEPSERVE_PROBE_PIN=1 --variant floating= \
@@ -78,8 +81,12 @@ def probe(args) -> dict:
         from replica.layers.cpu_kernels import set_thread_cpus
 
         pinned = set_thread_cpus(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), True)
+    if os.environ.get("STEPSERVE_PROBE_NICE"):
+        for tid in os.listdir("/proc/self/task"):  # setpriority is per thread on Linux
+            os.setpriority(os.PRIO_PROCESS, int(tid), int(os.environ["STEPSERVE_PROBE_NICE"]))
     engine.run(3, 0.05)  # warm-up
-    noise = [subprocess.Popen([args.noise_binary, *spec.split(":")]) for spec in args.noise]
+    chrt = ["chrt", "-i", "0"] if args.noise_sched == "idle" else []  # SCHED_IDLE noise
+    noise = [subprocess.Popen([*chrt, args.noise_binary, *spec.split(":")]) for spec in args.noise]
     quiet, noisy = [], []
     try:
         for _ in range(args.requests // 2):
@@ -106,6 +113,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], help="NAME=VAR=VALUE,...")
     ap.add_argument("--noise", default="1100:60,1100:60", type=lambda s: s.split(","),
                     help="RATE_HZ:BURST_US per noise process, comma-separated")  # fmt: skip
+    ap.add_argument("--noise-sched", choices=("other", "idle"), default="other",
+                    help="the noise processes' scheduling policy (idle: SCHED_IDLE)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--requests", type=int, default=24, help="per variant and round")
     ap.add_argument("--prompt-len", type=int, default=75)
@@ -125,7 +134,8 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, env in variants:
                 cmd = [sys.executable, __file__, "--probe", "--noise-binary", str(binary),
-                       "--noise", ",".join(args.noise), "--requests", str(args.requests),
+                       "--noise", ",".join(args.noise), "--noise-sched", args.noise_sched,
+                       "--requests", str(args.requests),
                        "--prompt-len", str(args.prompt_len), "--gap", str(args.gap),
                        "--seed", str(args.seed + round_)]  # fmt: skip
                 out = subprocess.run(cmd, env=dict(os.environ) | env, capture_output=True,

@@ -167,6 +167,13 @@ def main() -> int:
         "--decode", type=int, default=0, help="then N one-at-a-time streams: the token gap"
     )
     p.add_argument("--serve-args", default="", help="more `stepserve serve` arguments")
+    p.add_argument(
+        "--tree-args",
+        action="append",
+        default=[],
+        help="NAME:FLAGS, more `stepserve serve` arguments for the tree NAME's server only "
+        '(e.g. --tree nopin=. --tree-args "nopin:--no-cpu-pin-threads")',
+    )
     args = p.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
     envs: dict[str, dict[str, str]] = {name: {} for name in trees}
@@ -182,7 +189,12 @@ def main() -> int:
                 result = engine_run(tree, args.python)
             else:
                 log = Path(f"/tmp/startup-{name}.log")
-                serve_args = args.serve_args.split()
+                serve_args = args.serve_args.split() + [
+                    flag
+                    for item in args.tree_args
+                    if item.partition(":")[0] == name
+                    for flag in item.partition(":")[2].split()
+                ]
                 result = one_run(tree, args.python, log, envs[name], args.decode, serve_args)
             runs[name].append(result)
             print(name, i, json.dumps(result), flush=True)
@@ -196,6 +208,7 @@ def main() -> int:
     }
     for name in summary:
         summary[name]["env"] = envs[name]
+        summary[name]["args"] = [a for a in args.tree_args if a.partition(":")[0] == name]
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"runs": runs, "median": summary}, indent=1))

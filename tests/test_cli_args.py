@@ -154,6 +154,7 @@ def test_embedded_ray_serve_mode_haproxy_when_a_binary_is_there():
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "1"
+    assert env["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "1000"  # Serve's own, once a second
     # HAProxy's stats and metrics listeners get free ports, not Ray's fixed 8404 / 9101
     ports = {int(env["RAY_SERVE_HAPROXY_STATS_PORT"]), int(env["RAY_SERVE_HAPROXY_METRICS_PORT"])}
     assert len(ports) == 2 and not ports & {8404, 9101}
