@@ -167,22 +167,26 @@ def demote(pids: list[int], spec: str) -> int:
     (idle: SCHED_IDLE; batch: SCHED_BATCH at nice 19; nice: nice 19), as a server could do to
     its background processes; returns how many threads. Scheduling settings are per thread on
     Linux (renice or chrt without -a change only the main one)."""
-    pattern, _, policy = spec.rpartition(":")
+    pattern, sep, policy = spec.rpartition(":")
+    if not (sep and pattern) or policy not in ("idle", "batch", "nice"):
+        raise SystemExit(f"{DEMOTE_KEY}={spec!r}: REGEX:POLICY, POLICY one of idle|batch|nice")
     table, done = process_table(cmd_chars=None), 0
     for pid in pids:
         if pid not in table or not re.search(pattern, table[pid][2]):
             continue
-        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        try:
+            tids = list(map(int, os.listdir(f"/proc/{pid}/task")))
+        except FileNotFoundError:
+            continue  # gone since the table was read
+        for tid in tids:
             try:
                 if policy == "idle":
                     os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 elif policy == "batch":
                     os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
                     os.setpriority(os.PRIO_PROCESS, tid, 19)
-                elif policy == "nice":
-                    os.setpriority(os.PRIO_PROCESS, tid, 19)
                 else:
-                    raise SystemExit(f"{DEMOTE_KEY}: policy {policy!r} is not idle|batch|nice")
+                    os.setpriority(os.PRIO_PROCESS, tid, 19)
                 done += 1
             except ProcessLookupError:
                 continue
@@ -252,8 +256,9 @@ def main() -> None:
             try:
                 time.sleep(args.settle)
                 pids = server_pids(os.getpid())
+                demoted = demote(pids, env[DEMOTE_KEY]) if DEMOTE_KEY in env else 0
                 if DEMOTE_KEY in env:
-                    print(f"{name}: {demote(pids, env[DEMOTE_KEY])} threads demoted", flush=True)
+                    print(f"{name}: {demoted} threads demoted", flush=True)
                 before, started = process_table(), time.monotonic()
                 time.sleep(5.0)
                 load = background(before, process_table(), time.monotonic() - started, set(pids))
@@ -261,7 +266,8 @@ def main() -> None:
                     table = process_table()
                     chosen = [p for p in pids if p in table and re.search(pattern, table[p][2])]
                     row = {"variant": name, "round": round_, "env": env, "group": group,
-                           "num_processes": len(chosen), "idle_load": load,
+                           "num_processes": len(chosen), "demoted_threads": demoted,
+                           "idle_load": load,
                            **paired(probe, args, chosen)}  # fmt: skip
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items()

@@ -121,10 +121,11 @@ def worker_ours(args, workload: dict) -> dict:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     pinned = None
-    if args.pin_threads:  # as the served engine core pins them (cpu_pin_threads)
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin_threads and threads == len(cpus):  # as the served core pins (cpu_pin_threads)
         from replica.layers.cpu_kernels import set_thread_cpus
 
-        pinned = set_thread_cpus(sorted(os.sched_getaffinity(0)), threads, pin=True)
+        pinned = set_thread_cpus(cpus, threads, pin=True)
     llm.generate([prompts[0][:48], prompts[1][:32]], params(8))  # warm-up
     steps: list[dict] = []
     record = step_recorder(steps)
@@ -518,7 +519,8 @@ def main() -> None:
     parser.add_argument(
         "--pin-threads",
         action="store_true",
-        help="ours: thread i on CPU i, as the served engine core (vLLM's are bound by --vllm-bind)",
+        help="ours: thread i on CPU i when --threads is the process's CPU count, as the served "
+        "engine core pins them (vLLM's threads are bound by --vllm-bind)",
     )
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per system")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (PNG beside it)")
@@ -542,6 +544,8 @@ def main() -> None:
         args.steady_steps = min(args.steady_steps, 5)
     if args.hf_seq_requests is None:
         args.hf_seq_requests = max(2, args.num_requests // 8)
+    if args.one_at_a_time and any(s.startswith("hf") for s in args.systems.split(",")):
+        raise SystemExit("--one-at-a-time runs ours and vLLM only (hf-static batches by design)")
     sys.path.insert(0, str(ROOT))
     from bench._models import model_dir
     from replica.loader import load_hf_config
@@ -644,6 +648,9 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
             "prompt_tokens": sum(len(p) for p in workload["prompts"]),
             "output_tokens": sum(lens),
             "hf_seq_requests": args.hf_seq_requests,
+            "one_at_a_time": args.one_at_a_time,
+            "gap_s": args.gap if args.one_at_a_time else None,
+            "ours_pin_threads": args.pin_threads,
         },
         "machine": {
             "cpu_count": os.cpu_count(),

@@ -28,6 +28,7 @@ Writes bench/results/prefill_noise.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -67,6 +68,13 @@ def build_noise(directory: Path) -> Path:
     return binary
 
 
+def nice_zero() -> None:
+    """In a noise process before it runs: back to nice 0 (from a negative STEPSERVE_PROBE_NICE;
+    from a positive one only with CAP_SYS_NICE, else it stays at the probe's)."""
+    with contextlib.suppress(PermissionError):
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+
+
 def probe(args) -> dict:
     """One variant, in this process (its environment already set by the parent)."""
     import torch
@@ -86,7 +94,11 @@ def probe(args) -> dict:
             os.setpriority(os.PRIO_PROCESS, int(tid), int(os.environ["STEPSERVE_PROBE_NICE"]))
     engine.run(3, 0.05)  # warm-up
     chrt = ["chrt", "-i", "0"] if args.noise_sched == "idle" else []  # SCHED_IDLE noise
-    noise = [subprocess.Popen([*chrt, args.noise_binary, *spec.split(":")]) for spec in args.noise]
+    noise = [
+        # at nice 0 whatever this process's threads were set to (a child inherits its nice)
+        subprocess.Popen([*chrt, args.noise_binary, *spec.split(":")], preexec_fn=nice_zero)
+        for spec in args.noise
+    ]
     quiet, noisy = [], []
     try:
         for _ in range(args.requests // 2):

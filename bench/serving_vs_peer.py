@@ -202,15 +202,19 @@ def run_serving(base_url: str, label: str, bench_args: list[str], result: Path |
 
 
 @contextlib.contextmanager
-def started_server(system: str, argv: list[str], env: dict, args, log: Path):
-    """Start a server (`server_command`'s argv and env; output to `log`), wait until it is
-    healthy, warm it up on prompts no measured run sends and let it settle `args.settle_s`;
-    yields the seconds it took to become healthy; stops it and waits for its port after."""
+def started_server(system: str, argv: list[str], env: dict, args, log: Path, procs=None):
+    """Start a server (`server_command`'s argv and env; output to `log`; in a session of its
+    own, which every process it starts shares; appended to the list `procs` when given), wait
+    until it is healthy, warm it up on prompts no measured run sends and let it settle
+    `args.settle_s`; yields the seconds it took to become healthy; stops it and waits for its
+    port after."""
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=tree_of(system, args),
         )  # fmt: skip
+    if procs is not None:
+        procs.append(proc)
     base = f"http://127.0.0.1:{args.port}"
     try:
         started = time.time()

@@ -19,6 +19,10 @@ decode step at batch 1 of each tree, measured in the same alternation (pass
     python bench/startup.py --runs 4 --decode 8 --serve-args="--num-speculative-tokens 0" \
         --tree spawned=. --tree prestart=. --env prestart:STEPSERVE_PRESTART_CORE=1
 
+`--tree-args NAME:FLAGS` gives one tree's server more `stepserve serve` flags (e.g. an A/B of
+an engine option from one checkout: `--tree pin=. --tree nopin=. --tree-args
+"nopin:--no-cpu-pin-threads"`).
+
 `--engine-only` times the engine's construction alone, `Engine(EngineConfig(model=default))` in
 a fresh process that has imported torch and the replica's deployment module (what a replica
 has loaded when its constructor runs): the engine's own start, its imports included.
@@ -176,6 +180,9 @@ def main() -> int:
     )
     args = p.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
+    for item in args.tree_args + args.env:
+        if item.partition(":")[0] not in trees:
+            raise SystemExit(f"{item!r}: no --tree {item.partition(':')[0]}=PATH")
     envs: dict[str, dict[str, str]] = {name: {} for name in trees}
     for item in args.env:
         name, assignment = item.split(":", 1)

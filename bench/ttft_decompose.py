@@ -19,7 +19,10 @@ from its replica front's), the CPU seconds each of its processes used during eac
 /proc: what the serving stack around the engine costs on these cores), and the client's TTFT
 and TPOT. Systems run in turn (never two at once), each warmed up and let settle, as
 bench/serving_vs_peer.py does, whose server commands this reuses; with --rounds the order
-rotates. Writes bench/results/<out>.json.
+rotates. `--freeze SYSTEM:REGEX` stops (SIGSTOP) that system's server processes whose command
+line matches while each rate is measured (only processes of the server's own session; sweeps
+of at most FREEZE_MAX_S), e.g. Ray's and Serve's background ones, to see what they cost the
+served steps. Writes bench/results/<out>.json.
 
 Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/ttft_decompose.py \
         --systems stepserve+haproxy,vllm-2cores --request-rate 1,3 --num-prompts 40
@@ -199,6 +202,11 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+# a frozen window longer than this risks Ray's own timeouts (a raylet gives a silent GCS a
+# minute or so before it exits): --freeze refuses a rate whose sweep would take longer
+FREEZE_MAX_S = 40.0
+
+
 def own_freeze(system: str, args) -> str | None:
     """The `--freeze SYSTEM:REGEX` pattern of `system` (its full name), if any."""
     for spec in args.freeze:
@@ -210,22 +218,43 @@ def own_freeze(system: str, args) -> str | None:
     return None
 
 
+def check_freeze(args, rates: list[str]) -> None:
+    """Before any server starts: --freeze's specs well formed, and every rate's sweep short
+    enough to run with part of the server stopped."""
+    for system in {s.partition(":")[0] for s in args.freeze}:
+        own_freeze(system, args)
+    if args.freeze:
+        longest = max(args.num_prompts / float(rate) for rate in rates if rate != "inf")
+        if longest > FREEZE_MAX_S:
+            raise SystemExit(
+                f"--freeze: a sweep of {args.num_prompts} prompts at the lowest rate takes "
+                f"~{longest:.0f} s, over the {FREEZE_MAX_S:.0f} s Ray tolerates a stopped "
+                "GCS; send fewer prompts"
+            )
+
+
 @contextlib.contextmanager
-def frozen(pattern: str | None, table: dict):
-    """The server processes whose command line matches `pattern` stopped (SIGSTOP) for the
-    block, resumed after: what the rest of the stack costs the served steps without them.
-    Keep the block well under a minute (Ray's GCS and raylet tolerate a silent peer that long)."""
-    pids = [
-        pid
-        for pid, (_, _, cmd) in table.items()
-        if pattern and pid != os.getpid() and re.search(pattern, cmd)
-    ]
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+def frozen(pattern: str | None, table: dict, session: int):
+    """The processes of the server's session (`session`: the server was started in a session
+    of its own, and every process it starts shares it) whose command line matches `pattern`,
+    stopped (SIGSTOP) for the block and resumed after, every one that was stopped even when
+    stopping another failed: what the rest of the stack costs the served steps without them.
+    Keep the block under a minute (FREEZE_MAX_S)."""
+    stopped: list[int] = []
     try:
-        yield pids
+        for pid, (_, _, cmd) in table.items():
+            if not pattern or pid == os.getpid() or not re.search(pattern, cmd):
+                continue
+            try:
+                if os.getsid(pid) != session:
+                    continue
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue  # gone since the snapshot
+            stopped.append(pid)
+        yield stopped
     finally:
-        for pid in pids:
+        for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
@@ -264,6 +293,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{args.port}"
     rates = [r.strip() for r in args.request_rate.split(",") if r.strip()]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    check_freeze(args, rates)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -274,7 +304,8 @@ def main() -> None:
                     env[STEP_TRACE_ENV] = str(trace)
                 log = Path(tmp) / f"{system}-{r}.log"
                 print(f"== round {r + 1}/{args.rounds}: {system}", flush=True)
-                with started_server(system, argv, env, args, log):
+                procs: list = []
+                with started_server(system, argv, env, args, log, procs):
                     for i, rate in enumerate(rates):
                         skip = len(trace.read_text().splitlines()) if trace.exists() else 0
                         result = Path(tmp) / f"{system}-{r}-{rate}.json"
@@ -283,7 +314,8 @@ def main() -> None:
                         bench += ["--save-detailed"]
                         histograms = scrape_histograms(base)
                         before = process_table(cmd_chars=None)
-                        with frozen(own_freeze(system, args), before):
+                        pattern = own_freeze(system, args)
+                        with frozen(pattern, before, procs[0].pid):
                             data = run_serving(base, system, bench, result)
                         split = cpu_split(before, process_table(cmd_chars=None))
                         time.sleep(2)  # stepserve's replicas push their metrics about once a second

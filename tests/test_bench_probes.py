@@ -38,22 +38,44 @@ def child():
     return proc
 
 
-def test_freeze_stops_only_the_matching_processes_for_the_block():
+def test_freeze_stops_only_the_matching_processes_of_the_session_for_the_block():
     from bench.idle_noise import process_table
     from bench.ttft_decompose import frozen
 
     target, other = child(), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # the same command line in another session (another server, another test run): untouched
+    elsewhere = subprocess.Popen([sys.executable, "-c", SLEEPER], start_new_session=True)
+    procs = (target, other, elsewhere)
     try:
-        with frozen("stepserve-probe-target", process_table(cmd_chars=None)) as pids:
+        with frozen("stepserve-probe-target", process_table(cmd_chars=None), os.getsid(0)) as pids:
             assert pids == [target.pid]
-            assert stopped(target.pid, True) and state(other.pid) != "T"
+            assert stopped(target.pid, True)
+            assert state(other.pid) != "T" and state(elsewhere.pid) != "T"
         assert stopped(target.pid, False)
-        with frozen(None, process_table(cmd_chars=None)) as pids:  # a system without --freeze
+        with frozen(None, process_table(cmd_chars=None), os.getsid(0)) as pids:  # no --freeze
             assert pids == []
     finally:
-        for proc in (target, other):
+        for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_freeze_refuses_a_sweep_too_long_to_stop_the_gcs_for(monkeypatch):
+    import argparse
+
+    import pytest
+
+    from bench.ttft_decompose import check_freeze
+
+    args = argparse.Namespace(freeze=["stepserve+haproxy@f:ServeController"], num_prompts=60)
+    check_freeze(args, ["2", "4"])  # 30 s at the slowest
+    with pytest.raises(SystemExit, match="60 prompts"):
+        check_freeze(args, ["1", "2"])
+    args.freeze = ["no-pattern"]
+    with pytest.raises(SystemExit, match="SYSTEM:REGEX"):
+        check_freeze(args, ["4"])
+    args.freeze = []
+    check_freeze(args, ["0.1"])  # nothing frozen, any length
 
 
 def test_demote_moves_every_thread_not_only_the_main_one():
