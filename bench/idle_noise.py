@@ -256,8 +256,9 @@ def main() -> None:
             try:
                 time.sleep(args.settle)
                 pids = server_pids(os.getpid())
-                demoted = demote(pids, env[DEMOTE_KEY]) if DEMOTE_KEY in env else 0
+                demoted = 0
                 if DEMOTE_KEY in env:
+                    demoted = demote(pids, env[DEMOTE_KEY])
                     print(f"{name}: {demoted} threads demoted", flush=True)
                 before, started = process_table(), time.monotonic()
                 time.sleep(5.0)

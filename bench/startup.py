@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.serving_vs_peer import own_args  # noqa: E402
 from cluster.cli import free_port  # noqa: E402
 
 
@@ -173,6 +174,7 @@ def main() -> int:
     p.add_argument("--serve-args", default="", help="more `stepserve serve` arguments")
     p.add_argument(
         "--tree-args",
+        dest="args",  # serving_vs_peer's --args format: own_args reads it
         action="append",
         default=[],
         help="NAME:FLAGS, more `stepserve serve` arguments for the tree NAME's server only "
@@ -180,9 +182,10 @@ def main() -> int:
     )
     args = p.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
-    for item in args.tree_args + args.env:
+    for item in args.args + args.env:
         if item.partition(":")[0] not in trees:
             raise SystemExit(f"{item!r}: no --tree {item.partition(':')[0]}=PATH")
+    tree_flags = {name: own_args(name, args) for name in trees}
     envs: dict[str, dict[str, str]] = {name: {} for name in trees}
     for item in args.env:
         name, assignment = item.split(":", 1)
@@ -196,12 +199,7 @@ def main() -> int:
                 result = engine_run(tree, args.python)
             else:
                 log = Path(f"/tmp/startup-{name}.log")
-                serve_args = args.serve_args.split() + [
-                    flag
-                    for item in args.tree_args
-                    if item.partition(":")[0] == name
-                    for flag in item.partition(":")[2].split()
-                ]
+                serve_args = args.serve_args.split() + tree_flags[name]
                 result = one_run(tree, args.python, log, envs[name], args.decode, serve_args)
             runs[name].append(result)
             print(name, i, json.dumps(result), flush=True)
@@ -215,7 +213,7 @@ def main() -> int:
     }
     for name in summary:
         summary[name]["env"] = envs[name]
-        summary[name]["args"] = [a for a in args.tree_args if a.partition(":")[0] == name]
+        summary[name]["args"] = tree_flags[name]
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"runs": runs, "median": summary}, indent=1))

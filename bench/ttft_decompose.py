@@ -305,6 +305,7 @@ def main() -> None:
                 log = Path(tmp) / f"{system}-{r}.log"
                 print(f"== round {r + 1}/{args.rounds}: {system}", flush=True)
                 procs: list = []
+                pattern = own_freeze(system, args)
                 with started_server(system, argv, env, args, log, procs):
                     for i, rate in enumerate(rates):
                         skip = len(trace.read_text().splitlines()) if trace.exists() else 0
@@ -314,7 +315,6 @@ def main() -> None:
                         bench += ["--save-detailed"]
                         histograms = scrape_histograms(base)
                         before = process_table(cmd_chars=None)
-                        pattern = own_freeze(system, args)
                         with frozen(pattern, before, procs[0].pid):
                             data = run_serving(base, system, bench, result)
                         split = cpu_split(before, process_table(cmd_chars=None))
