@@ -1,0 +1,64 @@
+"""The replica package's public surface: what the router (and any other client of a replica)
+may import. Everything else under replica/ is the engine's own and may change without notice;
+tests/test_import_graph.py holds the router to this module (and to replica.config, the engine
+settings the router's own settings extend)."""
+
+from __future__ import annotations
+
+from replica.contracts import (
+    ACCEPTED_NOTICE_S,
+    Accepted,
+    AutoscalingStats,
+    GenerateRequest,
+    PreemptionRate,
+    RoutingStats,
+)
+from replica.default_model import default_model_dir
+from replica.hub import find_hub, get_hub
+from replica.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot, call_hub
+from replica.metrics import merge_expositions
+from replica.request import (
+    EngineDeadError,
+    EngineOverloaded,
+    GrammarRejected,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+    StructuredOutput,
+    extend_block_hashes,
+)
+from replica.startup import freeze_heap
+from replica.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, grammar_engine_loaded
+from replica.tokenizer import LazyTokenizer
+
+__all__ = [
+    "ACCEPTED_NOTICE_S",
+    "Accepted",
+    "AutoscalingStats",
+    "CLEARED",
+    "EngineDeadError",
+    "EngineOverloaded",
+    "GenerateRequest",
+    "GrammarRejected",
+    "KVEventBatch",
+    "KVSnapshot",
+    "LazyTokenizer",
+    "PreemptionRate",
+    "REMOVED",
+    "RequestOutput",
+    "RequestRejected",
+    "RoutingStats",
+    "STORED",
+    "SamplingParams",
+    "StructuredOutput",
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "call_hub",
+    "default_model_dir",
+    "extend_block_hashes",
+    "find_hub",
+    "freeze_heap",
+    "get_hub",
+    "grammar_engine_loaded",
+    "merge_expositions",
+]
