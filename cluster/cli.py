@@ -359,12 +359,12 @@ _prestarted: list = []  # the PrestartedCore of this process's embedded cluster,
 
 
 def prestart_core(config: ClusterConfig):
-    """Start the LLM replica's engine core before Ray (replica/engine_core.py PrestartedCore),
+    """Start the LLM replica's engine core before Ray (replica/engine/prestart.py PrestartedCore),
     when STEPSERVE_PRESTART_CORE=1: on the embedded one-machine cluster, for a CPU engine core
     process at tp=1 with a replica to adopt it. Its torch import and engine build (~6 s of CPU
     here) then overlap Ray's and Serve's start, which wait on each other's processes more than
     they compute."""
-    from replica.engine_core import PrestartedCore
+    from replica.engine.prestart import PrestartedCore
 
     engine = config.engine
     replicas = config.autoscaling.min_replicas if config.autoscaling.enabled else config.replicas

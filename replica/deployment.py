@@ -27,7 +27,8 @@ from replica.contracts import (
     RoutingStats,
 )
 from replica.engine import AsyncEngine, Engine
-from replica.engine_core import ProcessEngine
+from replica.engine.core_client import ProcessEngine
+from replica.engine.wire import CoreOp
 from replica.hub import get_hub
 from replica.kv_publisher import KVEventPublisher
 from replica.metrics import EngineMetrics
@@ -120,7 +121,7 @@ class LLMServer:
         self.startup_s = {
             "process": round(age, 3),
             "engine": round(time.time() - entered, 3),
-            **{f"engine.{k}": v for k, v in self.engine.engine.startup_s.items()},
+            **{f"engine.{k}": v for k, v in self.engine.info.startup_s.items()},
         }
         self.kv_events: KVEventPublisher | None = None
         if kv_events:  # routers mirror this replica's prefix cache (router/kv_index.py)
@@ -130,15 +131,15 @@ class LLMServer:
                 self.kv_events = KVEventPublisher(
                     self.replica_id,
                     hub,
-                    snapshot=lambda: engine.call("kv_snapshot").result(timeout=30),
-                    log_stats=lambda: engine.call("kv_stats").result(timeout=30),
-                    on_active=lambda on: engine.call("kv_publish", on).result(timeout=30),
+                    snapshot=lambda: engine.call(CoreOp.KV_SNAPSHOT).result(timeout=30),
+                    log_stats=lambda: engine.call(CoreOp.KV_STATS).result(timeout=30),
+                    on_active=lambda on: engine.call(CoreOp.KV_PUBLISH, on).result(timeout=30),
                 )
                 engine.kv_batch_listener = self.kv_events.add_batch
             else:
                 self.kv_events = KVEventPublisher.in_process(self.engine, self.replica_id, hub)
         self._preemptions = PreemptionRate(_PREEMPTION_WINDOW_S)
-        model_name = config.served_model_name or Path(self.engine.engine.model_dir).name
+        model_name = config.served_model_name or Path(self.engine.info.model_dir).name
         if self.core_process:  # the front observes the steps the core reports
             self.metrics = EngineMetrics(None, model_name, self.replica_id)
             self.engine.report_listeners.append(self.metrics.observe)
@@ -157,7 +158,7 @@ class LLMServer:
             "replica %s ready: max_model_len=%d, %d KV blocks of %d tokens",
             self.replica_id,
             self.engine.max_model_len,
-            self.engine.engine.num_kv_blocks,
+            self.engine.info.num_kv_blocks,
             config.block_size,
         )
 
@@ -180,12 +181,7 @@ class LLMServer:
         self.engine.set_num_threads(threads)
 
     def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(
-            request.prompt_token_ids,
-            request.sampling,
-            request.request_id,
-            priority=request.priority,
-        )
+        return self.engine.generate(request)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput | Accepted]:
         """RequestOutput deltas of one choice, after an Accepted when the first of them takes
@@ -224,11 +220,11 @@ class LLMServer:
         return result
 
     def model_info(self) -> dict:
-        engine = self.engine.engine
+        info = self.engine.info
         return {
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.vocab_size,
-            "num_kv_blocks": engine.num_kv_blocks,
+            "max_model_len": info.max_model_len,
+            "vocab_size": info.vocab_size,
+            "num_kv_blocks": info.num_kv_blocks,
             "block_size": self.config.block_size,
             "replica_id": self.replica_id,
             "startup_s": self.startup_s,
@@ -236,8 +232,8 @@ class LLMServer:
 
     def routing_stats(self) -> RoutingStats:
         """Engine counters as of the last step, and whether the engine is healthy."""
-        engine = self.engine.engine
-        stalled = self.engine.stalled_s()
+        engine = self.engine
+        stalled = engine.stalled_s()
         healthy = self.engine.error is None and stalled <= self.config.stall_timeout_s
         return RoutingStats.of_scheduler(
             self.replica_id,
@@ -245,7 +241,7 @@ class LLMServer:
             self.engine.stats(),
             self.config,
             self._preemptions,
-            num_kv_blocks=engine.num_kv_blocks,
+            num_kv_blocks=engine.info.num_kv_blocks,
             num_free_blocks=engine.num_free_blocks,
             num_unfinished=self.engine.num_unfinished(),
             num_request_states=engine.num_request_states,

@@ -128,12 +128,12 @@ class EngineMetrics:
         return self._request_success.labels(**self._lv, finished_reason=finished_reason)
 
     def on_step(self, engine, scheduler_output, outputs, step_time: float) -> None:
-        from replica.engine import StepReport
+        from replica.engine.core import step_report
 
-        self.observe(StepReport.of(engine, scheduler_output, step_time), outputs)
+        self.observe(step_report(engine, scheduler_output, step_time), outputs)
 
     def observe(self, report, outputs) -> None:
-        """One step (a replica.engine.StepReport) and its outputs, text and stop strings
+        """One step (a replica.engine.wire.StepReport) and its outputs, text and stop strings
         applied: where the engine runs, or in the front of an engine core process."""
         now = report.end
         for rid in report.finished_request_ids:  # aborted or ended last step

@@ -6,6 +6,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from replica.contracts import EngineRequest
 
 
 class RequestRejected(ValueError):
@@ -213,6 +219,7 @@ class Request:
     """
 
     __slots__ = (
+        "engine_request",
         "request_id",
         "prompt_token_ids",
         "sampling_params",
@@ -236,22 +243,22 @@ class Request:
     )
 
     def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        eos_token_ids: frozenset[int] | set[int] = frozenset(),
-        arrival_time: float | None = None,
-        priority: int = 0,
+        self, engine_request: EngineRequest, eos_token_ids: frozenset[int] | set[int] = frozenset()
     ) -> None:
+        prompt_token_ids = engine_request.prompt_token_ids
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        self.request_id = request_id
+        sampling_params = engine_request.sampling
+        # the request as it was sent, whole: a per-request field is read from here
+        self.engine_request = engine_request
+        # its fields the scheduler reads every step, copied out once
+        self.request_id = engine_request.request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
+        arrival_time = engine_request.arrival_time
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.priority = priority  # lower is more urgent (vLLM's convention); the priority policy
+        self.priority = engine_request.priority  # lower is more urgent (vLLM's convention)
         self.seq = 0  # the scheduler's arrival count: breaks ties between equal arrival times
         # set by the scheduler: drafts are proposed for it (replica/spec_decode.py)
         self.speculate = False
@@ -332,9 +339,10 @@ class StepOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class RequestOutput:
-    """A request's delta after a step, text included: made by Engine.step, streamed to callers."""
+class RequestOutput(msgspec.Struct, array_like=True, gc=False):
+    """A request's delta after a step, text included: made by Engine.step, streamed to callers.
+    A msgspec struct: the engine core sends it to its front as a compact array (engine/wire.py),
+    the text filled in there."""
 
     request_id: str
     new_token_ids: list[int]

@@ -43,6 +43,11 @@ class Runner(Protocol):
         """KV cache blocks the scheduler may hand out (ids 0..num_kv_blocks-1)."""
         ...
 
+    @property
+    def startup_s(self) -> dict[str, float]:
+        """Wall seconds of the runner's start by phase (empty when it does not time them)."""
+        ...
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one scheduled step; sample where a request's chunk reaches its end."""
         ...

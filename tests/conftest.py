@@ -19,6 +19,7 @@ from replica.tiny_models import (  # noqa: F401  (re-exported for the tests)
     build_tiny_model,
     build_tiny_tokenizer,
 )
+from tests.helpers import scheduler_request
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +101,7 @@ def generate_with_runner(
     """Drive a real Scheduler and ModelRunner until every request finishes, checking the KV
     pool's invariants after each step. `params` is one SamplingParams or one per prompt."""
     from replica.config import EngineConfig
-    from replica.request import Request, SamplingParams
+    from replica.request import SamplingParams
     from replica.runner import ModelRunner
     from replica.scheduler import Scheduler
 
@@ -114,7 +115,9 @@ def generate_with_runner(
     all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     ids = request_ids or [f"req-{i}" for i in range(len(prompts))]
     eos = read_eos_ids(model_dir)
-    requests = [Request(rid, prompt, p, eos) for rid, prompt, p in zip(ids, prompts, all_params)]
+    requests = [
+        scheduler_request(rid, prompt, p, eos) for rid, prompt, p in zip(ids, prompts, all_params)
+    ]
     for request in requests:
         scheduler.add_request(request)
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}

@@ -59,6 +59,7 @@ class FakeRunner:
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
         self.is_shut_down = False
+        self.startup_s: dict[str, float] = {}
         self.forced_tokens = forced_tokens or {}
         self.kv_slots: dict[int, list[int | None]] = {}
         self.num_computed: dict[str, int] = {}

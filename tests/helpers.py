@@ -210,3 +210,22 @@ async def cancel_after_first(stream: AsyncIterator) -> list:
     with pytest.raises(asyncio.CancelledError):
         await task
     return got
+
+
+def engine_request(prompt, params, request_id: str | None = None, priority: int = 0, arrival=None):
+    """An EngineRequest from its parts (a fresh id unless one is given)."""
+    import uuid
+
+    from replica.contracts import EngineRequest
+
+    rid = request_id if request_id is not None else uuid.uuid4().hex
+    return EngineRequest(list(prompt), params, rid, priority, arrival)
+
+
+def scheduler_request(
+    request_id: str, prompt, params, eos=frozenset(), priority: int = 0, arrival=None
+):
+    """A scheduler Request from its parts (scheduler and runner tests)."""
+    from replica.request import Request
+
+    return Request(engine_request(prompt, params, request_id, priority, arrival), eos)

@@ -11,6 +11,7 @@ import pytest
 from replica.config import EngineConfig
 from replica.engine import LLM, AsyncEngine, Engine
 from replica.request import EngineOverloaded, RequestOutput, SamplingParams
+from tests.helpers import engine_request
 from tests.test_model_parity import mixed_prompts
 
 NUM_STREAMS = 16
@@ -63,7 +64,10 @@ def test_16_concurrent_streams_match_the_offline_engine(tiny_llama_dir):
 
     async def body(async_engine: AsyncEngine):
         return await asyncio.gather(
-            *(collect(async_engine.generate(p, sp)) for p, sp in zip(prompts, params))
+            *(
+                collect(async_engine.generate(engine_request(p, sp)))
+                for p, sp in zip(prompts, params)
+            )
         )
 
     results = run_async(Engine(engine_config(tiny_llama_dir)), body)
@@ -78,7 +82,7 @@ def test_abort_mid_stream_frees_the_requests_blocks_at_once(tiny_llama_dir):
 
     async def body(async_engine: AsyncEngine):
         params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-        stream = async_engine.generate(list(range(3, 40)), params)
+        stream = async_engine.generate(engine_request(list(range(3, 40)), params))
         got = 0
         async for out in stream:
             got += len(out.new_token_ids)
@@ -105,7 +109,7 @@ def test_a_slow_consumer_gets_queued_deltas_merged_and_loses_nothing(tiny_llama_
 
     async def body(async_engine: AsyncEngine):
         tokens, text, deltas = [], "", 0
-        async for out in async_engine.generate(prompt, params):
+        async for out in async_engine.generate(engine_request(prompt, params)):
             tokens += out.new_token_ids
             text += out.new_text
             deltas += 1
@@ -124,7 +128,7 @@ def test_a_burst_within_one_step_fills_seats_and_queue_then_is_refused(tiny_llam
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 
     async def body(async_engine: AsyncEngine):
-        streams = [async_engine.generate([3 + i, 4, 5], params) for i in range(6)]
+        streams = [async_engine.generate(engine_request([3 + i, 4, 5], params)) for i in range(6)]
         firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
         admitted = [f for f in firsts if isinstance(f, RequestOutput)]
         refused = [f for f in firsts if isinstance(f, BaseException)]

@@ -249,7 +249,7 @@ def test_no_prestarted_core_where_no_replica_would_adopt_it(argv, env, monkeypat
             monkeypatch.setenv(key, value)
     started = []
     monkeypatch.setattr(
-        "replica.engine_core.PrestartedCore",
+        "replica.engine.prestart.PrestartedCore",
         lambda *a, **k: started.append(a) or types.SimpleNamespace(close=lambda: None),
     )
     assert cli.prestart_core(parse(*argv)) is None

@@ -17,6 +17,7 @@ from replica.config import EngineConfig
 from replica.deployment import _cgroup_cpu_quota, resolve_cpu_threads, usable_cpus
 from replica.engine import AsyncEngine, Engine
 from replica.request import SamplingParams
+from tests.helpers import engine_request
 
 
 def test_thread_count_explicit_then_ray_cpus_then_shared_usable_cores(monkeypatch):
@@ -90,7 +91,7 @@ def test_the_engine_thread_applies_a_new_thread_count_before_its_next_step(tiny_
                 async_engine.set_num_threads(0)
             for threads in (1, 3, 2):
                 async_engine.set_num_threads(threads)
-                async for _ in async_engine.generate([5, 6, 7], params):
+                async for _ in async_engine.generate(engine_request([5, 6, 7], params)):
                     pass
                 seen.append(async_engine.num_threads)
         finally:

@@ -1,4 +1,4 @@
-"""The engine core in a process of its own (replica/engine_core.py): the same streams as the
+"""The engine core in a process of its own (replica/engine/core_process.py): the same streams as the
 in-thread engine (tokens, text, stop strings, logprobs, grammars), aborts and stop strings that
 free the core's blocks, errors that name the request's problem, and lifetimes tied both ways
 (the core's death ends every stream and fails the health check; the front's death, even by
@@ -18,8 +18,10 @@ import time
 import pytest
 
 from replica.config import EngineConfig
-from replica.engine import AsyncEngine, Engine
-from replica.engine_core import ProcessEngine, decode_output, encode_outputs
+from replica.contracts import EngineRequest, GenerateRequest
+from replica.engine import AsyncEngine, Engine, wire
+from replica.engine.core_client import ProcessEngine
+from replica.kv_events import KVEventBatch
 from replica.request import (
     EngineDeadError,
     GrammarRejected,
@@ -28,6 +30,8 @@ from replica.request import (
     SamplingParams,
     StructuredOutput,
 )
+from replica.scheduler import SchedulerStats
+from tests.helpers import engine_request
 from tests.test_model_parity import mixed_prompts
 
 
@@ -46,7 +50,7 @@ async def collect(stream) -> RequestOutput:
 
 async def run_all(engine, jobs) -> list[RequestOutput]:
     return await asyncio.gather(
-        *(collect(engine.generate(ids, params, request_id=f"r{i}")) for i, (ids, params) in
+        *(collect(engine.generate(engine_request(ids, params, request_id=f"r{i}"))) for i, (ids, params) in
           enumerate(jobs))
     )  # fmt: skip
 
@@ -64,8 +68,21 @@ async def wait_until(predicate, timeout: float = 30.0) -> None:
 
 def test_wire_format_round_trips_every_field():
     out = RequestOutput("r", [1, 2], "", 5, 2, "stop", 7, [(-0.1, {1: -0.1})], 3, 1, [(0.0, {})])
-    (back,) = [decode_output(t) for t in encode_outputs([out])]
-    assert back == out
+    stats = SchedulerStats(1, 2, 0.5, 3, 4, 5, 6, 7, 8)
+    report = wire.StepReport(1.5, 0.25, 9, [("r", 1.0)], ["q"], stats, KVEventBatch(4, ((1, 2),)))
+    step = wire.Step([out], report, 10, 2)
+    assert wire.front_codec().decode(wire.core_codec().encode(step)) == step
+    request = GenerateRequest(
+        [1, 2, 3],
+        SamplingParams(max_tokens=4, stop=["x"], logit_bias={7: 1.5},
+                       structured=StructuredOutput("regex", "a+")),
+        "r", priority=2, arrival_time=3.5, prefix_key=11,
+    )  # fmt: skip
+    back = wire.core_codec().decode(wire.front_codec().encode(wire.Add(request)))
+    assert back.request == EngineRequest([1, 2, 3], request.sampling, "r", 2, 3.5)
+    error = wire.Pickled.of(RequestRejected("no"))
+    reply = wire.front_codec().decode(wire.core_codec().encode(wire.RequestError("r", error)))
+    assert isinstance(reply.error.load(), RequestRejected)
 
 
 def test_streams_match_the_in_thread_engine(tiny_llama_dir):
@@ -102,8 +119,8 @@ def test_streams_match_the_in_thread_engine(tiny_llama_dir):
         try:
             outs = await run_all(engine, jobs)
             # the stop string ended the request in the core too: nothing left there
-            await wait_until(lambda: engine.engine.num_request_states == 0)
-            assert engine.engine.num_free_blocks == engine.engine.num_kv_blocks
+            await wait_until(lambda: engine.num_request_states == 0)
+            assert engine.num_free_blocks == engine.info.num_kv_blocks
             assert len(engine.processor) == 0
             return outs
         finally:
@@ -146,12 +163,12 @@ def test_the_front_is_ready_before_its_tokenizer_and_its_first_request_waits(
         engine = ProcessEngine(config(tiny_llama_dir))  # returns with the load still held
         try:
             assert not engine._tokenizer.loaded
-            first = asyncio.ensure_future(collect(engine.generate(prompt, params)))
+            first = asyncio.ensure_future(collect(engine.generate(engine_request(prompt, params))))
             await asyncio.sleep(0.5)
             assert not first.done() and len(engine.processor) == 0  # waiting, not submitted
             release.set()
             early = await first
-            later = await collect(engine.generate(prompt, params))
+            later = await collect(engine.generate(engine_request(prompt, params)))
             assert engine._tokenizer.loaded
             return early, later
         finally:
@@ -169,18 +186,22 @@ def test_abort_errors_and_calls_cross_the_process(tiny_llama_dir):
         try:
             # a request too large for the cache is refused in the front, naming the limit
             with pytest.raises(RequestRejected, match="whole KV cache has 40 blocks"):
-                await collect(engine.generate([1] * 200, SamplingParams(max_tokens=100)))
+                await collect(
+                    engine.generate(engine_request([1] * 200, SamplingParams(max_tokens=100)))
+                )
             # a grammar the core cannot compile: its error reaches the stream
             bad = SamplingParams(max_tokens=5, structured=StructuredOutput("regex", "(unclosed"))
             with pytest.raises(GrammarRejected, match="cannot compile the regex"):
-                await collect(engine.generate([1, 2, 3], bad))
+                await collect(engine.generate(engine_request([1, 2, 3], bad)))
             # leaving a stream early aborts the request in the core and frees its blocks
-            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=120, ignore_eos=True))
+            stream = engine.generate(
+                engine_request([5, 6, 7], SamplingParams(max_tokens=120, ignore_eos=True))
+            )
             first = await stream.__anext__()
             assert first.new_token_ids
             await stream.aclose()
-            await wait_until(lambda: engine.engine.num_request_states == 0)
-            await wait_until(lambda: engine.engine.num_free_blocks == 40)
+            await wait_until(lambda: engine.num_request_states == 0)
+            await wait_until(lambda: engine.num_free_blocks == 40)
             # thread count and a stall, applied in the core between steps
             engine.set_num_threads(1)
             await wait_until(lambda: engine.num_threads == 1)
@@ -199,7 +220,7 @@ def test_the_step_trace_records_each_add_and_step(tiny_llama_dir, tmp_path, monk
     """STEPSERVE_STEP_TRACE: the core appends a line per request it is handed and per step,
     on the monotonic clock the front's arrival times use (bench/ttft_decompose.py lines the
     client's send times up with them)."""
-    from replica.engine_core import STEP_TRACE_ENV
+    from replica.engine.core_process import STEP_TRACE_ENV
 
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv(STEP_TRACE_ENV, str(trace))
@@ -209,8 +230,8 @@ def test_the_step_trace_records_each_add_and_step(tiny_llama_dir, tmp_path, monk
         try:
             before = time.monotonic()
             out = await collect(
-                engine.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True),
-                                request_id="traced")
+                engine.generate(engine_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=3, ignore_eos=True),
+                                request_id="traced"))
             )  # fmt: skip
             assert out.num_output_tokens == 3
         finally:
@@ -235,14 +256,16 @@ def test_the_step_trace_records_each_add_and_step(tiny_llama_dir, tmp_path, monk
 def test_a_step_trace_that_cannot_be_written_leaves_the_core_serving(
     tiny_llama_dir, tmp_path, monkeypatch
 ):
-    from replica.engine_core import STEP_TRACE_ENV
+    from replica.engine.core_process import STEP_TRACE_ENV
 
     monkeypatch.setenv(STEP_TRACE_ENV, str(tmp_path / "no-such-dir" / "trace.jsonl"))
 
     async def body():
         engine = ProcessEngine(config(tiny_llama_dir))
         try:
-            out = await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=2)))
+            out = await collect(
+                engine.generate(engine_request([5, 6, 7], SamplingParams(max_tokens=2)))
+            )
             assert out.num_output_tokens == 2
         finally:
             engine.shutdown()
@@ -273,7 +296,9 @@ def test_core_death_ends_streams_and_fails_health(tiny_llama_dir):
     async def body():
         engine = ProcessEngine(config(tiny_llama_dir))
         try:
-            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
+            stream = engine.generate(
+                engine_request([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
+            )
             await stream.__anext__()
             os.kill(engine.pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError, match=f"process {engine.pid} exited with code -9"):
@@ -282,7 +307,7 @@ def test_core_death_ends_streams_and_fails_health(tiny_llama_dir):
             with pytest.raises(EngineDeadError):
                 engine.check_health()
             with pytest.raises(EngineDeadError):  # and new requests are refused
-                await collect(engine.generate([1, 2], SamplingParams(max_tokens=2)))
+                await collect(engine.generate(engine_request([1, 2], SamplingParams(max_tokens=2))))
         finally:
             engine.shutdown()
 
@@ -304,14 +329,15 @@ def test_core_exits_when_its_front_is_killed(tiny_llama_dir, tmp_path):
     script = textwrap.dedent(f"""
         import asyncio, os, sys
         from replica.config import EngineConfig
-        from replica.engine_core import ProcessEngine
+        from replica.engine.core_client import ProcessEngine
         from replica.request import SamplingParams
+        from tests.helpers import engine_request
 
         async def main():
             engine = ProcessEngine(EngineConfig(model={str(tiny_llama_dir)!r}, device="cpu",
                                                 block_size=4, num_kv_blocks=256))
-            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=100000 // 400,
-                                                               ignore_eos=True))
+            stream = engine.generate(engine_request([5, 6, 7], SamplingParams(max_tokens=100000 // 400,
+                                                               ignore_eos=True)))
             await stream.__anext__()
             print(engine.pid, flush=True)
             await asyncio.sleep(60)
@@ -337,7 +363,7 @@ def test_core_exits_when_its_front_is_killed(tiny_llama_dir, tmp_path):
 @pytest.fixture
 def prestarted(tiny_llama_dir, monkeypatch):
     """Start a pre-started core for the tiny model and point this process's fronts at it."""
-    from replica.engine_core import PRESTARTED_CORE_ENV, PrestartedCore
+    from replica.engine.prestart import PRESTARTED_CORE_ENV, PrestartedCore
 
     cores = []
 
@@ -367,8 +393,8 @@ def test_a_prestarted_core_is_adopted_once_and_streams_as_a_spawned_one(tiny_lla
         spawned = ProcessEngine(config(tiny_llama_dir))  # the socket is gone: its own core
         try:
             assert adopted.pid == core.proc.pid
-            assert "core_adopted" in adopted.engine.startup_s
-            assert spawned.pid != core.proc.pid and "core_process" in spawned.engine.startup_s
+            assert "core_adopted" in adopted.info.startup_s
+            assert spawned.pid != core.proc.pid and "core_process" in spawned.info.startup_s
             assert not os.path.exists(core.path) and not os.path.exists(core.dir)
             assert adopted.num_threads == 2  # the adopting replica's count, not the guess
             a, b = await run_all(adopted, jobs), await run_all(spawned, jobs)
@@ -388,9 +414,11 @@ def test_a_prestarted_core_rebuilds_for_the_adopting_replicas_config(tiny_llama_
     async def body():
         engine = ProcessEngine(config(tiny_llama_dir, num_kv_blocks=64))
         try:
-            assert engine.pid == core.proc.pid and "core_adopted" in engine.engine.startup_s
-            assert engine.engine.num_kv_blocks == 64
-            out = await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=3)))
+            assert engine.pid == core.proc.pid and "core_adopted" in engine.info.startup_s
+            assert engine.info.num_kv_blocks == 64
+            out = await collect(
+                engine.generate(engine_request([5, 6, 7], SamplingParams(max_tokens=3)))
+            )
             assert len(out.new_token_ids) == 3
         finally:
             engine.shutdown()
@@ -411,16 +439,19 @@ def test_a_front_that_loses_the_prestarted_core_to_another_starts_its_own(
     other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     other.connect(core.path)  # first in the queue
     first = Connection(other.detach())
-    first.send(("init", cfg.model_dump(mode="json"), False, 1))
+    codec = wire.front_codec()
+    first.send_bytes(codec.encode(wire.Init(cfg.model_dump(mode="json"), False, 1)))
 
     async def body():
         engine = ProcessEngine(cfg)
         try:
-            assert engine.pid != core.proc.pid and "core_process" in engine.engine.startup_s
+            assert engine.pid != core.proc.pid and "core_process" in engine.info.startup_s
             # the first comer has the pre-started core
-            assert first.recv() == ("adopted", core.proc.pid)
-            assert first.recv()[0] == "ready"
-            out = await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=3)))
+            assert codec.decode(first.recv_bytes()) == wire.Adopted(core.proc.pid)
+            assert isinstance(codec.decode(first.recv_bytes()), wire.Ready)
+            out = await collect(
+                engine.generate(engine_request([5, 6, 7], SamplingParams(max_tokens=3)))
+            )
             assert len(out.new_token_ids) == 3
         finally:
             engine.shutdown()
@@ -439,7 +470,7 @@ def test_a_failed_prestarted_core_leaves_the_replica_to_start_its_own(
     async def body():
         engine = ProcessEngine(config(tiny_llama_dir))
         try:
-            assert "core_process" in engine.engine.startup_s
+            assert "core_process" in engine.info.startup_s
         finally:
             engine.shutdown()
 
@@ -448,22 +479,23 @@ def test_a_failed_prestarted_core_leaves_the_replica_to_start_its_own(
 
 def test_an_adopted_core_exits_when_its_front_is_killed(tiny_llama_dir, prestarted):
     """The adopted core is not the front's child: it watches the front's pid (and its socket)."""
-    from replica.engine_core import PRESTARTED_CORE_ENV
+    from replica.engine.prestart import PRESTARTED_CORE_ENV
 
     core = prestarted(config(tiny_llama_dir))
     script = textwrap.dedent(f"""
         import asyncio
         from replica.config import EngineConfig
-        from replica.engine_core import ProcessEngine
+        from replica.engine.core_client import ProcessEngine
         from replica.request import SamplingParams
+        from tests.helpers import engine_request
 
         async def main():
             engine = ProcessEngine(EngineConfig(model={str(tiny_llama_dir)!r}, device="cpu",
                                                 block_size=4, num_kv_blocks=256,
                                                 max_model_len=256))
-            stream = engine.generate([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+            stream = engine.generate(engine_request([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)))
             await stream.__anext__()
-            print(engine.pid, engine.engine.startup_s.get("core_adopted"), flush=True)
+            print(engine.pid, engine.info.startup_s.get("core_adopted"), flush=True)
             await asyncio.sleep(60)
 
         asyncio.run(main())
@@ -509,7 +541,7 @@ def test_the_cores_threads_are_pinned_one_to_a_cpu_and_unpinned_when_fewer(tiny_
             assert engine.num_threads == len(cpus)
             assert engine.thread_cpus.startswith("pinned"), engine.thread_cpus
             # a step runs the torch threads (libgomp starts its workers on first use)
-            await collect(engine.generate([5, 6, 7], SamplingParams(max_tokens=4)))
+            await collect(engine.generate(engine_request([5, 6, 7], SamplingParams(max_tokens=4))))
             masks = [m for ms in thread_cpus(engine.pid).values() for m in ms]
             singles = sorted(next(iter(m)) for m in masks if len(m) == 1)
             assert singles == cpus, thread_cpus(engine.pid)  # one thread on each CPU
@@ -526,7 +558,7 @@ def test_the_cores_threads_are_pinned_one_to_a_cpu_and_unpinned_when_fewer(tiny_
         off = ProcessEngine(config(tiny_llama_dir, cpu_pin_threads=False), num_threads=len(cpus))
         try:
             assert off.thread_cpus == "not pinned (cpu_pin_threads off)"
-            await collect(off.generate([5, 6, 7], SamplingParams(max_tokens=4)))
+            await collect(off.generate(engine_request([5, 6, 7], SamplingParams(max_tokens=4))))
             assert all(m == everything for ms in thread_cpus(off.pid).values() for m in ms)
         finally:
             off.shutdown()

@@ -9,6 +9,7 @@ import pytest
 
 from replica.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager
 from replica.request import Request, SamplingParams
+from tests.helpers import scheduler_request
 
 
 def make_blocks(n: int) -> list[KVBlock]:
@@ -20,7 +21,7 @@ def free_ids(pool: BlockPool) -> list[int]:
 
 
 def make_request(rid: str, tokens: list[int], block_size: int) -> Request:
-    request = Request(rid, tokens, SamplingParams(max_tokens=8))
+    request = scheduler_request(rid, tokens, SamplingParams(max_tokens=8))
     request.update_block_hashes(block_size)
     return request
 

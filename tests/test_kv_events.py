@@ -18,11 +18,12 @@ from replica.kv_events import (
     KVEventHub,
     KVSnapshot,
 )
-from replica.request import ROOT_BLOCK_HASH, Request, SamplingParams, extend_block_hashes
+from replica.request import ROOT_BLOCK_HASH, SamplingParams, extend_block_hashes
 from replica.scheduler import Scheduler
 from router.kv_index import KVIndex
 from router.kv_routing import KVRouting, exposition, note_cached, register_kv_routing
 from router.policy import Policy, ReplicaStats, RequestSize, RoutingConfig, decision_reason
+from tests.helpers import scheduler_request
 
 BS = 4
 
@@ -55,7 +56,7 @@ def _mixed_requests(
                 rng.randrange(10, 99) for _ in range(rng.randint(1, 9))
             ]
             params = SamplingParams(max_tokens=rng.randint(1, long), ignore_eos=True)
-            out.append(Request(f"r{next(counter)}", prompt, params))
+            out.append(scheduler_request(f"r{next(counter)}", prompt, params))
         return out
 
     return new
@@ -91,7 +92,7 @@ def test_predicted_hits_equal_the_schedulers_hits_when_nothing_is_evicted_betwee
             rng.randrange(10, 99) for _ in range(rng.randint(0, 6))
         ]
         predicted = index.hit_tokens(index.prompt_hashes(prompt), ["r0"]).get("r0", 0)
-        req = Request(f"q{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        req = scheduler_request(f"q{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
         sched.add_request(req)
         while sched.has_unfinished():
             so = sched.schedule()

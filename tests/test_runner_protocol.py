@@ -16,7 +16,10 @@ from replica.scheduler import SchedulerOutput
 from tests.conftest import TINY_VOCAB
 from tests.fake_runner import FakeRunner
 
-MEMBERS = {"max_model_len", "vocab_size", "num_kv_blocks", "execute", "check_health", "shutdown"}
+MEMBERS = {
+    "max_model_len", "vocab_size", "num_kv_blocks", "startup_s", "execute", "check_health",
+    "shutdown",
+}  # fmt: skip
 
 
 def test_the_protocol_lists_what_the_engine_calls():

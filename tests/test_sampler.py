@@ -19,6 +19,7 @@ from replica.layers.sampler import (
     unpack_bitmask,
 )
 from replica.request import Request, SamplingParams
+from tests.helpers import scheduler_request
 
 sampler = Sampler()
 
@@ -158,7 +159,7 @@ INF = float("-inf")
 
 
 def _request(prompt: list[int], output: list[int], params: SamplingParams, eos=(EOS,)):
-    request = Request("r", prompt, params, eos_token_ids=set(eos))
+    request = scheduler_request("r", prompt, params, eos=set(eos))
     request.all_token_ids.extend(output)
     return request
 

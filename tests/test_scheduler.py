@@ -10,6 +10,7 @@ from replica.config import EngineConfig
 from replica.request import Request, RequestStatus, SamplingParams, StepOutput
 from replica.scheduler import RequestRejected, ScheduledRequest, Scheduler, SchedulerOutput
 from tests.fake_runner import FakeRunner, RunnerCheckError
+from tests.helpers import scheduler_request
 
 
 def make_scheduler(num_blocks: int = 256, max_model_len: int = 4096, **config) -> Scheduler:
@@ -25,7 +26,7 @@ def prompt(n: int, seed: int) -> list[int]:
 def make_request(
     rid: str, tokens: list[int], max_tokens: int = 16, eos: frozenset[int] = frozenset(), **params
 ) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, **params), eos)
+    return scheduler_request(rid, tokens, SamplingParams(max_tokens=max_tokens, **params), eos)
 
 
 def chunks(out: SchedulerOutput) -> list[tuple[str, int, int]]:
@@ -709,11 +710,15 @@ def test_a_victim_whose_block_was_hit_in_the_same_step_is_not_preempted_in_it():
     sched = make_scheduler(block_size=2, max_num_seqs=2, scheduling_policy="priority")
     runner = FakeRunner(2, forced_tokens={"V": [7] * 8})
     sched.add_request(
-        Request("V", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), priority=2)
+        scheduler_request("V", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), priority=2)
     )
     step(sched, runner)  # V's prompt; it samples 7
-    h1 = Request("H1", [1, 2, 3, 7, 5], SamplingParams(max_tokens=3, ignore_eos=True), priority=0)
-    h2 = Request("H2", [9, 9, 9], SamplingParams(max_tokens=3, ignore_eos=True), priority=1)
+    h1 = scheduler_request(
+        "H1", [1, 2, 3, 7, 5], SamplingParams(max_tokens=3, ignore_eos=True), priority=0
+    )
+    h2 = scheduler_request(
+        "H2", [9, 9, 9], SamplingParams(max_tokens=3, ignore_eos=True), priority=1
+    )
     sched.add_request(h1)
     sched.add_request(h2)
     out, outputs = step(sched, runner)

@@ -14,6 +14,7 @@ from replica.config import EngineConfig
 from replica.request import Request, RequestStatus, SamplingParams
 from replica.scheduler import RequestRejected, Scheduler
 from tests.fake_runner import FakeRunner
+from tests.helpers import scheduler_request
 
 VOCAB_SIZE = 48  # small, so EOS (token 0) and identical blocks across requests both happen
 EOS = frozenset({0})
@@ -201,7 +202,7 @@ def test_random_workloads_keep_invariants_and_match_solo_outputs(w: Workload):
     while pending or sched.has_unfinished():
         while pending and pending[0].step <= step:
             a = pending.pop(0)
-            request = Request(a.request_id, a.prompt, a.params, EOS, priority=a.priority)
+            request = scheduler_request(a.request_id, a.prompt, a.params, EOS, priority=a.priority)
             if should_reject(w, a):
                 try:
                     sched.add_request(request)

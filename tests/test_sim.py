@@ -22,6 +22,7 @@ from sim.workloads import (
     multi_turn_conversations,
     read_trace,
 )
+from tests.helpers import scheduler_request
 
 # a model with a clear shape: 2 ms per step, 20 us per token, attention terms on top
 KNOWN = StepTimeModel([1, 64, 512, 2048], [0.002, 0.0033, 0.0123, 0.0430], [2e-8, 4e-8, 1e-7, 5e-5])
@@ -77,12 +78,11 @@ def test_fit_recovers_a_known_step_time_model() -> None:
 
 
 def test_step_shape_of_a_scheduler_output_counts_prefill_and_decode() -> None:
-    from replica.request import Request
     from replica.scheduler import ScheduledRequest, SchedulerOutput
 
     params = SamplingParams(max_tokens=4)
-    prefill = Request("a", list(range(100)), params)
-    decode = Request("b", list(range(10)), params)
+    prefill = scheduler_request("a", list(range(100)), params)
+    decode = scheduler_request("b", list(range(10)), params)
     decode.all_token_ids.append(5)  # one generated token: its next step is a decode
     so = SchedulerOutput(
         scheduled=[ScheduledRequest(prefill, 32, 48, []), ScheduledRequest(decode, 10, 1, [])]

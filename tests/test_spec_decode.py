@@ -12,6 +12,7 @@ from replica.runner import verify_greedy_drafts
 from replica.scheduler import Scheduler
 from replica.spec_decode import NgramProposer, speculation_allowed
 from tests.fake_runner import FakeRunner
+from tests.helpers import scheduler_request
 from tests.test_model_parity import expected_outputs, greedy_params, mixed_prompts
 from tests.test_scheduler import run_to_completion
 
@@ -25,7 +26,7 @@ def tiny_model_dir(request, tiny_llama_dir, tiny_qwen2_dir):
 
 def _request(tokens, rid="r", **params) -> Request:
     params.setdefault("temperature", 0.0)
-    return Request(rid, tokens, SamplingParams(**params), EOS)
+    return scheduler_request(rid, tokens, SamplingParams(**params), EOS)
 
 
 def test_proposer_takes_the_longest_trailing_ngram_at_its_latest_occurrence():

@@ -44,7 +44,8 @@ class FakeEngine:
         self.first_s, self.refuse = first_s, refuse
         self.closed = []  # request ids whose stream ended (finished or aborted)
 
-    async def generate(self, prompt_ids, params, request_id, priority=0):
+    async def generate(self, request):
+        request_id, prompt_ids = request.request_id, request.prompt_token_ids
         if self.refuse:
             raise EngineOverloaded("replica queue is full (8 waiting >= max_queue_len=8)")
         try:

@@ -25,6 +25,7 @@ from replica.parallel import TensorParallelError, TensorParallelRunner
 from replica.request import EngineDeadError, SamplingParams
 from replica.runner import StepBatch
 from replica.runner_protocol import Runner
+from tests.helpers import engine_request
 from tests.test_model_parity import (
     MAX_TOKENS,
     PROMPT_LENGTHS,
@@ -240,7 +241,7 @@ def test_worker_death_mid_generation_ends_the_request_with_an_error(tiny_qwen2_d
         async_engine = AsyncEngine(engine)
         try:
             params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
-            stream = async_engine.generate([5, 6, 7], params)
+            stream = async_engine.generate(engine_request([5, 6, 7], params))
             first = await anext(stream)
             assert first.new_token_ids and not first.finished
             os.kill(pid, signal.SIGKILL)
@@ -282,7 +283,9 @@ def test_worker_death_while_idle_fails_health_and_new_requests(tiny_qwen2_dir):
             assert wait_until(unhealthy, 5.0)
             with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {pid}\) exited with code -9"):
                 async with asyncio.timeout(5):
-                    async for _ in async_engine.generate([5, 6], SamplingParams(max_tokens=2)):
+                    async for _ in async_engine.generate(
+                        engine_request([5, 6], SamplingParams(max_tokens=2))
+                    ):
                         pass
         finally:
             async_engine.shutdown()

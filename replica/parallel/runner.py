@@ -227,6 +227,11 @@ class TensorParallelRunner:
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks
 
+    @property
+    def startup_s(self) -> dict[str, float]:
+        """Not timed by phase: the ranks build their engines in their own processes."""
+        return {}
+
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         """Broadcast the step's batch, run rank 0's forward with the others, sample."""
         if self._failure is not None:

@@ -1,0 +1,304 @@
+"""The engine: scheduler + Runner (replica/runner_protocol.py) + detokenizer, stepped one batch at
+a time. The offline LLM steps it directly; a replica steps it on a thread (engine/async_engine.py)
+or in a process of its own (engine/core_process.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from replica.config import EngineConfig
+from replica.contracts import EngineRequest
+from replica.engine.output_processor import OutputProcessor
+from replica.engine.wire import StepReport
+from replica.request import (
+    GrammarRejected,
+    Request,
+    RequestOutput,
+    RequestRejected,
+    RequestStatus,
+    SamplingParams,
+)
+from replica.runner_protocol import Runner
+from replica.scheduler import Scheduler, SchedulerStats, check_request_fits
+from replica.structured import StructuredOutputError, StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+
+def load_eos_token_ids(model_dir: str | Path, tokenizer_eos_id: int | None) -> frozenset[int]:
+    """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
+    ids: set[int] = set()
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.exists():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    if tokenizer_eos_id is not None:
+        ids.add(int(tokenizer_eos_id))
+    return frozenset(ids)
+
+
+def make_runner(config: EngineConfig, model_dir: str | Path) -> Runner:
+    """The model runner for this config: in-process for tp=1, an SPMD group otherwise."""
+    if config.tensor_parallel_size > 1:
+        from replica.parallel import TensorParallelRunner
+
+        return TensorParallelRunner(config, model_dir)
+    from replica.runner import ModelRunner
+
+    return ModelRunner(config, model_dir)
+
+
+def check_request(
+    config: EngineConfig,
+    vocab_size: int,
+    max_model_len: int,
+    num_kv_blocks: int,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    priority: int = 0,
+) -> None:
+    """Raise RequestRejected (a user error) for a request an engine of this shape can never
+    serve: the engine's own check, and its front's (engine/streaming.py) before sending."""
+    if priority != 0 and config.scheduling_policy != "priority":
+        raise RequestRejected(
+            f"priority={priority} needs scheduling_policy='priority' (this replica runs "
+            f"{config.scheduling_policy!r})"
+        )
+    if not prompt_token_ids:
+        raise RequestRejected("prompt must contain at least one token")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestRejected(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    check_request_fits(
+        len(prompt_token_ids), params.max_tokens, max_model_len, config.block_size, num_kv_blocks
+    )
+    if params.logit_bias:
+        bad = next((t for t in params.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(
+                f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def step_report(engine: Engine, scheduler_output, step_time: float) -> StepReport:
+    """The report of the step that just ended; marks each request's first scheduling."""
+    end = time.monotonic()
+    started = end - step_time  # the step (and its schedule) began here
+    first = []
+    for sched in scheduler_output.scheduled:
+        request = sched.request
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = started
+            first.append((request.request_id, request.arrival_time))
+    return StepReport(
+        end=end,
+        step_time=step_time,
+        num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+        first_scheduled=first,
+        finished_request_ids=list(scheduler_output.finished_request_ids),
+        stats=engine.stats(),
+    )
+
+
+class Engine:
+    """One replica's engine: scheduler + Runner (runner_protocol.py) + detokenizer, stepped
+    synchronously."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner | None = None,
+        tokenizer=None,
+        detokenize: bool = True,
+    ) -> None:
+        """`detokenize=False`: outputs carry token ids only (new_text empty) and stop strings
+        are not looked for: the caller runs an OutputProcessor (an engine core in its own
+        process, whose front detokenizes)."""
+        self.config = config
+        self.model_dir = config.model_dir()
+        started = time.perf_counter()
+        from replica.tokenizer import LazyTokenizer, declared_eos_token_id, load_tokenizer
+
+        eos_token_id = None
+        if tokenizer is None and not detokenize:
+            # a core that does not detokenize needs its tokenizer only for grammars: loaded at
+            # the first one, if its eos token can be read from the files
+            try:
+                eos_token_id = declared_eos_token_id(self.model_dir)
+                tokenizer = LazyTokenizer(self.model_dir)
+            except LookupError:
+                pass
+        if tokenizer is None:
+            tokenizer = load_tokenizer(self.model_dir)
+        if not isinstance(tokenizer, LazyTokenizer):
+            eos_token_id = tokenizer.eos_token_id
+        self._tokenizer = tokenizer
+        tokenized = time.perf_counter()
+        self.runner = runner if runner is not None else make_runner(config, self.model_dir)
+        # wall seconds of the engine's start: the tokenizer, then the runner's own phases
+        # (config, weights, kernels, kv_cache: ModelRunner.startup_s), the rest as "runner"
+        phases = dict(self.runner.startup_s)
+        runner_s = time.perf_counter() - tokenized
+        self.startup_s = {"tokenizer": round(tokenized - started, 3), **phases}
+        self.startup_s["runner_other"] = round(max(0.0, runner_s - sum(phases.values())), 3)
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = load_eos_token_ids(self.model_dir, eos_token_id)
+        self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.max_model_len)
+        self._requests: dict[str, Request] = {}  # unfinished, by id
+        self.output_processor = OutputProcessor(tokenizer) if detokenize else None
+        self.vocab_size = self.runner.vocab_size
+        # grammars of structured outputs, compiled for this tokenizer and vocabulary on first use
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.step_listeners: list = []  # callables(engine, scheduler_output, outputs, step_time)
+        # wall seconds the latest step spent in schedule(); the runner times its own phases
+        # (runner.step_times), the rest of step_time is update_from_output and detokenizing
+        self.last_schedule_time = 0.0
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (loaded now if it was left to its first use)."""
+        from replica.tokenizer import loaded
+
+        return loaded(self._tokenizer)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler.kv.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv.pool.num_free_blocks
+
+    def check_request(self, request: EngineRequest) -> None:
+        """Raise RequestRejected (a user error) for a request that can never be served."""
+        check_request(
+            self.config, self.vocab_size, self.max_model_len, self.num_kv_blocks,
+            request.prompt_token_ids, request.sampling, request.priority,
+        )  # fmt: skip
+
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a structured request (cached), or None for a free one;
+        RequestRejected names the problem when it cannot compile."""
+        if params.structured is None:
+            return None
+        try:
+            return self.structured.compile(params.structured)
+        except StructuredOutputError as exc:
+            raise GrammarRejected(str(exc)) from None
+
+    def add(self, request: EngineRequest, compiled_grammar=None) -> Request:
+        """Queue a request its sender checked (`check_request`). A structured one's grammar is
+        compiled here unless the caller compiled it already (`compile_grammar`, off the
+        stepping thread: engine/driver.py)."""
+        rid = request.request_id
+        state = Request(request, self.eos_token_ids)
+        params = request.sampling
+        if params.structured is not None:
+            compiled = compiled_grammar or self.compile_grammar(params)
+            state.grammar = self.structured.new_state(params.structured, compiled)
+        self.scheduler.add_request(state)
+        self._requests[rid] = state
+        if self.output_processor is not None:
+            self.output_processor.add(rid, state.prompt_token_ids, params)
+        return state
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Check and queue a request given by its parts (the offline API)."""
+        request = EngineRequest(list(prompt_token_ids), params, request_id, priority, arrival_time)
+        self.check_request(request)
+        return self.add(request)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+        for rid in request_ids:
+            self._forget(rid)
+
+    def finish_stopped(self, request_ids: Sequence[str]) -> None:
+        """End requests whose stop string the caller's OutputProcessor found (their KV blocks
+        are freed now, their finish is `stop`)."""
+        live = [rid for rid in request_ids if rid in self._requests]
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_STOPPED)
+        for rid in live:
+            self._forget(rid)
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        if self.output_processor is not None:
+            self.output_processor.drop(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_request_states(self) -> int:
+        """Requests this engine keeps per-request state for (0 when idle: nothing leaked)."""
+        return len(self._requests)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it, and turn sampled tokens into per-request outputs."""
+        t0 = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        self.last_schedule_time = time.perf_counter() - t0
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.runner.execute(scheduler_output)
+        step_outputs = self.scheduler.update_from_output(
+            scheduler_output,
+            runner_output.sampled,
+            runner_output.logprobs,
+            runner_output.prompt_logprobs,
+            runner_output.spec_tokens,
+        )
+        outputs = []
+        processor = self.output_processor
+        for step in step_outputs:
+            request = self._requests.get(step.request_id)
+            if request is None:
+                continue
+            out = RequestOutput(
+                request_id=step.request_id,
+                new_token_ids=step.new_token_ids,
+                new_text="",
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                finish_reason=step.finish_reason,
+                stop_reason=step.stop_reason,
+                new_logprobs=step.new_logprobs,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                num_preemptions=request.num_preemptions,
+                prompt_logprobs=step.prompt_logprobs,
+            )
+            if processor is not None:
+                out, stopped = processor.process(out)
+                if stopped:
+                    self.scheduler.finish_requests(
+                        [step.request_id], RequestStatus.FINISHED_STOPPED
+                    )
+            if out.finished:
+                del self._requests[step.request_id]
+            outputs.append(out)
+        if self.step_listeners:
+            elapsed = time.perf_counter() - t0
+            for listener in self.step_listeners:
+                listener(self, scheduler_output, outputs, elapsed)
+        return outputs
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

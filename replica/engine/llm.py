@@ -1,0 +1,102 @@
+"""Offline batch generation, as in vLLM: `LLM(model=DIR, **engine_fields).generate(...)`."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from replica.config import EngineConfig
+from replica.engine.core import Engine
+from replica.request import RequestOutput, SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """One finished request: made by LLM.generate from its merged RequestOutputs, for the caller."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    # with SamplingParams.prompt_logprobs: per prompt token after the first, its logprobs
+    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
+
+
+class LLM:
+    """Offline batch generation, as in vLLM: `LLM(model=DIR, **engine_fields).generate(...)`.
+
+    Its resources (the tensor-parallel group and its worker processes, the weights, the KV
+    cache) are released by `shutdown()`, at the end of a `with LLM(...) as llm:` block, or when
+    the object is garbage-collected (`del llm`), whichever comes first; a second LLM, of any
+    tensor-parallel size, can then be built in the same process."""
+
+    def __init__(self, model: str | Path | None = None, **engine_fields) -> None:
+        config = EngineConfig(model=str(model) if model is not None else None, **engine_fields)
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+        # holds the engine, not self: runs once, on shutdown(), on collection or at exit
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
+            )
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM has been shut down; build a new one to generate")
+        engine = self.engine
+        prompt_ids: dict[str, list[int]] = {}  # in submission order
+        merged: dict[str, RequestOutput] = {}
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = str(next(self._ids))
+            engine.add_request(rid, ids, params)
+            prompt_ids[rid] = ids
+        while engine.has_unfinished():
+            for out in engine.step():
+                seen = merged.get(out.request_id)
+                merged[out.request_id] = out if seen is None else seen.merge(out)
+        return [
+            CompletionOutput(
+                request_id=rid,
+                prompt_token_ids=ids,
+                output_token_ids=merged[rid].new_token_ids,
+                text=merged[rid].new_text,
+                finish_reason=merged[rid].finish_reason,
+                stop_reason=merged[rid].stop_reason,
+                logprobs=merged[rid].new_logprobs or None,
+                num_cached_tokens=merged[rid].num_cached_tokens,
+                num_preemptions=merged[rid].num_preemptions,
+                prompt_logprobs=merged[rid].prompt_logprobs,
+            )
+            for rid, ids in prompt_ids.items()
+        ]
+
+    def shutdown(self) -> None:
+        """Release the engine's resources now (idempotent)."""
+        self._finalizer()

@@ -1,0 +1,61 @@
+"""Detokenization and stop strings: turns an engine's token deltas into text deltas."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from replica.detokenizer import IncrementalDetokenizer
+from replica.request import RequestOutput, SamplingParams
+
+
+class OutputProcessor:
+    """Detokenization and stop strings of an engine's requests: turns the engine's token deltas
+    into text deltas. In-process (Engine with detokenize=True) it runs on the engine's thread;
+    with the engine core in its own process (engine/core_process.py) it runs in the front, and
+    a stop string found there is sent to the core as a finish."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer  # or a LazyTokenizer, resolved at the first request
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+
+    def __len__(self) -> int:
+        return len(self._detoks)
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        from replica.tokenizer import loaded
+
+        self._detoks[request_id] = IncrementalDetokenizer(
+            loaded(self.tokenizer),
+            list(prompt_token_ids),
+            params.stop,
+            params.include_stop_str_in_output,
+        )
+
+    def drop(self, request_id: str) -> None:
+        self._detoks.pop(request_id, None)
+
+    def process(self, out: RequestOutput) -> tuple[RequestOutput | None, bool]:
+        """`out` with its text delta filled in, and whether a stop string ended it here (the
+        engine must then finish the request); None for a request this processor does not
+        hold (finished or dropped: a delta the engine made before it heard of the end)."""
+        detok = self._detoks.get(out.request_id)
+        if detok is None:
+            return None, False
+        taken = detok.add_tokens(out.new_token_ids)
+        # the engine must finish the request when the stop string ended it here
+        stopped = out.finish_reason is None and detok.stop_string is not None
+        dropped = len(out.new_token_ids) - taken
+        if stopped or (dropped > 0 and detok.stop_string is not None):
+            # a delta of several tokens (accepted draft tokens) may go past the token that
+            # completed the stop string, even past one that ended the request (max_tokens,
+            # EOS): the output ends at the stop string, as with one token a step
+            out.finish_reason, out.stop_reason = "stop", detok.stop_string
+            if dropped > 0:
+                out.new_token_ids = out.new_token_ids[:taken]
+                out.num_output_tokens -= dropped
+                if out.new_logprobs is not None:
+                    out.new_logprobs = out.new_logprobs[:taken]
+        out.new_text = detok.take_delta(finished=out.finished)
+        if out.finished:  # pop: the caller's thread may have dropped it meanwhile (an abort)
+            self._detoks.pop(out.request_id, None)
+        return out, stopped
