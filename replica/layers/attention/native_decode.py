@@ -84,7 +84,7 @@ def _decode_batch(
 
 
 # At AVX2, a prefill whose queries attend more keys than this runs torch SDPA instead: for long
-# contexts torch's blocked flash-attention kernel can be faster (bench/prefill_attention.py, 2
+# contexts torch's blocked flash-attention kernel can be faster (bench/probes/prefill_attention.py, 2
 # threads, fp32, at the avx2 level of an AVX-512 host: 2.2-2.5x faster up to 512 keys,
 # 1.2x at 1280-2048, 0.93x for a 4096-token prompt; an AVX2-only host had it lose from 1280
 # keys). The AVX-512 build wins at every length measured (1.7-3.7x up to 8192 keys on the
