@@ -1,18 +1,17 @@
 """Populate the CPU KV cache's pages ahead of use, on a background thread at idle priority.
 
-The CPU KV cache lies on fresh anonymous memory (runner.zero_pages), so start-up writes nothing
-and only blocks in use become resident; but the first write to each 4 KiB page then takes a
-page fault inside the step's forward (on a 2-vCPU VM, ~15-20 us each: a 75-token prefill of
-the default model wrote to ~900 fresh pages, 13-19 ms of a 63-76 ms step in the profile).
-`KVPrefaulter` keeps the pages of the blocks the scheduler will hand out next already mapped: the block pool hands
-out never-used blocks in increasing id order (its free queue starts 0..N-1 and freed blocks
-rejoin at its tail), so the pages to populate are those of the blocks just above the highest
-block id a step has used. A daemon thread at SCHED_IDLE (nice 19 where that is refused) asks
-the kernel to map them with madvise(MADV_POPULATE_WRITE) (Linux 5.14+), which zero-fills and
-maps each page without writing to it (a page the forward filled meanwhile keeps its contents),
-in small pieces so that it holds the address space's lock only briefly. Resident memory stays
-what is in use plus the window ahead. Without MADV_POPULATE_WRITE the pages fault in as before
-(logged once)."""
+The CPU KV cache lies on fresh anonymous memory (runner.zero_pages), so start-up writes nothing and
+only blocks in use become resident; but the first write to each 4 KiB page then takes a page fault
+inside the step's forward (~15-20 us each on a small VM: about a fifth of a short prompt's prefill
+step, docs/perf-first-token.md). `KVPrefaulter` keeps the pages of the blocks the scheduler will
+hand out next already mapped: the block pool hands out never-used blocks in increasing id order (its
+free queue starts 0..N-1 and freed blocks rejoin at its tail), so the pages to populate are those of
+the blocks just above the highest block id a step has used. A daemon thread at SCHED_IDLE (nice 19
+where that is refused) asks the kernel to map them with madvise(MADV_POPULATE_WRITE) (Linux 5.14+),
+which zero-fills and maps each page without writing to it (a page the forward filled meanwhile keeps
+its contents), in small pieces so that it holds the address space's lock only briefly. Resident
+memory stays what is in use plus the window ahead. Without MADV_POPULATE_WRITE the pages fault in as
+before (logged once)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""bench/prefill_noise.py's stand-in for the stack's wake-ups: the C loop builds and spins."""
+"""bench/probes/prefill_noise.py's stand-in for the stack's wake-ups: the C loop builds and spins."""
 
 import resource
 import subprocess
@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def test_the_noise_loop_wakes_and_spins(tmp_path):
-    from bench.prefill_noise import build_noise
+    from bench.probes.prefill_noise import build_noise
 
     binary = build_noise(tmp_path)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

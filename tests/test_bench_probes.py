@@ -39,8 +39,8 @@ def child():
 
 
 def test_freeze_stops_only_the_matching_processes_of_the_session_for_the_block():
-    from bench.idle_noise import process_table
-    from bench.ttft_decompose import frozen
+    from bench.probes.idle_noise import process_table
+    from bench.probes.ttft_decompose import frozen
 
     target, other = child(), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     # the same command line in another session (another server, another test run): untouched
@@ -65,7 +65,7 @@ def test_freeze_refuses_a_sweep_too_long_to_stop_the_gcs_for(monkeypatch):
 
     import pytest
 
-    from bench.ttft_decompose import check_freeze
+    from bench.probes.ttft_decompose import check_freeze
 
     args = argparse.Namespace(freeze=["stepserve+haproxy@f:ServeController"], num_prompts=60)
     check_freeze(args, ["2", "4"])  # 30 s at the slowest
@@ -79,7 +79,7 @@ def test_freeze_refuses_a_sweep_too_long_to_stop_the_gcs_for(monkeypatch):
 
 
 def test_demote_moves_every_thread_not_only_the_main_one():
-    from bench.idle_noise import demote
+    from bench.probes.idle_noise import demote
 
     proc = child()
     try:

@@ -1,9 +1,9 @@
-"""bench/ttft_decompose.py's split of a served first token, on a hand-made trace: two requests
+"""bench/probes/ttft_decompose.py's split of a served first token, on a hand-made trace: two requests
 sent out of their arrival order at the core, one whose first text came with its second token."""
 
 from __future__ import annotations
 
-from bench.ttft_decompose import decompose, summarize
+from bench.probes.ttft_decompose import decompose, summarize
 
 
 def test_each_part_of_a_first_token_and_the_token_its_text_came_with():

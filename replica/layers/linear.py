@@ -105,18 +105,17 @@ def onednn_available(weight: torch.Tensor) -> bool:
     )
 
 
-# oneDNN's matmul from a packed weight streamed it slower for 1 or 2 rows than for 4 on this
-# project's test machine (a model's linears: 17.5 ms at 1 row, 20.5 at 2, 14.2 at 4; see
-# bench/README.md), so fewer rows are padded to this many.
+# oneDNN streams a packed weight slower for 1 or 2 rows than for 4 (a model's linears: 17.5 /
+# 20.5 / 14.2 ms at 1 / 2 / 4 rows, docs/perf-engine.md), so fewer rows are padded to this many.
 MIN_PACKED_ROWS = 4
 
 
 class PackableLinear(nn.Module):
     """A linear layer whose weight can be reordered once, after loading, into oneDNN's blocked
     layout. On CPU that is what makes decode fast: at 4-64 rows an fp32 matmul from the packed
-    layout ran 1.4-2.6x faster than F.linear from the row-major weight on this project's test
-    machine (bench/README.md), because the skinny matmuls of decode are bound by how fast the
-    weights stream from memory. Packing is one-way: the row-major weight is released."""
+    layout runs 1.4-2.6x faster than F.linear from the row-major weight (docs/perf-engine.md),
+    because the skinny matmuls of decode are bound by how fast the weights stream from memory.
+    Packing is one-way: the row-major weight is released."""
 
     packed_weight: torch.Tensor | None = None
     release_after_packing = True  # False where another module reads the same weight

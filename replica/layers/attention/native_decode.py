@@ -83,12 +83,10 @@ def _decode_batch(
     )
 
 
-# At AVX2, a prefill whose queries attend more keys than this runs torch SDPA instead: for long
-# contexts torch's blocked flash-attention kernel can be faster (bench/prefill_attention.py, 2
-# threads, fp32, at the avx2 level of an AVX-512 host: 2.2-2.5x faster up to 512 keys,
-# 1.2x at 1280-2048, 0.93x for a 4096-token prompt; an AVX2-only host had it lose from 1280
-# keys). The AVX-512 build wins at every length measured (1.7-3.7x up to 8192 keys on the
-# same host), so it has no limit.
+# At AVX2, a prefill whose queries attend more keys than this runs torch SDPA instead: past
+# ~1k keys torch's blocked flash-attention kernel can beat the AVX2 build, while the AVX-512
+# build beats it at every length measured, up to 8192 keys, so it has no limit
+# (docs/perf-engine.md, "Prefill attention").
 NATIVE_PREFILL_MAX_KEYS = 1024
 NO_KEY_LIMIT_LEVELS = ("avx512", "avx512_bf16")
 

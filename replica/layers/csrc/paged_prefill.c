@@ -34,9 +34,9 @@
 /* Per instruction set: keys per tile (KT), head_dim elements per register chunk of p v (VC),
  * both two vectors wide, and rows per register block (RB). A block keeps 2 RB independent
  * sums in flight, and as many as the registers hold pay: AVX-512's 32 registers take 8 rows
- * (16 accumulators), AVX2's 16 take 6 (12). With 4 rows of one vector, AVX-512 code ran at the
- * latency of its 4 chains of multiply-adds (bench/prefill_attention.py: 8 rows of two vectors
- * 1.4-1.5x faster from 2048 keys on; 6 rows at AVX2 1.1-1.6x faster up to 2048 keys). */
+ * (16 accumulators), AVX2's 16 take 6 (12). Fewer chains leave the code waiting on the latency
+ * of its multiply-adds: 8 rows of two vectors beat 4 rows of one by 1.4-1.5x from 2048 keys on,
+ * 6 rows at AVX2 by 1.1-1.6x (docs/perf-engine.md, "Prefill attention"). */
 #if defined(__AVX512F__)
 #define KT 32
 #define VC 32

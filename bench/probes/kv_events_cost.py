@@ -5,7 +5,7 @@ update_from_output, plus sealing the batch when on), events, the batch's pickled
 crosses to the hub), and the time the hub (KVEventHub.publish) and a router's index
 (KVIndex.apply) spend on it. Writes bench/results/kv_events_cost.json.
 
-Run: .venv/bin/python bench/kv_events_cost.py [--quick]
+Run: .venv/bin/python bench/probes/kv_events_cost.py [--quick]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from replica.config import EngineConfig  # noqa: E402
 from replica.kv_events import KVEventHub  # noqa: E402
@@ -29,7 +29,7 @@ from replica.scheduler import Scheduler  # noqa: E402
 from router.kv_index import KVIndex  # noqa: E402
 from sim.workloads import multi_turn_conversations  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "kv_events_cost.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "kv_events_cost.json"
 
 
 def run(events: bool, steps: int, seed: int) -> dict:

@@ -5,15 +5,16 @@ stream's median and largest gap between tokens. The core prepares its grammar co
 has idled a heartbeat (replica/engine_core.py), so the largest gap should be a step or two, not
 the ~0.5-0.6 s of importing xgrammar and building its vocabulary table.
 
-Run: .venv/bin/python bench/first_grammar_stall.py
+Run: .venv/bin/python bench/probes/first_grammar_stall.py
 """
 
+import argparse
 import asyncio
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from replica.config import EngineConfig
 from replica.engine_core import ProcessEngine
 from replica.request import SamplingParams, StructuredOutput
@@ -49,4 +50,5 @@ async def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()
     asyncio.run(main())

@@ -18,7 +18,7 @@ served engine core does with `cpu_pin_threads`) and `STEPSERVE_PROBE_NICE=N` (ev
 the probe at nice N, the noise staying at 0; below 0 needs CAP_SYS_NICE). Variants run in
 rotation for `--rounds`.
 
-Run: .venv/bin/python bench/prefill_noise.py --rounds 2 \
+Run: .venv/bin/python bench/probes/prefill_noise.py --rounds 2 \
         --variant pinned=STEPSERVE_PROBE_PIN=1 --variant floating= \
         --variant passive=OMP_WAIT_POLICY=passive \
         --variant four=OMP_NUM_THREADS=4,STEPSERVE_PROBE_THREADS=4
@@ -38,10 +38,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.idle_noise import parse_variant  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.probes.idle_noise import parse_variant  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 NOISE_C = r"""
 #include <stdlib.h>
 #include <time.h>
@@ -79,7 +79,7 @@ def probe(args) -> dict:
     """One variant, in this process (its environment already set by the parent)."""
     import torch
 
-    from bench.idle_noise import EngineProbe
+    from bench.probes.idle_noise import EngineProbe
 
     engine = EngineProbe(args.prompt_len, seed=args.seed)
     if os.environ.get("STEPSERVE_PROBE_THREADS"):

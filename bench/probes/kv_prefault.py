@@ -10,7 +10,7 @@ For each it records the wall time and the process's minor page faults (getrusage
 thread's own count too, so "on" counts the pages it mapped meanwhile), so the faults a step
 takes are read directly. Variants alternate for `--rounds`; medians per variant.
 
-Run: .venv/bin/python bench/kv_prefault.py --rounds 3 --out kv_prefault     # ~2 min
+Run: .venv/bin/python bench/probes/kv_prefault.py --rounds 3 --out kv_prefault     # ~2 min
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 VARIANTS = {"off": 0, "on": 128}  # cpu_kv_prefault_mib
 
 

@@ -25,7 +25,7 @@ which wakes many times a second. This measures that cost directly:
 
 Variants run in rotation for `--rounds`. Writes bench/results/idle_noise.json.
 
-Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/idle_noise.py \
+Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/probes/idle_noise.py \
         --variant default= --variant loop05=RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 \
         --freeze-group controller=ServeController --freeze-group gcs=gcs_server
 """
@@ -44,12 +44,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.serving_vs_peer import stop, wait_healthy  # noqa: E402
 from cluster.cli import free_port  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+ROOT = Path(__file__).resolve().parents[2]
 SERVER_PROCESSES = ("ray::", "gcs_server", "raylet", "dashboard", "stepserve", "ray/_private",
                     "autoscaler", "haproxy", "engine_core")  # fmt: skip
 

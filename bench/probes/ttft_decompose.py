@@ -24,7 +24,7 @@ line matches while each rate is measured (only processes of the server's own ses
 of at most FREEZE_MAX_S), e.g. Ray's and Serve's background ones, to see what they cost the
 served steps. Writes bench/results/<out>.json.
 
-Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/ttft_decompose.py \
+Run: flock /tmp/stepserve-ray.lock .venv/bin/python bench/probes/ttft_decompose.py \
         --systems stepserve+haproxy,vllm-2cores --request-rate 1,3 --num-prompts 40
 """
 
@@ -43,10 +43,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench._models import model_dir as resolve_model  # noqa: E402
-from bench.idle_noise import process_table  # noqa: E402
+from bench.probes.idle_noise import process_table  # noqa: E402
 from bench.serving import machine_info, sweep_seed  # noqa: E402
 from bench.serving_vs_peer import (  # noqa: E402
     DEFAULT_VLLM_PYTHON,
@@ -56,7 +56,7 @@ from bench.serving_vs_peer import (  # noqa: E402
 )
 from replica.engine_core import STEP_TRACE_ENV  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # process groups by command line, first match wins

@@ -3,7 +3,7 @@ torch SDPA path it replaces (torch_sdpa.attend_prefills: one causal SDPA call pe
 its keys gathered from the paged cache), side by side in one process, per shape. fp32,
 SmolLM2-135M's attention (9 query heads, 3 KV heads of 64), blocks of 16.
 
-    python bench/prefill_attention.py [--threads 2] [--reps 15] [--isa avx2]
+    python bench/probes/prefill_attention.py [--threads 2] [--reps 15] [--isa avx2]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from replica.layers.cpu_isa import use_level  # noqa: E402
 from replica.layers.cpu_kernels import paged_prefill  # noqa: E402

@@ -5,14 +5,15 @@ For a redesign that must not move performance: same machine, same minutes, same 
 
 Run (the "before" checkout as a git worktree):
   git worktree add /tmp/before <commit>
-  .venv/bin/python bench/ab_commits.py --before /tmp/before --rounds 3 --out R.json -- \\
+  .venv/bin/python bench/probes/ab_commits.py --before /tmp/before --rounds 3 --out R.json -- \\
       offline_throughput --systems ours:float32 --num-requests 64
-  .venv/bin/python bench/ab_commits.py --before /tmp/before --rounds 2 --out R.json -- \\
+  .venv/bin/python bench/probes/ab_commits.py --before /tmp/before --rounds 2 --out R.json -- \\
       http_overhead --num-requests 120
 
 Supported benches and the metrics taken from their JSON: offline_throughput (output tokens/s
 per system), http_overhead (every median and p99 of every mode: engine, handle, HTTP, floor,
-added).
+added). A bench NAME is bench/NAME.py in each checkout, or bench/probes/NAME.py where it has
+moved there.
 Each checkout's bench runs with that checkout first on sys.path (its own replica/, router/...),
 in this interpreter.
 """
@@ -28,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _flatten(prefix: str, node, out: dict[str, float]) -> None:
@@ -51,8 +52,15 @@ def metrics(bench: str, report: dict) -> dict[str, float]:
     return out
 
 
+def bench_script(checkout: Path, bench: str) -> Path:
+    """The bench in that checkout: bench/NAME.py, or bench/probes/NAME.py where it has moved."""
+    top = checkout / "bench" / f"{bench}.py"
+    probe = checkout / "bench" / "probes" / f"{bench}.py"
+    return top if top.exists() or not probe.exists() else probe
+
+
 def run_once(checkout: Path, bench: str, args: list[str], out: Path, timeout: int) -> dict:
-    cmd = [sys.executable, str(checkout / "bench" / f"{bench}.py"), *args, "--out", str(out)]
+    cmd = [sys.executable, str(bench_script(checkout, bench)), *args, "--out", str(out)]
     started = time.perf_counter()
     proc = subprocess.run(
         cmd, cwd=str(checkout), capture_output=True, text=True, timeout=timeout, check=False

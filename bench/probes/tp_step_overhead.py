@@ -1,7 +1,7 @@
 """Per-step cost of tensor parallelism on CPU (gloo): decode steps of a tiny Llama at tp=1 and
 tp=2, and how much of a tp=2 step is rank 0 encoding + broadcasting the batch description.
 
-    .venv/bin/python bench/tp_step_overhead.py [--batch 8] [--steps 64]
+    .venv/bin/python bench/probes/tp_step_overhead.py [--batch 8] [--steps 64]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from replica.config import EngineConfig  # noqa: E402
 from replica.request import Request, SamplingParams  # noqa: E402

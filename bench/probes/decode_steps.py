@@ -4,8 +4,8 @@ For each batch size B: B random 128-token prompts; time generating 1 token (pref
 tokens, and report (t65 - t1) / 64 ms per decode step, the median of --reps runs. Prefix caching
 is off in both so every run prefills alike.
 
-    .venv/bin/python bench/decode_steps.py ours 1,4,8,16,32
-    VLLM_CPU_OMP_THREADS_BIND=0-1 /work/vllm-venv/bin/python bench/decode_steps.py vllm 1,4,8,16,32
+    .venv/bin/python bench/probes/decode_steps.py ours 1,4,8,16,32
+    VLLM_CPU_OMP_THREADS_BIND=0-1 /work/vllm-venv/bin/python bench/probes/decode_steps.py vllm 1,4,8,16,32
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ generator when the request is seeded). Whole `Sampler` calls at the default mode
 offline engine end to end: W1's first 64 prompts, temperature 0.8, seeded, 64 tokens each, with
 each draw in turn (`--engine-repeats` alternations).
 
-Run: .venv/bin/python bench/sampling_draw.py [--reps 30] [--out bench/results/sampling_draw.json]
+Run: .venv/bin/python bench/probes/sampling_draw.py [--reps 30] [--out bench/results/sampling_draw.json]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
