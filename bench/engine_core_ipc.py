@@ -1,7 +1,7 @@
-"""Per-step cost of the engine core's IPC (replica/engine_core.py): a child process plays the
-core, sending decode steps of B requests (one new token each, as `encode_outputs` + a
-StepReport, pickled over a Unix socket pair, exactly the core's message), and this process plays
-the front (recv + `decode_output`). Reports, per step and batch size, the core's CPU time to
+"""Per-step cost of the engine core's IPC (replica/engine/wire.py): a child process plays the
+core, sending decode steps of B requests (one new token each: a wire.Step of B RequestOutputs
+and a StepReport, encoded by the core's codec over a Unix socket pair, exactly the core's
+message), and this process plays the front (receive + decode into typed outputs). Reports, per step and batch size, the core's CPU time to
 encode and send, the front's to receive and decode, and the bytes on the wire, beside a
 measured decode step of the default model at that batch (the cost as a share of the step).
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import pickle
 import socket
 import statistics
 import sys
@@ -23,32 +22,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from replica.engine import StepReport  # noqa: E402
-from replica.engine_core import decode_output, encode_outputs  # noqa: E402
+from replica.engine import wire  # noqa: E402
 from replica.request import RequestOutput  # noqa: E402
 from replica.scheduler import SchedulerStats  # noqa: E402
 
 
-def step_message(batch: int, step: int) -> tuple:
+def step_message(batch: int, step: int) -> wire.Step:
     outputs = [
         RequestOutput(f"req-{i:08x}", [1000 + (step + i) % 40000], "", 120, step + 1)
         for i in range(batch)
     ]
-    report = StepReport(
+    report = wire.StepReport(
         time.monotonic(), 0.03, batch, [], [], SchedulerStats(batch, 0, 0.4, 0, 0, 0)
     )
-    return outputs, report
+    return wire.Step(outputs, report, 100, batch)
 
 
 def core_side(fd: int, batch: int, steps: int, result) -> None:
     conn = Connection(fd)
+    encode = wire.core_codec().encode
     cpu = []
     for step in range(steps):
-        outputs, report = step_message(batch, step)  # made by the engine step, not counted
+        message = step_message(batch, step)  # made by the engine step, not counted
         t0 = time.thread_time()
-        conn.send(("step", encode_outputs(outputs), report, 100, batch))
+        conn.send_bytes(encode(message))
         cpu.append(time.thread_time() - t0)
-    conn.send(("done",))
+    conn.send_bytes(encode(wire.Dead("done")))
     result.put(statistics.median(cpu))
 
 
@@ -60,19 +59,17 @@ def measure(batch: int, steps: int) -> dict:
     )
     proc.start()
     conn = Connection(front.detach())
+    decode = wire.front_codec().decode
     cpu = []
     while True:
         t0 = time.thread_time()
-        message = conn.recv()
-        if message[0] == "done":
+        message = decode(conn.recv_bytes())
+        if isinstance(message, wire.Dead):
             break
-        _, outputs, report, free, states = message
-        decoded = [decode_output(t) for t in outputs]
         cpu.append(time.thread_time() - t0)
-        assert len(decoded) == batch
+        assert len(message.outputs) == batch
     proc.join()
-    outputs, report = step_message(batch, 0)
-    size = len(pickle.dumps(("step", encode_outputs(outputs), report, 100, batch), protocol=5))
+    size = len(wire.core_codec().encode(step_message(batch, 0)))
     return {
         "batch": batch,
         "core_encode_send_us": round(result.get() * 1e6, 1),

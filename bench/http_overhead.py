@@ -89,12 +89,15 @@ def floor_app():
 
 async def engine_request(engine, spec: RequestSpec) -> tuple[float, float]:
     """(e2e, ttft) in seconds of one request on the in-process AsyncEngine."""
+
+    from replica.contracts import EngineRequest
     from replica.request import SamplingParams
 
     params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+    request = EngineRequest(spec.prompt_ids, params, uuid.uuid4().hex)
     start = time.perf_counter()
     ttft = None
-    async for out in engine.generate(spec.prompt_ids, params):
+    async for out in engine.generate(request):
         if ttft is None and getattr(out, "new_token_ids", None):  # not an Accepted
             ttft = time.perf_counter() - start
     return time.perf_counter() - start, ttft or 0.0
@@ -121,10 +124,11 @@ async def http_request(session, url: str, model: str, spec: RequestSpec, stream:
 async def handle_request(handle, spec: RequestSpec) -> tuple[float, float]:
     """(e2e, ttft) through a deployment handle from this process: the same router and replica
     actor as the HTTP path, without the HTTP proxy and the ingress."""
-    from replica.contracts import GenerateRequest
+    from replica.contracts import EngineRequest, GenerateRequest
     from replica.request import SamplingParams
 
     params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+    request = EngineRequest(spec.prompt_ids, params, uuid.uuid4().hex)
     request = GenerateRequest(spec.prompt_ids, params, uuid.uuid4().hex)
     start = time.perf_counter()
     ttft = None

@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from replica.config import EngineConfig  # noqa: E402
+from replica.contracts import EngineRequest  # noqa: E402
 from replica.request import Request, SamplingParams  # noqa: E402
 from replica.scheduler import Scheduler  # noqa: E402
 
@@ -51,7 +52,8 @@ def measure(num_running: int, num_steps: int, prefix_caching: bool, warmup: int 
     sched = Scheduler(config, num_running * blocks_per_request, max_model_len=4096)
     for i, prompt_len in enumerate(prompt_lens):
         tokens = [(i * 64 + j) % 50_000 for j in range(prompt_len)]
-        sched.add_request(Request(f"req-{i}", tokens, SamplingParams(max_tokens=max_tokens)))
+        params = SamplingParams(max_tokens=max_tokens)
+        sched.add_request(Request(EngineRequest(tokens, params, f"req-{i}")))
 
     schedule_ns: list[int] = []
     update_ns: list[int] = []

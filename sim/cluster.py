@@ -30,7 +30,7 @@ from typing import Literal
 
 from cluster.autoscaling import QueueDepthPolicy
 from cluster.config import ClusterConfig
-from replica.contracts import AutoscalingStats, PreemptionRate, RoutingStats
+from replica.contracts import AutoscalingStats, EngineRequest, PreemptionRate, RoutingStats
 from replica.request import Request, RequestRejected, SamplingParams
 from replica.scheduler import Scheduler
 from router.inflight import InflightLoad, replica_stats
@@ -155,7 +155,7 @@ class SimReplica:
     def receive(self, now: float, req: SimRequest) -> None:
         req.recv_at = now
         params = SamplingParams(max_tokens=req.spec.output_len, temperature=0.0, ignore_eos=True)
-        request = Request(req.rid, req.spec.prompt_ids, params, frozenset(), now)
+        request = Request(EngineRequest(req.spec.prompt_ids, params, req.rid, arrival_time=now))
         try:
             self.scheduler.add_request(request)
         except RequestRejected:

@@ -2,7 +2,7 @@
 an engine core process (the default model, no drafts) streams one 120-token request; after its
 20th token a json_object-constrained request arrives (the core's first); prints the long
 stream's median and largest gap between tokens. The core prepares its grammar compiler once it
-has idled a heartbeat (replica/engine_core.py), so the largest gap should be a step or two, not
+has idled a heartbeat (replica/engine/core_process.py), so the largest gap should be a step or two, not
 the ~0.5-0.6 s of importing xgrammar and building its vocabulary table.
 
 Run: .venv/bin/python bench/probes/first_grammar_stall.py
@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from replica.config import EngineConfig
-from replica.engine_core import ProcessEngine
+from replica.contracts import EngineRequest
+from replica.engine.core_client import ProcessEngine
 from replica.request import SamplingParams, StructuredOutput
 
 
@@ -27,9 +28,11 @@ async def main():
 
     async def long():
         async for _out in eng.generate(
-            list(range(1000, 1060)),
-            SamplingParams(max_tokens=120, temperature=0, ignore_eos=True),
-            request_id="long",
+            EngineRequest(
+                list(range(1000, 1060)),
+                SamplingParams(max_tokens=120, temperature=0, ignore_eos=True),
+                "long",
+            )
         ):
             stamps.append(time.perf_counter())
 
@@ -37,9 +40,11 @@ async def main():
         while len(stamps) < 20:
             await asyncio.sleep(0.01)
         async for _out in eng.generate(
-            list(range(2000, 2030)),
-            SamplingParams(max_tokens=10, structured=StructuredOutput("json_object")),
-            request_id="c",
+            EngineRequest(
+                list(range(2000, 2030)),
+                SamplingParams(max_tokens=10, structured=StructuredOutput("json_object")),
+                "c",
+            )
         ):
             pass
 

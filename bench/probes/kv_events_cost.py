@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from replica.config import EngineConfig  # noqa: E402
+from replica.contracts import EngineRequest  # noqa: E402
 from replica.kv_events import KVEventHub  # noqa: E402
 from replica.request import Request, SamplingParams  # noqa: E402
 from replica.scheduler import Scheduler  # noqa: E402
@@ -50,7 +51,7 @@ def run(events: bool, steps: int, seed: int) -> dict:
             conv, k = pending.pop(0)
             rid = f"c{conv.conversation_id}-{k}"
             params = SamplingParams(max_tokens=conv.turns[k].output_len, ignore_eos=True)
-            sched.add_request(Request(rid, conv.prompt(k), params))
+            sched.add_request(Request(EngineRequest(conv.prompt(k), params, rid)))
             active[rid] = (conv, k)
         t0 = time.perf_counter()
         so = sched.schedule()

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from replica.config import EngineConfig  # noqa: E402
+from replica.contracts import EngineRequest  # noqa: E402
 from replica.request import Request, SamplingParams  # noqa: E402
 from replica.scheduler import Scheduler  # noqa: E402
 
@@ -35,7 +36,8 @@ def decode_steps(runner, config: EngineConfig, batch: int, steps: int) -> list[f
     scheduler = Scheduler(config, config.num_kv_blocks, runner.max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
-        scheduler.add_request(Request(f"r{i}", [3 + (7 * i + j) % 500 for j in range(32)], params))
+        prompt = [3 + (7 * i + j) % 500 for j in range(32)]
+        scheduler.add_request(Request(EngineRequest(prompt, params, f"r{i}")))
     times = []
     while scheduler.has_unfinished():
         so = scheduler.schedule()

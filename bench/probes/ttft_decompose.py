@@ -54,14 +54,14 @@ from bench.serving_vs_peer import (  # noqa: E402
     server_command,
     started_server,
 )
-from replica.engine_core import STEP_TRACE_ENV  # noqa: E402
+from replica.engine.core_process import STEP_TRACE_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # process groups by command line, first match wins
 GROUPS = [
-    ("engine core", r"replica\.engine_core"),
+    ("engine core", r"replica\.engine\.(core_process|prestart)"),
     ("front (LLMServer actor)", r"ServeReplica:[^ ]*:LLMServer"),
     ("ingress", r"ServeReplica:[^ ]*:Ingress"),
     ("haproxy", r"haproxy|HAProxyManager|ProxyActor"),
