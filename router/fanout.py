@@ -8,7 +8,7 @@ the replica's, not the request's: its replica was lost (actor died, node gone: S
 drops a replica whose call raised ActorDiedError, LoadAwareRouter avoids one found
 unreachable), up to MAX_SENDS sends; or its replica was momentarily full or draining (the
 ingress had admitted it by its own expected wait), with growing pauses for up to FULL_RETRY_S
-(a stream's headers wait for that: router/ingress.py's STREAM_HOLD_S)."""
+(a stream's headers wait for that: router/streaming.py's STREAM_HOLD_S)."""
 
 from __future__ import annotations
 
