@@ -14,18 +14,20 @@ from replica.contracts import (
     RoutingStats,
 )
 from replica.default_model import default_model_dir
+from replica.errors import EngineDeadError, EngineOverloaded, GrammarRejected, RequestRejected
 from replica.hub import find_hub, get_hub
 from replica.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot, call_hub
+from replica.limits import EngineLimits
 from replica.metrics import merge_expositions
-from replica.request import (
-    EngineDeadError,
-    EngineOverloaded,
-    GrammarRejected,
-    RequestOutput,
-    RequestRejected,
+from replica.request import RequestOutput, extend_block_hashes
+from replica.sampling_params import (
+    LOGIT_BIAS_BOUND,
+    MAX_LOGPROBS,
+    SAMPLING_BOUNDS,
+    Bound,
     SamplingParams,
     StructuredOutput,
-    extend_block_hashes,
+    check_logit_bias,
 )
 from replica.startup import freeze_heap
 from replica.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, grammar_engine_loaded
@@ -35,25 +37,31 @@ __all__ = [
     "ACCEPTED_NOTICE_S",
     "Accepted",
     "AutoscalingStats",
+    "Bound",
     "CLEARED",
     "EngineDeadError",
+    "EngineLimits",
     "EngineOverloaded",
     "GenerateRequest",
     "GrammarRejected",
     "KVEventBatch",
     "KVSnapshot",
+    "LOGIT_BIAS_BOUND",
     "LazyTokenizer",
+    "MAX_LOGPROBS",
     "PreemptionRate",
     "REMOVED",
     "RequestOutput",
     "RequestRejected",
     "RoutingStats",
+    "SAMPLING_BOUNDS",
     "STORED",
     "SamplingParams",
     "StructuredOutput",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "call_hub",
+    "check_logit_bias",
     "default_model_dir",
     "extend_block_hashes",
     "find_hub",

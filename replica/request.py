@@ -5,32 +5,23 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
+
+# moved to their own modules; imported here for the modules that import them from here
+from replica.errors import (  # noqa: F401
+    EngineDeadError,
+    EngineOverloaded,
+    GrammarRejected,
+    RequestRejected,
+)
+from replica.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutput  # noqa: F401
+
 if TYPE_CHECKING:
     from replica.contracts import EngineRequest
-
-
-class RequestRejected(ValueError):
-    """The request can never be served with this configuration (a user error: HTTP 400)."""
-
-
-class GrammarRejected(RequestRejected):
-    """A structured-output constraint that cannot become a grammar (HTTP 400 naming the
-    request's constraint field). Replicas compile grammars; the ingress does not import the
-    grammar engine, and learns a spec's error from the replica that rejected it."""
-
-
-class EngineOverloaded(RuntimeError):
-    """The replica's queue is full or it is draining; retry later (HTTP 429)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an error; the replica must be replaced (HTTP 503)."""
-
 
 # The parent of a prompt's first block in the hash chain. Hashes must be equal in every process
 # (the router predicts a replica's prefix-cache hits from them, router/kv_index.py): Python's
@@ -74,140 +65,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-STRUCTURED_KINDS = (
-    "json",
-    "json_object",
-    "regex",
-    "choice",
-    "grammar",
-    "structural_tag",
-    "tool_calls",
-)
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """A constraint on the output, compiled into a token grammar by the replica
-    (replica/structured.py). `spec` by kind: json: a JSON schema (JSON text); json_object: "";
-    regex: a regular expression; choice: a JSON list of strings; grammar: an EBNF grammar;
-    tool_calls: JSON {"tools": [{"name", "parameters"}], "mode": "required" | "named",
-    "parallel": bool}, calls in the Hermes format."""
-
-    kind: str
-    spec: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in STRUCTURED_KINDS:
-            raise ValueError(
-                f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}"
-            )
-
-
-@dataclass
-class SamplingParams:
-    """How to pick tokens and when to stop. Defaults match vLLM's.
-
-    The logits processors run in this order on the rows that use them (replica/layers/
-    sampler.py): the grammar mask (`structured`), logit_bias, min_tokens, repetition_penalty,
-    frequency/presence penalties; then temperature, min_p, top_k, top_p and the draw."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    min_p: float = 0.0  # 0: disabled
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
-    logprobs: int | None = None  # number of top logprobs to return besides the sampled one
-    # number of top logprobs per prompt token (the first has none); the prompt is then
-    # computed in full, without prefix-cache hits
-    prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    presence_penalty: float = 0.0  # subtracted once from every token already generated
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
-    # > 1 discourages every token of the prompt or the output: logit / p if > 0, else * p
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    structured: StructuredOutput | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        checks = [
-            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (
-                0.0 <= self.temperature <= 2.0,
-                f"temperature must be in [0, 2], got {self.temperature}",
-            ),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (
-                self.min_tokens <= self.max_tokens,
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
-            ),
-            (
-                self.logprobs is None or 0 <= self.logprobs <= 20,
-                f"logprobs must be in [0, 20], got {self.logprobs}",
-            ),
-            (
-                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
-            ),
-            (all(s for s in self.stop), "stop strings must be non-empty"),
-            (
-                -2.0 <= self.presence_penalty <= 2.0,
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
-            ),
-            (
-                -2.0 <= self.frequency_penalty <= 2.0,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-            ),
-            (
-                0.0 < self.repetition_penalty <= 2.0,
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
-            ),
-            (
-                not (self.structured is not None and self.ignore_eos),
-                "ignore_eos cannot be combined with a structured output (the grammar ends "
-                "the output with EOS)",
-            ),
-            (
-                not (self.structured is not None and self.min_tokens > 0),
-                "min_tokens cannot be combined with a structured output (the grammar decides "
-                "where the output ends)",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        if self.logit_bias:
-            for token, bias in self.logit_bias.items():
-                if not -100.0 <= bias <= 100.0:
-                    raise ValueError(
-                        f"logit_bias of token {token} must be in [-100, 100], got {bias}"
-                    )
-                if token < 0:
-                    raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def uses_penalties(self) -> bool:
-        """Any of the penalties that read the request's tokens."""
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
 
 
 class Request:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from replica.request import RequestOutput
+from replica.api import RequestOutput
 from router.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,

@@ -8,7 +8,7 @@ import logging
 
 from fastapi.responses import JSONResponse, Response
 
-from replica.request import EngineDeadError, EngineOverloaded, RequestRejected
+from replica.api import EngineDeadError, EngineOverloaded, RequestRejected
 from router.protocol import error_body, validation_error_body
 
 logger = logging.getLogger("ray.serve")

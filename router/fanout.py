@@ -8,7 +8,7 @@ the replica's, not the request's: its replica was lost (actor died, node gone: S
 drops a replica whose call raised ActorDiedError, LoadAwareRouter avoids one found
 unreachable), up to MAX_SENDS sends; or its replica was momentarily full or draining (the
 ingress had admitted it by its own expected wait), with growing pauses for up to FULL_RETRY_S
-(a stream's headers wait for that: router/ingress.py's STREAM_HOLD_S)."""
+(a stream's headers wait for that: router/streaming.py's STREAM_HOLD_S)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from replica.contracts import Accepted, GenerateRequest
-from replica.request import RequestOutput, SamplingParams
+from replica.api import Accepted, GenerateRequest, RequestOutput, SamplingParams
 from router.errors import (
     ReplicaCallCancelled,
     cancelled_from_inside,
@@ -87,29 +86,42 @@ class ReplicaCalls:
             reports_progress=True,
         )
 
-    async def one_stream(
+    def one_stream(
         self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> AsyncIterator[RequestOutput | Accepted]:
         """The deltas of one choice, with the replica's Accepted (if it sent one) passed on;
         a call its replica lost or refused before any output is sent again."""
+        return self._call(prompt_ids, params, priority, streamed=True)
+
+    async def _call(
+        self, prompt_ids: list[int], params: SamplingParams, priority: int, streamed: bool
+    ) -> AsyncIterator[RequestOutput | Accepted]:
+        """One choice's call, streamed (its deltas) or unary (its whole output, one item),
+        with the replica's Accepted passed on. The one retry loop: a call its replica lost or
+        refused before any output reached the caller is sent again (`_again`)."""
         first_sent = time.monotonic()
         for send in itertools.count():
             request = self.request(prompt_ids, params, priority)
             first = True
             try:
-                async for out in self.stream_handle.generate.remote(request):
+                if streamed:
+                    outputs = self.stream_handle.generate.remote(request)
+                else:
+                    outputs = _one(self.handle.generate_all.remote(request))
+                async for out in outputs:
                     if isinstance(out, Accepted):  # queued there: the response may start
                         yield out
                         continue
                     if first:  # prefill is over: tell the router (it weighs prefill still ahead)
                         first = False
-                        note_first_token(request.request_id)
+                        if streamed:
+                            note_first_token(request.request_id)
                         note_cached(request.request_id, out.num_cached_tokens)
                     yield out
                 return
             except asyncio.CancelledError:
                 if not cancelled_from_inside():
-                    raise  # this stream was cancelled (its client left)
+                    raise  # this call was cancelled (its client left)
                 exc = ReplicaCallCancelled(
                     f"the call of request {request.request_id} was cancelled"
                 )
@@ -135,25 +147,9 @@ class ReplicaCalls:
         async def one(index: int, ids: list[int], params: SamplingParams):
             if len(jobs) > 1:
                 own_serve_request_id()  # this task's context only
-            first_sent = time.monotonic()
-            for send in itertools.count():
-                request = self.request(ids, params, priority)
-                try:
-                    out = await self.handle.generate_all.remote(request)
-                    note_cached(request.request_id, out.num_cached_tokens)
-                    return index, out
-                except asyncio.CancelledError:
-                    if not cancelled_from_inside():
-                        raise  # the request was cancelled (its client left)
-                    lost = ReplicaCallCancelled(
-                        f"the call of request {request.request_id} was cancelled"
-                    )
-                except Exception as exc:
-                    lost = exc
-                finally:
-                    note_finished(request.request_id)
-                    note_gone(request.request_id)
-                await self._again(lost, send, first_sent, request.request_id)
+            # run to its end, so the call's tallies are settled when this returns
+            outputs = [out async for out in self._call(ids, params, priority, streamed=False)]
+            return index, outputs[-1]
 
         if len(jobs) == 1:
             return [await one(*jobs[0])]
@@ -201,6 +197,11 @@ class ReplicaCalls:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+async def _one(response) -> AsyncIterator:
+    """A unary call's answer as a one-item stream."""
+    yield await response
 
 
 def own_serve_request_id() -> None:

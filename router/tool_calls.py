@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # the tags the output grammar of a required or named tool choice writes (one definition)
-from replica.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from replica.api import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"

@@ -83,10 +83,10 @@ def test_the_ingress_freezes_its_heap_once_its_tokenizer_has_loaded(tiny_llama_d
     """The tokenizer's load (transformers' import) is the last of the ingress's start: then its
     heap is frozen out of the garbage collector's passes (replica/startup.py); not before, and
     not after a load that failed."""
-    import router.ingress
+    import router.ingress_core
 
     frozen = []
-    monkeypatch.setattr(router.ingress, "freeze_heap", lambda: frozen.append(True))
+    monkeypatch.setattr(router.ingress_core, "freeze_heap", lambda: frozen.append(True))
     release = threading.Event()
     real_load = replica.tokenizer.load_tokenizer
     monkeypatch.setattr(

@@ -1,7 +1,7 @@
 """When a stream's HTTP response may start: a replica sends Accepted for a request it holds
 without output yet (replica/deployment.py), the ingress's fan-out passes it on and the stream
 sends its headers and a keep-alive then, or after STREAM_HOLD_S without either, not after a
-fixed second (router/ingress.py), so a replica's refusal while the fan-out retries it is a real
+fixed second (router/streaming.py), so a replica's refusal while the fan-out retries it is a real
 429, not an error event inside a 200 stream. A fake engine and a fake handle; the real burst is
 test_reliability's."""
 

@@ -1,0 +1,34 @@
+"""The errors a replica raises to its callers: they cross Ray and the engine core's process
+socket (pickled), and the router maps each onto an HTTP status (router/errors.py)."""
+
+from __future__ import annotations
+
+
+class RequestRejected(ValueError):
+    """The request can never be served with this configuration (a user error: HTTP 400).
+    `param` names the field at fault (a SamplingParams field, or "prompt"), or None."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):
+        # the default pickling passes only `args`: `param` would be lost crossing processes
+        return (type(self), (str(self), self.param))
+
+
+class GrammarRejected(RequestRejected):
+    """A structured-output constraint that cannot become a grammar (HTTP 400 naming the
+    request's constraint field). Replicas compile grammars; the ingress does not import the
+    grammar engine, and learns a spec's error from the replica that rejected it."""
+
+    def __init__(self, message: str, param: str | None = "structured") -> None:
+        super().__init__(message, param)
+
+
+class EngineOverloaded(RuntimeError):
+    """The replica's queue is full or it is draining; retry later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; the replica must be replaced (HTTP 503)."""
