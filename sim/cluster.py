@@ -33,9 +33,10 @@ from cluster.config import ClusterConfig
 from replica.contracts import AutoscalingStats, PreemptionRate, RoutingStats
 from replica.request import Request, RequestRejected, SamplingParams
 from replica.scheduler import Scheduler
-from router.inflight import InflightLoad, replica_stats
+from router.decision import decide
+from router.inflight import InflightLoad
 from router.kv_index import KVIndex
-from router.policy import Policy, RequestSize, decision_reason, lead_replica
+from router.policy import Policy
 from sim.calibrate import serving_step
 from sim.profile import Profile, StepShape
 from sim.workloads import Conversation, RequestSpec, oracle_hit_tokens
@@ -285,25 +286,19 @@ class SimIngress:
             if req.hashes is None:
                 req.hashes = self.index.prompt_hashes(req.spec.prompt_ids)
             hits = self.index.hit_tokens(req.hashes, by_id)
-        ids = self.policy.candidates(list(by_id), req.prefix_key, hits)
-        prefill = self.load.prefill_by_replica(now, ids)
-        stats = [
-            replica_stats(
-                rid, by_id[rid].ongoing, by_id[rid].stats_for_router(now), self.load,
-                prefill.get(rid, 0.0), now, hits.get(rid, 0),
-            )
-            for rid in ids
-        ]  # fmt: skip
-        tiers = self.policy.rank(stats, req.prefix_key, req.footprint)
+        decision = decide(
+            self.policy, self.load, list(by_id),
+            lambda rid: (by_id[rid].ongoing, by_id[rid].stats_for_router(now)),
+            now, self.rng, prefix=req.prefix_key, footprint_tokens=req.footprint, hits=hits,
+        )  # fmt: skip
         self.decisions += 1
-        if not tiers:
+        if not decision.tiers:
             return False
         # as the router: the best tier's replica with the fewest requests, ties at random
-        chosen = by_id[lead_replica(tiers[0], stats, sim.config.routing, self.rng)[0]]
+        chosen = by_id[decision.lead]
         if self.index is not None:
             req.predicted_hit = hits.get(chosen.rid, 0)
-            size = RequestSize.of(stats, req.footprint)
-            req.reason = decision_reason(stats, sim.config.routing, chosen.rid, size)
+            req.reason = decision.reason(chosen.rid, sim.config.routing)
         req.replica = chosen
         req.routed_at = now
         chosen.ongoing += 1
