@@ -1,4 +1,5 @@
-"""LoadAwareRouter: plugs router/policy.py into Ray Serve as a custom RequestRouter. Signals:
+"""LoadAwareRouter: plugs the routing decision (router/decision.py, scored by router/policy.py)
+into Ray Serve as a custom RequestRouter. Signals:
 Ray's own fresh per-replica in-flight count, this router's own tally of the tokens it has in
 flight on each replica and of which of them are still in prefill (fed by Ray's
 on_request_routed hook, and by the ingress's `note_first_token` and `note_finished`, or by Ray's
@@ -18,7 +19,7 @@ and gives user code no reference to it: each router registers its tally with rou
 this module: Ray pickles the router's module by value, so every router class it unpickles has
 its own copy of this module's globals.
 
-What crosses into here is typed (replica/contracts.py): the request being routed is the
+What crosses into here is typed (replica/api.py): the request being routed is the
 ingress's `GenerateRequest`, a replica's recorded stats are a `RoutingStats`."""
 
 from __future__ import annotations
