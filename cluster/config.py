@@ -1,7 +1,7 @@
 """ClusterConfig: the single source of truth for a deployment. The CLI, deploy/serve_config.yaml
 (`args:` of the Serve application) and the Helm chart's values all produce this object. The
 chart's values.schema.json is generated from it (`make schema`, cluster/schema.py), and the
-CLI's engine flags from EngineConfig's fields (cluster/cli.py): a Field's type, limits and
+CLI's engine flags from EngineConfig's fields (cluster/engine_args.py): a Field's type, limits and
 description are the only place to state them."""
 
 from __future__ import annotations

@@ -8,6 +8,7 @@
 - `find_listeners` reads /proc to name the process listening on a TCP port; `check_port_free`
   turns a taken port into an error naming it, and ends a stale HAProxy of an earlier
   embedded cluster (orphaned: its Ray actor is gone) with a log line.
+- `free_port` picks a port for a listener Ray starts later, where the kernel hands out none.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import errno
 import importlib.util
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -216,3 +218,36 @@ def check_port_free(host: str, port: int, wait_s: float = 5.0) -> None:
         f"port {port} on {host} is already in use by {who}: stop it, or serve on another "
         "port (--port)"
     )
+
+
+# Ports handed out for listeners Ray starts later. Not the kernel's ephemeral range: the port
+# the kernel gives `bind(host, 0)` is one it may give next to any of Ray's own processes (their
+# gRPC servers, their outgoing connections) before the listener binds it. Not Ray's worker
+# ports (10002-19999) nor Serve's direct-ingress ports (30000-31000, gRPC 40000-41000) either.
+_LISTEN_PORTS = (20000, 30000)
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` now, chosen where no process is given one by
+    the kernel in the meantime (see _LISTEN_PORTS); any free port if that range is all taken."""
+    low, high = _LISTEN_PORTS
+    eph_low, eph_high = _ephemeral_ports()
+    candidates = [p for p in range(low, high) if not eph_low <= p <= eph_high]
+    for port in random.sample(candidates, min(len(candidates), 200)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

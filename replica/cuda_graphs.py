@@ -12,20 +12,36 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from replica.layers.attention.backend import KVCache
 from replica.layers.attention.flex import DECODE_BUCKETS, DecodeBatch, FlexMetadata
-
-if TYPE_CHECKING:
-    from replica.runner import ModelRunner, StepBatch
 
 logger = logging.getLogger(__name__)
 
 
+# What DecodeGraphs reads of the ModelRunner (replica/runner.py) and of its StepBatch; typed here
+# so that this module does not import the runner, which imports it.
+class _Runner(Protocol):
+    device: torch.device
+    block_size: int
+    attn_builder: Any  # the flex backend's metadata builder
+    model: Any
+    kv_caches: list[KVCache]
+
+
+class _Batch(Protocol):
+    input_ids: list[int]
+    starts: list[int]
+    query_lens: list[int]
+    block_ids: list[list[int]]
+    sample_rows: list[int]
+
+
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int, capture: bool) -> None:
+    def __init__(self, runner: _Runner, max_batch: int, capture: bool) -> None:
         self.runner = runner
         self.capture = capture
         self.sizes = [s for s in DECODE_BUCKETS if s <= max_batch] or [DECODE_BUCKETS[0]]
@@ -57,7 +73,7 @@ class DecodeGraphs:
         self.replays = 0  # graph replays
         self.runs = 0  # decode steps run here (replayed, or eagerly without capture)
 
-    def fits(self, batch: StepBatch) -> bool:
+    def fits(self, batch: _Batch) -> bool:
         """A decode-only step whose every row is sampled, in order, within the largest graph."""
         n = len(batch.query_lens)
         return (
@@ -105,7 +121,7 @@ class DecodeGraphs:
             self.capture_s,
         )
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
+    def run(self, batch: _Batch) -> torch.Tensor:
         """Logits [n, vocab] of a decode step that `fits`."""
         n = len(batch.query_lens)
         lanes = self._lanes(n)

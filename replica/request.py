@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-
 # moved to their own modules; imported here for the modules that import them from here
 from replica.errors import (  # noqa: F401
     EngineDeadError,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from replica.config import EngineConfig
+from replica.cuda_graphs import DecodeGraphs
 from replica.kv_prefault import KVPrefaulter
 from replica.layers import cpu_isa
 from replica.layers.attention import (
@@ -188,8 +189,6 @@ class ModelRunner:
             and self.attn_backend.name == "flex"
         ):
             return None
-        from replica.cuda_graphs import DecodeGraphs
-
         max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
         return DecodeGraphs(self, max_batch, capture=True)
 

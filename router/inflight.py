@@ -13,7 +13,7 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from replica.contracts import RoutingStats
+from replica.api import RoutingStats
 from router.policy import ReplicaStats
 
 

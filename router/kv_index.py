@@ -20,8 +20,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from replica.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot
-from replica.request import extend_block_hashes
+from replica.api import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot, extend_block_hashes
 
 
 @dataclass

@@ -17,7 +17,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from replica.kv_events import call_hub
+from replica.api import call_hub, get_hub
 from router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
@@ -72,8 +72,6 @@ class KVRouting:
 
     def _hub_handle(self):
         if self._hub is None:
-            from replica.hub import get_hub
-
             self._hub = get_hub(self.app_name)
         return self._hub
 

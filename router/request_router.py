@@ -1,4 +1,5 @@
-"""LoadAwareRouter: plugs router/policy.py into Ray Serve as a custom RequestRouter. Signals:
+"""LoadAwareRouter: plugs the routing decision (router/decision.py, scored by router/policy.py)
+into Ray Serve as a custom RequestRouter. Signals:
 Ray's own fresh per-replica in-flight count, this router's own tally of the tokens it has in
 flight on each replica and of which of them are still in prefill (fed by Ray's
 on_request_routed hook, and by the ingress's `note_first_token` and `note_finished`, or by Ray's
@@ -18,7 +19,7 @@ and gives user code no reference to it: each router registers its tally with rou
 this module: Ray pickles the router's module by value, so every router class it unpickles has
 its own copy of this module's globals.
 
-What crosses into here is typed (replica/contracts.py): the request being routed is the
+What crosses into here is typed (replica/api.py): the request being routed is the
 ingress's `GenerateRequest`, a replica's recorded stats are a `RoutingStats`."""
 
 from __future__ import annotations
@@ -29,17 +30,11 @@ import time
 from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from replica.contracts import GenerateRequest, RoutingStats
-from router.inflight import InflightLoad, register_inflight, register_router, replica_stats
+from replica.api import GenerateRequest, RoutingStats
+from router.decision import Decision, decide
+from router.inflight import InflightLoad, register_inflight, register_router
 from router.kv_routing import KVRouting, register_kv_routing
-from router.policy import (
-    Policy,
-    ReplicaStats,
-    RequestSize,
-    RoutingConfig,
-    decision_reason,
-    lead_replica,
-)
+from router.policy import Policy, RoutingConfig
 
 
 def _request(pending_request: PendingRequest | None) -> GenerateRequest | None:
@@ -74,7 +69,7 @@ class LoadAwareRouter(RequestRouter):
         self._rng = random.Random()
         register_inflight(self.inflight)
         self.kv: KVRouting | None = None
-        self._hits: dict[str, tuple[dict[str, int], list[ReplicaStats]]] = {}
+        self._decisions: dict[str, Decision] = {}  # request id -> its decision (KV routing)
         # replicas a call found dead or unreachable (Serve's controller lists them until it
         # declares them dead, a node's loss takes seconds): id -> the time stamp of the stats
         # the replica had recorded then (-1: dead for good)
@@ -92,15 +87,10 @@ class LoadAwareRouter(RequestRouter):
             self.kv = KVRouting(app, block_size, self.routing_config.kv_events_poll_s, start=False)
             register_kv_routing(self.kv)
 
-    def _stats_of(
-        self, replica: RunningReplica, now: float, prefill: dict[str, float], cached: int = 0
-    ) -> ReplicaStats:
-        rid = replica.replica_id.unique_id
+    def _observe(self, replica: RunningReplica) -> tuple[int, RoutingStats | None]:
+        """Ray's in-flight count on `replica` and the stats it last recorded."""
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
-        recorded = RoutingStats.from_dict(replica.routing_stats)
-        return replica_stats(
-            rid, int(ongoing or 0), recorded, self.inflight, prefill.get(rid, 0.0), now, cached
-        )
+        return int(ongoing or 0), RoutingStats.from_dict(replica.routing_stats)
 
     async def choose_replicas(
         self,
@@ -128,30 +118,30 @@ class LoadAwareRouter(RequestRouter):
             self.kv.start()
         if use_kv:
             hits = self.kv.hit_tokens(request.prompt_token_ids, list(by_id))
-        prefix = request.prefix_key
-        ids = self.policy.candidates(list(by_id), prefix, hits)
-        prefill = self.inflight.prefill_by_replica(now, ids)
-        stats = [self._stats_of(by_id[rid], now, prefill, hits.get(rid, 0)) for rid in ids]
+        decision = decide(
+            self.policy, self.inflight, list(by_id), lambda rid: self._observe(by_id[rid]),
+            now, self._rng, prefix=request.prefix_key,
+            footprint_tokens=request.footprint_tokens, hits=hits,
+        )  # fmt: skip
         if use_kv and request.reports_progress:
-            self._hits[request.request_id] = (hits, stats)  # for on_request_routed
-        ranked_ids = self.policy.rank(stats, request.prefix_key, request.footprint_tokens)
-        tiers = [kept for tier in ranked_ids if (kept := [rid for rid in tier if rid in by_id])]
-        if not tiers:
+            self._decisions[request.request_id] = decision  # for on_request_routed
+        if not decision.tiers:
             return []
-        # the request goes to one replica of the best tier, chosen here and counted there at
-        # once (InflightLoad.chosen): the rest of a burst sees it (module docstring)
-        lead, *rest = lead_replica(tiers[0], stats, self.routing_config, self._rng)
+        # the request goes to the lead, chosen here and counted there at once
+        # (InflightLoad.chosen): the rest of a burst sees it (module docstring)
         self.inflight.chosen(
-            pending_request.metadata.internal_request_id, lead, request.footprint_tokens, now
+            pending_request.metadata.internal_request_id,
+            decision.lead,
+            request.footprint_tokens,
+            now,
         )
-        ranked = [[by_id[lead]]]
-        for tier in [rest, *tiers[1:]]:
+        ranked = [[by_id[decision.lead]]]
+        for tier in decision.tiers[1:]:
             replicas = [by_id[rid] for rid in tier]
             # Ray takes a tier's replica with the fewest in-flight requests and, among equals,
             # the first: shuffle so ties do not always land on the same replica
             self._rng.shuffle(replicas)
-            if replicas:
-                ranked.append(replicas)
+            ranked.append(replicas)
         return ranked
 
     def _reachable(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
@@ -194,14 +184,12 @@ class LoadAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         request = _request(pending_request)
         if request is not None and self.kv is not None:
-            noted = self._hits.pop(request.request_id, None)
-            if noted is not None:
-                hits, stats = noted
+            decision = self._decisions.pop(request.request_id, None)
+            if decision is not None:
                 rid = replica_id.unique_id
-                if any(s.replica_id == rid for s in stats):
-                    size = RequestSize.of(stats, request.footprint_tokens)
-                    reason = decision_reason(stats, self.routing_config, rid, size)
-                    self.kv.routed(request.request_id, hits.get(rid, 0), reason)
+                reason = decision.reason(rid, self.routing_config)
+                if reason is not None:
+                    self.kv.routed(request.request_id, decision.hits.get(rid, 0), reason)
         if request is not None:
             self.inflight.routed(
                 pending_request.metadata.internal_request_id,

@@ -19,7 +19,9 @@ from pathlib import Path
 WORKLOADS = ("random", "heterogeneous", "prefix", "long-tail", "multi-turn", "trace:FILE")
 
 
-def add_commands(sub, add_engine_args) -> None:
+def add_commands(sub) -> None:
+    from cluster.engine_args import add_engine_args
+
     prof = sub.add_parser(
         "profile", help="time real engine steps over a grid of shapes: a simulator profile"
     )
@@ -94,7 +96,7 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     import torch
 
-    from cluster.cli import _engine_overrides
+    from cluster.engine_args import engine_overrides
     from replica.config import EngineConfig
     from replica.engine import Engine
     from replica.layers import cpu_isa
@@ -106,7 +108,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if not args.calibrate_url:
             raise ValueError("--from needs --calibrate-url (there is nothing else to do)")
         return _calibrate(prof, args, Path(args.out or args.from_profile))
-    overrides = _engine_overrides(args)
+    overrides = engine_overrides(args)
     overrides["model"] = str(resolve_model_dir(overrides.get("model") or "default"))
     overrides.setdefault("enable_prefix_caching", True)
     # step costs by the step's shape, one token per decode (the simulator proposes no drafts)

@@ -5,7 +5,7 @@ What runs is stepserve's own code for every decision:
   chunked prefill, preemption, eviction) stepped back to back; a step's duration is the
   profile's `StepTimeModel` price of the `SchedulerOutput` the scheduler produced;
 - each ingress replica has its own `router.policy.Policy` and `router.inflight.InflightLoad`
-  tally, and ranks replicas from `router.inflight.replica_stats` over the replicas' last
+  tally, and decides with the Ray router's `router.decision.decide` over the replicas' last
   `RoutingStats` (built by `RoutingStats.of_scheduler`, as a serving replica builds it), which
   routers see `stats_delivery_s` after each stats period; Ray's part is modelled: its in-flight
   count per replica (exact), `max_ongoing_requests` (requests wait at the router when every
@@ -14,7 +14,9 @@ What runs is stepserve's own code for every decision:
   policy) fed per-replica metrics averaged over the look-back window, with Ray's bounds and
   up/down delays, and replicas that take `cold_start_s` to start and drain before they stop.
 
-Time is simulated seconds; nothing sleeps. The same seed gives the same run.
+Time is simulated seconds; nothing sleeps. The same seed gives the same run. This module keeps
+the clock, the fleet and the autoscaler; sim/replica.py the replicas, sim/ingress.py the
+routers, sim/results.py what a run reports.
 """
 
 from __future__ import annotations
@@ -23,25 +25,25 @@ import heapq
 import itertools
 import math
 import random
-from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Literal
 
 from cluster.autoscaling import QueueDepthPolicy
 from cluster.config import ClusterConfig
-from replica.contracts import AutoscalingStats, EngineRequest, PreemptionRate, RoutingStats
-from replica.request import Request, RequestRejected, SamplingParams
-from replica.scheduler import Scheduler
-from router.inflight import InflightLoad, replica_stats
-from router.kv_index import KVIndex
-from router.policy import Policy, RequestSize, decision_reason, lead_replica
-from sim.calibrate import serving_step
-from sim.profile import Profile, StepShape
-from sim.workloads import Conversation, RequestSpec, oracle_hit_tokens
-
-FILLER_TOKEN = 7  # what a simulated request generates when its spec names no answer tokens
-STARTING, RUNNING, DRAINING, STOPPED = "starting", "running", "draining", "stopped"
+from replica.contracts import AutoscalingStats
+from sim.ingress import SimIngress
+from sim.profile import Profile
+from sim.replica import (
+    DRAINING,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    SimReplica,
+    SimRequest,
+)
+from sim.results import SimResult, percentiles  # noqa: F401  (percentiles: bench/sim_fidelity.py)
+from sim.workloads import Conversation, RequestSpec
 
 
 @dataclass
@@ -63,256 +65,6 @@ class SimSettings:
     # serving calibration (sim/calibrate.py): a step costs Engine.step + extra(tokens it
     # streams); None: the profile's own ("serving"), {}: Engine.step alone
     serving: dict | None = None
-
-
-class SimRequest:
-    __slots__ = (
-        "rid", "spec", "arrival", "conv", "turn", "ingress", "replica", "routed_at",
-        "recv_at", "first_sched_at", "first_token_at", "finished_at", "n_out",
-        "preemptions", "cached_tokens", "status", "answer", "prefix_key", "footprint",
-        "engine_request", "joins_step", "hashes", "predicted_hit", "reason",
-    )  # fmt: skip
-
-    def __init__(self, rid: str, spec: RequestSpec, arrival: float) -> None:
-        self.rid = rid
-        self.spec = spec
-        self.arrival = arrival
-        self.conv: Conversation | None = None
-        self.turn = 0
-        self.ingress: SimIngress | None = None
-        self.replica: SimReplica | None = None
-        self.routed_at = self.recv_at = math.nan
-        self.first_sched_at = self.first_token_at = self.finished_at = math.nan
-        self.n_out = 0
-        self.preemptions = 0
-        self.cached_tokens = 0
-        self.status = "pending"  # -> ok | rejected | unfinished
-        self.answer: list[int] | None = None  # the tokens the replica generated
-        self.prefix_key: int | None = None
-        self.footprint = spec.num_prompt_tokens + spec.output_len
-        self.engine_request: Request | None = None
-        self.joins_step = 0  # the replica step it can first be scheduled in (1-based)
-        self.hashes: list[int] | None = None  # the prompt's block hashes (KV-event routing)
-        self.predicted_hit = -1  # the router's prediction of hit tokens (-1: none made)
-        self.reason = ""  # why the router chose the replica
-
-    def planned_answer(self) -> list[int] | None:
-        """The tokens this request is to generate (a conversation turn's), or None."""
-        return None if self.conv is None else self.conv.turns[self.turn].answer_ids
-
-    def result(self, net: float) -> dict:
-        ttft = self.first_token_at + net - self.arrival
-        e2e = self.finished_at + net - self.arrival
-        tpot = (e2e - ttft) / (self.n_out - 1) if self.n_out > 1 else math.nan
-        return {
-            "id": self.rid,
-            "kind": self.spec.kind,
-            "arrival_s": self.arrival,
-            "prompt_tokens": self.spec.num_prompt_tokens,
-            "output_tokens": self.n_out,
-            "status": self.status,
-            "replica": self.replica.rid if self.replica else None,
-            "ttft_s": ttft,
-            "tpot_s": tpot,
-            "e2e_s": e2e,
-            "queue_s": self.first_sched_at - self.recv_at,
-            "preemptions": self.preemptions,
-            "hit_tokens": self.cached_tokens,
-            "predicted_hit_tokens": self.predicted_hit,
-            "reason": self.reason,
-        }
-
-
-class SimReplica:
-    """One replica: the real Scheduler, stepped back to back while it has work."""
-
-    def __init__(self, sim: Simulation, rid: str, created: float) -> None:
-        self.sim = sim
-        self.rid = rid
-        # speculation is not modelled (its gain depends on the text, which the simulator
-        # does not have): the replica's scheduler proposes no drafts
-        cfg = sim.config.engine.model_copy(update={"num_speculative_tokens": 0})
-        self.scheduler = Scheduler(cfg, sim.num_kv_blocks, sim.max_model_len)
-        self.events = (
-            self.scheduler.kv.pool.enable_events(cfg.block_size)
-            if sim.config.routing.kv_events
-            else None
-        )
-        self.state = STARTING
-        self.created = created
-        self.stopped_at = math.nan
-        self.ongoing = 0  # Ray's in-flight count (routed, not yet finished at the router)
-        self.busy = False
-        self.recorded: deque[RoutingStats] = deque()  # reports in flight to the routers
-        self.visible: RoutingStats | None = None
-        self.preemptions = PreemptionRate()
-        self.requests: dict[str, SimRequest] = {}
-        self.busy_s = 0.0
-        self.num_steps = 0
-        self.metric_window: deque[tuple[float, AutoscalingStats]] = deque()
-
-    # -- requests --------------------------------------------------------------------------
-    def receive(self, now: float, req: SimRequest) -> None:
-        req.recv_at = now
-        params = SamplingParams(max_tokens=req.spec.output_len, temperature=0.0, ignore_eos=True)
-        request = Request(EngineRequest(req.spec.prompt_ids, params, req.rid, arrival_time=now))
-        try:
-            self.scheduler.add_request(request)
-        except RequestRejected:
-            self.sim.finish(req, now, "rejected")
-            return
-        req.engine_request = request
-        req.joins_step = self.num_steps + 1
-        self.requests[req.rid] = req
-        if not self.busy:
-            # the engine loop wakes for it: requests arriving at the same moment join the step
-            self.busy = True
-            self.sim.at(now, self._start_step)
-
-    def _start_step(self, now: float) -> None:
-        so = self.scheduler.schedule()
-        if so.is_empty:
-            self.busy = False
-            return
-        self.busy = True
-        if self.sim.step_log is not None:
-            self.sim.step_log.append(
-                (
-                    self.rid,
-                    [(s.request_id, s.start, s.num_tokens) for s in so.scheduled],
-                    list(so.preempted_request_ids),
-                )
-            )
-        for s in so.scheduled:
-            req = self.requests[s.request_id]
-            if req.first_sched_at != req.first_sched_at:  # nan: first time scheduled
-                req.first_sched_at = now
-        shape = StepShape.of_scheduler_output(so)
-        serving = self.sim.serving
-        if serving is None:
-            duration = self.sim.model.predict(shape)
-        else:
-            streamed = sum(1 for s in so.scheduled if s.sample)
-            duration = serving_step(serving, self.sim.model, shape, streamed)
-        self.busy_s += duration
-        self.num_steps += 1
-        self.sim.at(now + duration, self._end_step, so)
-
-    def _end_step(self, now: float, so) -> None:
-        sampled = {}
-        for s in so.scheduled:
-            if s.sample:
-                req = self.requests[s.request_id]
-                answer = req.planned_answer()
-                k = s.request.num_output_tokens
-                sampled[s.request_id] = answer[k] if answer and k < len(answer) else FILLER_TOKEN
-        outputs = self.scheduler.update_from_output(so, sampled)
-        sim = self.sim
-        if self.events is not None:
-            batch = self.events.seal()
-            if batch is not None:
-                sim.at(now + sim.settings.kv_event_delay_s, sim.deliver_kv_events, (self, batch))
-        for out in outputs:
-            req = self.requests[out.request_id]
-            req.n_out += 1
-            if req.n_out == 1:
-                sim.first_token(req, now)
-            if out.finish_reason is not None:
-                request_obj = req.engine_request
-                req.preemptions = request_obj.num_preemptions
-                req.cached_tokens = max(request_obj.num_cached_tokens, 0)
-                if req.conv is not None or sim.oracle:  # the next turn's history holds it
-                    req.answer = request_obj.all_token_ids[request_obj.num_prompt_tokens :]
-                elif req.hashes is None:
-                    req.spec.release()  # a lazily made prompt is not needed any more
-                req.engine_request = None
-                del self.requests[out.request_id]
-                sim.finish(req, now, "ok")
-        if self.scheduler.has_unfinished():
-            self._start_step(now)
-        else:
-            self.busy = False
-            if self.state == DRAINING:
-                sim.maybe_stop(self, now)
-
-    # -- reports ---------------------------------------------------------------------------
-    def record_stats(self, now: float) -> RoutingStats:
-        kv = self.scheduler.kv
-        stats = RoutingStats.of_scheduler(
-            self.rid, now, self.scheduler.stats(), self.sim.config.engine, self.preemptions,
-            num_kv_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
-        )  # fmt: skip
-        delay = self.sim.settings.stats_delivery_s
-        if delay <= 0:
-            self.visible = stats
-        else:
-            self.recorded.append(stats)
-        return stats
-
-    def stats_for_router(self, now: float) -> RoutingStats | None:
-        delay = self.sim.settings.stats_delivery_s
-        while self.recorded and self.recorded[0].ts + delay <= now:
-            self.visible = self.recorded.popleft()
-        return self.visible
-
-
-class SimIngress:
-    """One ingress replica: its own routing policy state and in-flight tally."""
-
-    def __init__(self, sim: Simulation, index: int) -> None:
-        self.sim = sim
-        self.index = index
-        self.policy = Policy(sim.config.routing, random.Random(sim.rng.random()))
-        self.load = InflightLoad()
-        cfg = sim.config
-        self.index = KVIndex(cfg.engine.block_size) if cfg.routing.kv_events else None
-        self.rng = random.Random(sim.rng.random())
-        self.pending: deque[SimRequest] = deque()
-        self.decisions = 0
-
-    def route(self, req: SimRequest, now: float) -> bool:
-        """Send `req` to a replica (True) or leave it waiting for capacity (False)."""
-        sim = self.sim
-        cap = sim.config.max_ongoing_requests
-        open_ = sim.routable
-        if not open_:
-            return False
-        by_id = {r.rid: r for r in open_ if r.ongoing < cap}
-        if not by_id:
-            return False
-        hits: dict[str, int] = {}
-        if self.index is not None:
-            if req.hashes is None:
-                req.hashes = self.index.prompt_hashes(req.spec.prompt_ids)
-            hits = self.index.hit_tokens(req.hashes, by_id)
-        ids = self.policy.candidates(list(by_id), req.prefix_key, hits)
-        prefill = self.load.prefill_by_replica(now, ids)
-        stats = [
-            replica_stats(
-                rid, by_id[rid].ongoing, by_id[rid].stats_for_router(now), self.load,
-                prefill.get(rid, 0.0), now, hits.get(rid, 0),
-            )
-            for rid in ids
-        ]  # fmt: skip
-        tiers = self.policy.rank(stats, req.prefix_key, req.footprint)
-        self.decisions += 1
-        if not tiers:
-            return False
-        # as the router: the best tier's replica with the fewest requests, ties at random
-        chosen = by_id[lead_replica(tiers[0], stats, sim.config.routing, self.rng)[0]]
-        if self.index is not None:
-            req.predicted_hit = hits.get(chosen.rid, 0)
-            size = RequestSize.of(stats, req.footprint)
-            req.reason = decision_reason(stats, sim.config.routing, chosen.rid, size)
-        req.replica = chosen
-        req.routed_at = now
-        chosen.ongoing += 1
-        self.load.routed(
-            req.rid, chosen.rid, req.footprint, prompt_tokens=len(req.spec.prompt_ids),
-            key=req.rid, now=now,
-        )  # fmt: skip
-        sim.at(now + sim.settings.net_latency_s, chosen.receive, req)
-        return True
 
 
 class Simulation:
@@ -588,111 +340,6 @@ class Simulation:
                     self.maybe_stop(r, now)
             self.routable = [r for r in self.replicas if r.state == RUNNING]
         self.target = desired
-
-
-def _oracle(requests: list[SimRequest], block_size: int) -> list[int]:
-    rows = [
-        (r.arrival, r.spec.prompt_ids, r.finished_at if r.answer else None, r.answer)
-        for r in requests
-    ]
-    return oracle_hit_tokens(rows, block_size)
-
-
-class SimResult:
-    """What a run produced: per-request results, replica timelines and counts."""
-
-    def __init__(self, sim: Simulation, end: float) -> None:
-        net = sim.settings.net_latency_s
-        self.end_s = end
-        self.requests = [r.result(net) for r in sim.requests]
-        if sim.oracle:
-            for row, hit in zip(self.requests, _oracle(sim.requests, sim.config.engine.block_size)):
-                row["oracle_hit_tokens"] = hit
-        self.index_stats = [i.index.stats() for i in sim.ingresses if i.index is not None]
-        self.replica_count = sim.replica_count
-        self.timelines = sim.timelines
-        self.replicas = [
-            {
-                "replica": r.rid,
-                "created_s": r.created,
-                "stopped_s": r.stopped_at,
-                "busy_s": r.busy_s,
-                "steps": r.num_steps,
-                "preemptions": r.scheduler.num_preemptions_total,
-                "prefix_cache_queries": r.scheduler.prefix_cache_queries,
-                "prefix_cache_hits": r.scheduler.prefix_cache_hits,
-            }
-            for r in sim.replicas
-        ]
-        self.replica_seconds = sum(
-            (r.stopped_at if r.stopped_at == r.stopped_at else end) - r.created
-            for r in sim.replicas
-        )
-
-    def summary(self, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> dict:
-        ok = [r for r in self.requests if r["status"] == "ok"]
-        out = {
-            "requests": len(self.requests),
-            "completed": len(ok),
-            "rejected": sum(r["status"] == "rejected" for r in self.requests),
-            "unfinished": sum(r["status"] == "unfinished" for r in self.requests),
-            "duration_s": self.end_s,
-            "replica_seconds": self.replica_seconds,
-        }
-        if not ok:
-            return out
-        first = min(r["arrival_s"] for r in ok)
-        last = max(r["arrival_s"] + r["e2e_s"] for r in ok)
-        out_tokens = sum(r["output_tokens"] for r in ok)
-        out["output_tokens_per_s"] = out_tokens / (last - first) if last > first else math.nan
-        out["requests_per_s"] = len(ok) / (last - first) if last > first else math.nan
-        for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
-            vals = sorted(r[key] for r in ok if r[key] == r[key])
-            out[key] = percentiles(vals)
-        prompt = sum(r["prompt_tokens"] for r in ok)
-        hits = sum(r["hit_tokens"] for r in ok)
-        out["hit_tokens"] = hits
-        out["prompt_tokens"] = prompt
-        out["prefilled_tokens"] = prompt - hits
-        out["hit_rate"] = hits / prompt if prompt else 0.0
-        out["preemptions"] = sum(r["preemptions"] for r in ok)
-        if ok and "oracle_hit_tokens" in ok[0]:
-            out["oracle_hit_tokens"] = sum(r["oracle_hit_tokens"] for r in ok)
-        predicted = [r for r in ok if r["predicted_hit_tokens"] >= 0]
-        if predicted:
-            out["hit_prediction_exact"] = sum(
-                r["predicted_hit_tokens"] == r["hit_tokens"] for r in predicted
-            ) / len(predicted)
-            reasons: dict[str, int] = {}
-            for r in predicted:
-                reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
-            out["decisions_by_reason"] = reasons
-        if slo_ttft_s is not None or slo_tpot_s is not None:
-            met = sum(
-                (slo_ttft_s is None or r["ttft_s"] <= slo_ttft_s)
-                and (
-                    slo_tpot_s is None
-                    or not r["tpot_s"] == r["tpot_s"]
-                    or r["tpot_s"] <= slo_tpot_s
-                )
-                for r in ok
-            )
-            out["slo_attainment"] = met / len(self.requests)
-        return out
-
-
-def percentiles(sorted_vals: list[float], qs=(50, 90, 99)) -> dict:
-    if not sorted_vals:
-        return {}
-    out = {"mean": sum(sorted_vals) / len(sorted_vals)}
-    n = len(sorted_vals)
-    for q in qs:
-        # linear interpolation between closest ranks (numpy's default)
-        pos = (n - 1) * q / 100.0
-        lo = int(math.floor(pos))
-        hi = min(lo + 1, n - 1)
-        out[f"p{q}"] = sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
-    return out
 
 
 @dataclass

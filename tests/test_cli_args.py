@@ -44,7 +44,7 @@ def _without_none(annotation):
 def test_every_engine_config_field_has_a_flag_in_serve_and_generate():
     """The engine flags are generated from EngineConfig's fields: each field (but those excluded,
     with their reasons, in ENGINE_FLAGS_EXCLUDED) has one, named after it, that sets it alone."""
-    from cluster.cli import ENGINE_FLAGS_EXCLUDED, GENERATE_OWN_FLAGS, _engine_overrides
+    from cluster.engine_args import ENGINE_FLAGS_EXCLUDED, GENERATE_OWN_FLAGS, engine_overrides
 
     assert all(reason for reason in ENGINE_FLAGS_EXCLUDED.values())
     assert set(ENGINE_FLAGS_EXCLUDED) <= set(EngineConfig.model_fields)
@@ -53,15 +53,15 @@ def test_every_engine_config_field_has_a_flag_in_serve_and_generate():
         extra = ["--prompt", "hi"] if command == "generate" else []
         skipped = set(ENGINE_FLAGS_EXCLUDED) | (set(GENERATE_OWN_FLAGS) if extra else set())
         parser = make_parser()
-        assert _engine_overrides(parser.parse_args([command, *extra])) == {}, "unset: no override"
+        assert engine_overrides(parser.parse_args([command, *extra])) == {}, "unset: no override"
         for name, field in EngineConfig.model_fields.items():
             if name in skipped:
                 continue
             flag = "--" + name.replace("_", "-")
             kind = _without_none(field.annotation)
             if kind is bool:
-                on = _engine_overrides(parser.parse_args([command, *extra, flag]))
-                off = _engine_overrides(parser.parse_args([command, *extra, "--no-" + flag[2:]]))
+                on = engine_overrides(parser.parse_args([command, *extra, flag]))
+                off = engine_overrides(parser.parse_args([command, *extra, "--no-" + flag[2:]]))
                 assert (on, off) == ({name: True}, {name: False}), f"{command} {flag}"
                 continue
             if typing.get_origin(kind) is typing.Literal:
@@ -71,11 +71,11 @@ def test_every_engine_config_field_has_a_flag_in_serve_and_generate():
             else:
                 value = samples[kind]
             args = parser.parse_args([command, *extra, flag, str(value)])
-            assert _engine_overrides(args) == {name: value}, f"{command} {flag}"
+            assert engine_overrides(args) == {name: value}, f"{command} {flag}"
 
 
 def test_engine_flag_help_is_the_field_description(capsys, monkeypatch):
-    from cluster.cli import ENGINE_FLAGS_EXCLUDED
+    from cluster.engine_args import ENGINE_FLAGS_EXCLUDED
 
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapped lines
     with pytest.raises(SystemExit):
@@ -118,12 +118,12 @@ def test_flags_of_before_the_generated_ones_work_as_they_did():
     assert (engine.dtype, engine.device, engine.enable_prefix_caching) == ("bfloat16", "cpu", False)
     assert parse("--tensor-parallel-size", "4").engine.tensor_parallel_size == 4
     # generate shares them, and keeps its own --seed (the request's sampling seed)
-    from cluster.cli import _engine_overrides
+    from cluster.engine_args import engine_overrides
 
     args = make_parser().parse_args(
         ["generate", "--prompt", "hi", "--tp", "2", "--no-cpu-fused-ops", "--seed", "3"]
     )
-    assert _engine_overrides(args) == {"tensor_parallel_size": 2, "cpu_fused_ops": False}
+    assert engine_overrides(args) == {"tensor_parallel_size": 2, "cpu_fused_ops": False}
     assert args.seed == 3
 
 
@@ -148,7 +148,7 @@ def test_cpu_threads_and_replicas_reach_the_cluster_config():
 
 
 def test_embedded_ray_serve_mode_haproxy_when_a_binary_is_there():
-    from cluster.cli import embedded_ray_serve_env
+    from cluster.embedded import embedded_ray_serve_env
 
     env = embedded_ray_serve_env({}, haproxy=True)
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
@@ -176,7 +176,7 @@ def test_haproxy_binary_lookup(monkeypatch):
     import importlib.util
     import shutil
 
-    from cluster.cli import haproxy_available
+    from cluster.embedded import haproxy_available
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(shutil, "which", lambda name: None)
@@ -239,7 +239,7 @@ def test_no_prestarted_core_where_no_replica_would_adopt_it(argv, env, monkeypat
     """The engine core is started before Ray only when asked (STEPSERVE_PRESTART_CORE=1), for
     a CPU (or auto) core process at tp=1 with a replica at start: these return before starting
     anything."""
-    from cluster import cli
+    from cluster import embedded
 
     monkeypatch.setenv("STEPSERVE_PRESTART_CORE", "1")
     for key, value in env.items():
@@ -252,12 +252,12 @@ def test_no_prestarted_core_where_no_replica_would_adopt_it(argv, env, monkeypat
         "replica.engine.prestart.PrestartedCore",
         lambda *a, **k: started.append(a) or types.SimpleNamespace(close=lambda: None),
     )
-    assert cli.prestart_core(parse(*argv)) is None
+    assert embedded.prestart_core(parse(*argv)) is None
     assert not started
     monkeypatch.setenv("STEPSERVE_PRESTART_CORE", "1")
-    assert cli.prestart_core(parse()) is not None  # asked for, with a replica to adopt it
+    assert embedded.prestart_core(parse()) is not None  # asked for, with a replica to adopt it
     assert len(started) == 1
-    cli._prestarted.clear()
+    embedded._prestarted.clear()
 
 
 def test_free_ports_are_outside_the_kernels_ephemeral_range(monkeypatch):
@@ -266,19 +266,19 @@ def test_free_ports_are_outside_the_kernels_ephemeral_range(monkeypatch):
     free_port picks where the kernel does not, and skips a port a listener holds."""
     import socket
 
-    from cluster import cli
+    from cluster import processes
 
-    low, high = cli._ephemeral_ports()
-    ports = {cli.free_port() for _ in range(20)}
-    assert all(cli._LISTEN_PORTS[0] <= p < cli._LISTEN_PORTS[1] for p in ports), ports
+    low, high = processes._ephemeral_ports()
+    ports = {processes.free_port() for _ in range(20)}
+    assert all(processes._LISTEN_PORTS[0] <= p < processes._LISTEN_PORTS[1] for p in ports), ports
     assert not any(low <= p <= high for p in ports)
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = held.getsockname()[1]
-        monkeypatch.setattr(cli, "_ephemeral_ports", lambda: (1, 2))
-        monkeypatch.setattr(cli, "_LISTEN_PORTS", (taken, taken + 1))
-        other = cli.free_port()  # the only candidate is held: any free port instead
+        monkeypatch.setattr(processes, "_ephemeral_ports", lambda: (1, 2))
+        monkeypatch.setattr(processes, "_LISTEN_PORTS", (taken, taken + 1))
+        other = processes.free_port()  # the only candidate is held: any free port instead
         assert other != taken
         with socket.socket() as s:
             s.bind(("127.0.0.1", other))

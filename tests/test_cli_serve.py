@@ -260,3 +260,107 @@ def test_a_stale_haproxy_of_an_earlier_server_is_ended_with_a_log_line(tmp_path)
         if stale.poll() is None:
             stale.kill()
             stale.wait()
+
+
+# Run in a process of its own: ray.init as `stepserve serve` calls it when another cluster is
+# discoverable (first with no address, to show that it is, then through the embedded start
+# path, all but the deployment), printing what it joined.
+_EMBEDDED_BESIDE_ANOTHER = """
+import json, os, sys
+import ray
+try:
+    ray.init(num_cpus=1, logging_level="ERROR")  # what `serve` did: join the latest cluster
+    joined = "connected to " + ray.get_runtime_context().gcs_address
+    ray.shutdown()
+except ValueError as exc:
+    joined = str(exc)
+from cluster import embedded
+from cluster.config import ClusterConfig
+embedded._deploy = lambda config, timings: "not deployed"  # the Ray part of start() only
+config = ClusterConfig.model_validate({"http": {"host": "127.0.0.1", "port": int(sys.argv[1])}})
+embedded.start(config)
+print(json.dumps({
+    "plain_init": joined,
+    "gcs_address": ray.get_runtime_context().gcs_address,
+    "cpus": ray.cluster_resources().get("CPU"),
+    "nodes": len(ray.nodes()),
+}), flush=True)
+ray.shutdown()
+"""
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """End the process group of `proc` (started in a session of its own): SIGTERM, up to
+    `grace_s` for the group to exit, then SIGKILL for what is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.time() + grace_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            try:
+                os.killpg(proc.pid, 0)  # any member left?
+            except ProcessLookupError:
+                return
+        time.sleep(0.2)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def test_serve_starts_its_own_cluster_beside_a_running_ray_start_cluster():
+    """With a `ray start` cluster on the machine (RAY_ADDRESS unset), ray.init with no address
+    joins it and refuses num_cpus ("When connecting to an existing cluster, num_cpus and
+    num_gpus must not be provided"); the embedded start path starts a cluster of its own, with
+    this machine's CPUs, and leaves the other one be."""
+    import shutil
+    import tempfile
+
+    # a Ray temp dir of this test's own (short: Ray's socket paths must fit 107 bytes), so the
+    # cluster it starts is the one found, not another test's on the same host
+    ray_tmp = tempfile.mkdtemp(prefix="rayt", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_"))}
+    env["RAY_TMPDIR"] = ray_tmp
+    head_port = free_port()
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    head_cmd = [
+        ray_bin, "start", "--head", "--block", "--port", str(head_port), "--num-cpus", "1",
+        "--include-dashboard", "false", "--dashboard-agent-listen-port", str(free_port()),
+        "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats",
+    ]  # fmt: skip
+    head = subprocess.Popen(
+        head_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    embedded = None
+    try:
+        address_file = Path(ray_tmp, "ray", "ray_current_cluster")
+        deadline = time.time() + 120
+        while not address_file.exists():
+            assert head.poll() is None, head.stderr.read().decode()[-3000:]
+            assert time.time() < deadline, "ray start did not come up"
+            time.sleep(0.5)
+        other = address_file.read_text().strip()
+        assert other.endswith(f":{head_port}"), other
+        embedded = subprocess.Popen(
+            [sys.executable, "-c", _EMBEDDED_BESIDE_ANOTHER, str(free_port())],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True, cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
+        out, err = embedded.communicate(timeout=240)
+        assert embedded.returncode == 0, err[-3000:]
+        seen = json.loads(out.strip().splitlines()[-1])
+        # the setup reproduces the trouble: a plain ray.init finds the `ray start` cluster
+        assert "num_cpus and num_gpus must not be provided" in seen["plain_init"], seen
+        # the embedded start made a cluster of its own (one node, this machine's CPUs)
+        assert not seen["gcs_address"].endswith(f":{head_port}"), seen
+        assert (seen["cpus"], seen["nodes"]) == (os.cpu_count(), 1), seen
+        assert head.poll() is None, "the `ray start` cluster went down"
+    finally:
+        if embedded is not None:
+            _end_group(embedded)
+        _end_group(head)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from replica.config import EngineConfig
-from replica.layers.attention import AttentionMetadata
+from replica.layers.attention import TorchSDPAMetadata
 from replica.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from replica.layers.linear import (
     MergedColumnParallelLinear,
@@ -38,7 +38,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         (torch.zeros(8, 8, kv_heads, 16), torch.zeros(8, 8, kv_heads, 16))
         for _ in range(model.num_layers)
     ]
-    meta, positions = AttentionMetadata.build([0], [len(ids)], [list(range(8))], 8)
+    meta, positions = TorchSDPAMetadata.build([0], [len(ids)], [list(range(8))], 8)
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(ids), positions, caches, meta))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from replica.config import EngineConfig
-from replica.layers.attention import AttentionMetadata
+from replica.layers.attention import TorchSDPAMetadata
 from replica.layers.linear import TensorParallel
 from replica.loader import build_model, load_hf_config, load_weights, safetensors_files
 from replica.request import SamplingParams
@@ -481,7 +481,7 @@ def _sharded_logits(model_dir: Path, tp_size: int, steps) -> list[torch.Tensor]:
             logits = []
             with torch.inference_mode():
                 for ids, starts, lens, tables in steps:
-                    meta, positions = AttentionMetadata.build(starts, lens, tables, 4)
+                    meta, positions = TorchSDPAMetadata.build(starts, lens, tables, 4)
                     hidden = model(torch.tensor(ids), positions, caches, meta)
                     logits.append(model.compute_logits(hidden))
             results[rank] = logits

@@ -604,3 +604,57 @@ def test_a_burst_spreads_when_each_choice_is_counted_before_it_is_routed() -> No
     assert _burst(noted=False) == Counter({"a": 8})  # the herd: every decision saw the same
     placed = _burst(noted=True)
     assert sorted(placed.values()) == [4, 4] or sorted(placed.values()) == [3, 5], placed
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LOAD_AWARE,
+        RoutingConfig(max_candidates=3, prefix_affinity=True),
+        RoutingConfig(policy="pow2"),
+        RoutingConfig(policy="round_robin"),
+    ],
+    ids=["load_aware", "sampled-affinity", "pow2", "round_robin"],
+)
+def test_decide_is_the_candidates_stats_ranking_and_lead_the_router_and_simulator_share(cfg):
+    """router.decision.decide, which LoadAwareRouter and the simulator both call: the same
+    candidates, stats, tiers and lead as the steps it stands for, and the lead alone first."""
+    from replica.contracts import RoutingStats
+    from router.decision import decide
+    from router.inflight import replica_stats
+    from router.policy import decision_reason, lead_replica
+
+    ids = [f"r{i}" for i in range(6)]
+    reports = {
+        rid: RoutingStats(rid, ts=99.5, running=i % 3, waiting=i % 2) for i, rid in enumerate(ids)
+    }
+    ongoing = {rid: i % 4 for i, rid in enumerate(ids)}
+    hits = {"r2": 64, "r4": 32}
+    for seed in range(20):
+        loads = [InflightLoad(), InflightLoad()]
+        for load in loads:
+            load.routed("x", "r1", 300, prompt_tokens=200, key="x", now=99.0)
+        got = decide(
+            Policy(cfg, random.Random(seed)), loads[0], ids,
+            lambda rid: (ongoing[rid], reports[rid]), 100.0, random.Random(seed + 1),
+            prefix=seed * 7919, footprint_tokens=100, hits=hits,
+        )  # fmt: skip
+        policy, rng = Policy(cfg, random.Random(seed)), random.Random(seed + 1)
+        cands = policy.candidates(ids, seed * 7919, hits)
+        prefill = loads[1].prefill_by_replica(100.0, cands)
+        stats = [
+            replica_stats(
+                r, ongoing[r], reports[r], loads[1], prefill.get(r, 0.0), 100.0, hits.get(r, 0)
+            )
+            for r in cands
+        ]
+        tiers = policy.rank(stats, seed * 7919, 100)
+        lead, *rest = lead_replica(tiers[0], stats, cfg, rng)
+        assert got.stats == stats
+        assert got.tiers == [t for t in [[lead], rest, *tiers[1:]] if t]
+        assert got.lead == lead
+        size = RequestSize.of(stats, 100)
+        assert got.reason(lead, cfg) == decision_reason(stats, cfg, lead, size)
+        assert got.reason("not-a-candidate", cfg) is None
+    empty = decide(Policy(cfg), InflightLoad(), [], lambda rid: (0, None), 0.0, random.Random())
+    assert (empty.tiers, empty.lead) == ([], None)

@@ -35,29 +35,10 @@ class AttentionSpec:
 @dataclass
 class AttentionMetadata:
     """Where the step's tokens go and what each request attends to; shared by all layers. Each
-    backend subclasses it with what its impl reads."""
+    backend subclasses it with what its impl reads (a model run without a runner uses
+    `TorchSDPAMetadata.build`, torch_sdpa.py)."""
 
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-
-    @classmethod
-    def build(
-        cls,
-        starts: list[int],
-        query_lens: list[int],
-        block_ids: list[list[int]],
-        block_size: int,
-        device: torch.device | str = "cpu",
-    ) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Torch SDPA metadata and the positions [T], for a model run without a runner (its
-        layers keep the torch SDPA impl they are built with); a runner builds the metadata of the
-        backend it chose with that backend's builder."""
-        from replica.layers.attention.torch_sdpa import (
-            DEFAULT_DECODE_GROUP_KEYS,
-            TorchSDPAMetadataBuilder,
-        )
-
-        builder = TorchSDPAMetadataBuilder(block_size, device, DEFAULT_DECODE_GROUP_KEYS)
-        return builder.build(starts, query_lens, block_ids)
 
 
 @dataclass

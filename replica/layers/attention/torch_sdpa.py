@@ -57,6 +57,21 @@ class TorchSDPAMetadata(AttentionMetadata):
     decodes: list[DecodeGroup]  # requests with exactly one query token, padded + masked
     prefills: list[PrefillSpan]
 
+    @classmethod
+    def build(
+        cls,
+        starts: list[int],
+        query_lens: list[int],
+        block_ids: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> tuple[TorchSDPAMetadata, torch.Tensor]:
+        """Torch SDPA metadata and the positions [T], for a model run without a runner (its
+        layers keep the torch SDPA impl they are built with); a runner builds the metadata of the
+        backend it chose with that backend's builder."""
+        builder = TorchSDPAMetadataBuilder(block_size, device, DEFAULT_DECODE_GROUP_KEYS)
+        return builder.build(starts, query_lens, block_ids)
+
 
 def decode_group_keys(spec: AttentionSpec) -> int | None:
     """Keys per decode attention group: on CPU as many as keep one group's gathered K within

@@ -1,0 +1,86 @@
+"""One routing decision, as the Ray request router (router/request_router.py) and the simulator
+(sim/) both make it: sample the candidates (`Policy.candidates`), read what the router knows of
+each (`replica_stats`: Ray's in-flight count, the replica's last report, the router's own tally
+and prefill estimate, the KV index's hit), rank them (`Policy.rank`) and pick the best tier's
+lead (`lead_replica`). Pure: no Ray, no clock of its own; the caller says how to observe a
+replica and what time it is, and acts on the result (notes the choice, sends the request)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from replica.api import RoutingStats
+from router.inflight import InflightLoad, replica_stats
+from router.policy import (
+    Policy,
+    ReplicaStats,
+    RequestSize,
+    RoutingConfig,
+    decision_reason,
+    lead_replica,
+)
+
+# What a router can see of one replica: Ray's in-flight count there and its last recorded stats
+# (None before its first report).
+Observe = Callable[[str], tuple[int, RoutingStats | None]]
+
+
+@dataclass
+class Decision:
+    """Ranked tiers of replica ids, best first: the first tier is the lead alone (the replica
+    the request goes to), then the rest of the best tier, then the other tiers. Empty: no
+    candidate. `stats` are what the ranking read, `hits` the KV index's hit tokens per
+    replica, `footprint_tokens` the request's prompt + max_tokens."""
+
+    tiers: list[list[str]]
+    stats: list[ReplicaStats]
+    hits: Mapping[str, int] = field(default_factory=dict)
+    footprint_tokens: int = 0
+
+    @property
+    def lead(self) -> str | None:
+        return self.tiers[0][0] if self.tiers else None
+
+    def reason(self, replica_id: str, cfg: RoutingConfig) -> str | None:
+        """Why `replica_id` won ("load", "cache" or "spill": `decision_reason`); None when it
+        was not among the candidates (Ray sent the request elsewhere)."""
+        if not any(s.replica_id == replica_id for s in self.stats):
+            return None
+        size = RequestSize.of(self.stats, self.footprint_tokens)
+        return decision_reason(self.stats, cfg, replica_id, size)
+
+
+def decide(
+    policy: Policy,
+    load: InflightLoad,
+    replica_ids: Sequence[str],
+    observe: Observe,
+    now: float,
+    rng: random.Random,
+    *,
+    prefix: int | None = None,
+    footprint_tokens: int = 0,
+    hits: Mapping[str, int] | None = None,
+) -> Decision:
+    """Rank `replica_ids` for one request (prefix key `prefix`, KV footprint
+    `footprint_tokens`, `hits`: cached prompt tokens per replica) by `policy` over what
+    `observe` and `load` say at `now`; `rng` breaks ties within the best tier."""
+    hits = hits or {}
+    ids = policy.candidates(list(replica_ids), prefix, hits)
+    prefill = load.prefill_by_replica(now, ids)
+    stats = []
+    for rid in ids:
+        ongoing, recorded = observe(rid)
+        stats.append(
+            replica_stats(
+                rid, ongoing, recorded, load, prefill.get(rid, 0.0), now, hits.get(rid, 0)
+            )
+        )
+    ranked = policy.rank(stats, prefix, footprint_tokens)
+    if not ranked:
+        return Decision([], stats, hits, footprint_tokens)
+    lead, *rest = lead_replica(ranked[0], stats, policy.cfg, rng)
+    tiers = [[lead], rest, *ranked[1:]] if rest else [[lead], *ranked[1:]]
+    return Decision(tiers, stats, hits, footprint_tokens)

@@ -1,0 +1,211 @@
+"""A simulated request and a simulated replica: the replica is the real
+`replica.scheduler.Scheduler` (with its KV cache manager), stepped back to back while it has work;
+a step lasts what the profile's step-time model prices its `SchedulerOutput` at. It reports
+`RoutingStats` as a serving replica does, and its KV events when routing.kv_events is on."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from replica.contracts import AutoscalingStats, EngineRequest, PreemptionRate, RoutingStats
+from replica.request import Request, RequestRejected, SamplingParams
+from replica.scheduler import Scheduler
+from sim.calibrate import serving_step
+from sim.profile import StepShape
+from sim.workloads import Conversation, RequestSpec
+
+FILLER_TOKEN = 7  # what a simulated request generates when its spec names no answer tokens
+STARTING, RUNNING, DRAINING, STOPPED = "starting", "running", "draining", "stopped"
+
+
+class SimRequest:
+    __slots__ = (
+        "rid", "spec", "arrival", "conv", "turn", "ingress", "replica", "routed_at",
+        "recv_at", "first_sched_at", "first_token_at", "finished_at", "n_out",
+        "preemptions", "cached_tokens", "status", "answer", "prefix_key", "footprint",
+        "engine_request", "joins_step", "hashes", "predicted_hit", "reason",
+    )  # fmt: skip
+
+    def __init__(self, rid: str, spec: RequestSpec, arrival: float) -> None:
+        self.rid = rid
+        self.spec = spec
+        self.arrival = arrival
+        self.conv: Conversation | None = None
+        self.turn = 0
+        self.ingress = None  # the SimIngress (sim/ingress.py) it arrived at
+        self.replica: SimReplica | None = None
+        self.routed_at = self.recv_at = math.nan
+        self.first_sched_at = self.first_token_at = self.finished_at = math.nan
+        self.n_out = 0
+        self.preemptions = 0
+        self.cached_tokens = 0
+        self.status = "pending"  # -> ok | rejected | unfinished
+        self.answer: list[int] | None = None  # the tokens the replica generated
+        self.prefix_key: int | None = None
+        self.footprint = spec.num_prompt_tokens + spec.output_len
+        self.engine_request: Request | None = None
+        self.joins_step = 0  # the replica step it can first be scheduled in (1-based)
+        self.hashes: list[int] | None = None  # the prompt's block hashes (KV-event routing)
+        self.predicted_hit = -1  # the router's prediction of hit tokens (-1: none made)
+        self.reason = ""  # why the router chose the replica
+
+    def planned_answer(self) -> list[int] | None:
+        """The tokens this request is to generate (a conversation turn's), or None."""
+        return None if self.conv is None else self.conv.turns[self.turn].answer_ids
+
+    def result(self, net: float) -> dict:
+        ttft = self.first_token_at + net - self.arrival
+        e2e = self.finished_at + net - self.arrival
+        tpot = (e2e - ttft) / (self.n_out - 1) if self.n_out > 1 else math.nan
+        return {
+            "id": self.rid,
+            "kind": self.spec.kind,
+            "arrival_s": self.arrival,
+            "prompt_tokens": self.spec.num_prompt_tokens,
+            "output_tokens": self.n_out,
+            "status": self.status,
+            "replica": self.replica.rid if self.replica else None,
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "e2e_s": e2e,
+            "queue_s": self.first_sched_at - self.recv_at,
+            "preemptions": self.preemptions,
+            "hit_tokens": self.cached_tokens,
+            "predicted_hit_tokens": self.predicted_hit,
+            "reason": self.reason,
+        }
+
+
+class SimReplica:
+    """One replica: the real Scheduler, stepped back to back while it has work. `sim` is the
+    Simulation (sim/cluster.py) that owns it: its clock, settings and fleet-wide events."""
+
+    def __init__(self, sim, rid: str, created: float) -> None:
+        self.sim = sim
+        self.rid = rid
+        # speculation is not modelled (its gain depends on the text, which the simulator
+        # does not have): the replica's scheduler proposes no drafts
+        cfg = sim.config.engine.model_copy(update={"num_speculative_tokens": 0})
+        self.scheduler = Scheduler(cfg, sim.num_kv_blocks, sim.max_model_len)
+        self.events = (
+            self.scheduler.kv.pool.enable_events(cfg.block_size)
+            if sim.config.routing.kv_events
+            else None
+        )
+        self.state = STARTING
+        self.created = created
+        self.stopped_at = math.nan
+        self.ongoing = 0  # Ray's in-flight count (routed, not yet finished at the router)
+        self.busy = False
+        self.recorded: deque[RoutingStats] = deque()  # reports in flight to the routers
+        self.visible: RoutingStats | None = None
+        self.preemptions = PreemptionRate()
+        self.requests: dict[str, SimRequest] = {}
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.metric_window: deque[tuple[float, AutoscalingStats]] = deque()
+
+    # -- requests --------------------------------------------------------------------------
+    def receive(self, now: float, req: SimRequest) -> None:
+        req.recv_at = now
+        params = SamplingParams(max_tokens=req.spec.output_len, temperature=0.0, ignore_eos=True)
+        request = Request(EngineRequest(req.spec.prompt_ids, params, req.rid, arrival_time=now))
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejected:
+            self.sim.finish(req, now, "rejected")
+            return
+        req.engine_request = request
+        req.joins_step = self.num_steps + 1
+        self.requests[req.rid] = req
+        if not self.busy:
+            # the engine loop wakes for it: requests arriving at the same moment join the step
+            self.busy = True
+            self.sim.at(now, self._start_step)
+
+    def _start_step(self, now: float) -> None:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            self.busy = False
+            return
+        self.busy = True
+        if self.sim.step_log is not None:
+            self.sim.step_log.append(
+                (
+                    self.rid,
+                    [(s.request_id, s.start, s.num_tokens) for s in so.scheduled],
+                    list(so.preempted_request_ids),
+                )
+            )
+        for s in so.scheduled:
+            req = self.requests[s.request_id]
+            if req.first_sched_at != req.first_sched_at:  # nan: first time scheduled
+                req.first_sched_at = now
+        shape = StepShape.of_scheduler_output(so)
+        serving = self.sim.serving
+        if serving is None:
+            duration = self.sim.model.predict(shape)
+        else:
+            streamed = sum(1 for s in so.scheduled if s.sample)
+            duration = serving_step(serving, self.sim.model, shape, streamed)
+        self.busy_s += duration
+        self.num_steps += 1
+        self.sim.at(now + duration, self._end_step, so)
+
+    def _end_step(self, now: float, so) -> None:
+        sampled = {}
+        for s in so.scheduled:
+            if s.sample:
+                req = self.requests[s.request_id]
+                answer = req.planned_answer()
+                k = s.request.num_output_tokens
+                sampled[s.request_id] = answer[k] if answer and k < len(answer) else FILLER_TOKEN
+        outputs = self.scheduler.update_from_output(so, sampled)
+        sim = self.sim
+        if self.events is not None:
+            batch = self.events.seal()
+            if batch is not None:
+                sim.at(now + sim.settings.kv_event_delay_s, sim.deliver_kv_events, (self, batch))
+        for out in outputs:
+            req = self.requests[out.request_id]
+            req.n_out += 1
+            if req.n_out == 1:
+                sim.first_token(req, now)
+            if out.finish_reason is not None:
+                request_obj = req.engine_request
+                req.preemptions = request_obj.num_preemptions
+                req.cached_tokens = max(request_obj.num_cached_tokens, 0)
+                if req.conv is not None or sim.oracle:  # the next turn's history holds it
+                    req.answer = request_obj.all_token_ids[request_obj.num_prompt_tokens :]
+                elif req.hashes is None:
+                    req.spec.release()  # a lazily made prompt is not needed any more
+                req.engine_request = None
+                del self.requests[out.request_id]
+                sim.finish(req, now, "ok")
+        if self.scheduler.has_unfinished():
+            self._start_step(now)
+        else:
+            self.busy = False
+            if self.state == DRAINING:
+                sim.maybe_stop(self, now)
+
+    # -- reports ---------------------------------------------------------------------------
+    def record_stats(self, now: float) -> RoutingStats:
+        kv = self.scheduler.kv
+        stats = RoutingStats.of_scheduler(
+            self.rid, now, self.scheduler.stats(), self.sim.config.engine, self.preemptions,
+            num_kv_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
+        )  # fmt: skip
+        delay = self.sim.settings.stats_delivery_s
+        if delay <= 0:
+            self.visible = stats
+        else:
+            self.recorded.append(stats)
+        return stats
+
+    def stats_for_router(self, now: float) -> RoutingStats | None:
+        delay = self.sim.settings.stats_delivery_s
+        while self.recorded and self.recorded[0].ts + delay <= now:
+            self.visible = self.recorded.popleft()
+        return self.visible
