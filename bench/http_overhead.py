@@ -90,8 +90,7 @@ def floor_app():
 async def engine_request(engine, spec: RequestSpec) -> tuple[float, float]:
     """(e2e, ttft) in seconds of one request on the in-process AsyncEngine."""
 
-    from replica.contracts import EngineRequest
-    from replica.request import SamplingParams
+    from replica.request import EngineRequest, SamplingParams
 
     params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
     request = EngineRequest(spec.prompt_ids, params, uuid.uuid4().hex)
@@ -124,8 +123,8 @@ async def http_request(session, url: str, model: str, spec: RequestSpec, stream:
 async def handle_request(handle, spec: RequestSpec) -> tuple[float, float]:
     """(e2e, ttft) through a deployment handle from this process: the same router and replica
     actor as the HTTP path, without the HTTP proxy and the ingress."""
-    from replica.contracts import EngineRequest, GenerateRequest
-    from replica.request import SamplingParams
+    from replica.contracts import GenerateRequest
+    from replica.request import EngineRequest, SamplingParams
 
     params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
     request = EngineRequest(spec.prompt_ids, params, uuid.uuid4().hex)

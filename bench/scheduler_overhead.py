@@ -20,8 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from replica.config import EngineConfig  # noqa: E402
-from replica.contracts import EngineRequest  # noqa: E402
-from replica.request import Request, SamplingParams  # noqa: E402
+from replica.request import EngineRequest, Request, SamplingParams  # noqa: E402
 from replica.scheduler import Scheduler  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scheduler_overhead.json"

@@ -42,6 +42,7 @@ __all__ = [
     "EngineDeadError",
     "EngineLimits",
     "EngineOverloaded",
+    "EngineRequest",
     "GenerateRequest",
     "GrammarRejected",
     "KVEventBatch",

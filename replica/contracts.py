@@ -2,8 +2,8 @@
 autoscaler and a replica, each defined once and used on both sides (as vLLM's
 EngineCoreRequest, or Ray Serve LLM's typed requests between deployments):
 
-  EngineRequest     one request as an engine takes it, carried whole to its scheduler
-  GenerateRequest   ingress -> (router) -> replica: an EngineRequest with routing hints
+  GenerateRequest   ingress -> (router) -> replica: an EngineRequest (replica/request.py)
+                    with routing hints
   Accepted          replica -> ingress: the replica holds a request whose first output is not out
                     yet (so a stream may start: a refusal would have come instead)
   RoutingStats      replica -> routers: its load, recorded about once a stats period
@@ -18,46 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from replica.request import SamplingParams
+from replica.request import EngineRequest
 
 if TYPE_CHECKING:
     from replica.config import EngineConfig
     from replica.scheduler import SchedulerStats
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    """One request as an engine takes it: built once by whoever admits it (the ingress's
-    fan-out, the offline LLM, a test) and carried whole to the scheduler, whose Request holds
-    it (replica/request.py). A per-request feature adds its field here and reads it where it
-    acts; the transports in between (Ray, the engine core's socket) carry it unchanged."""
-
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    request_id: str  # the sender's id (a replica aborts it by this id; the router keys on it)
-    priority: int = 0  # lower is more urgent (the engine's priority scheduling policy)
-    # time.monotonic() when the replica took it (the front stamps it when None)
-    arrival_time: float | None = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def footprint_tokens(self) -> int:
-        """The KV footprint the request can reach: prompt + max_tokens."""
-        return len(self.prompt_token_ids) + self.sampling.max_tokens
-
-    def arrived(self, now: float | None = None) -> EngineRequest:
-        """This request with its arrival stamped (itself when it has one)."""
-        if self.arrival_time is not None:
-            return self
-        return dataclasses.replace(self, arrival_time=time.monotonic() if now is None else now)
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,6 +226,7 @@ class LLMServer:
             "vocab_size": info.vocab_size,
             "num_kv_blocks": info.num_kv_blocks,
             "block_size": self.config.block_size,
+            "scheduling_policy": self.config.scheduling_policy,
             "replica_id": self.replica_id,
             "startup_s": self.startup_s,
         }

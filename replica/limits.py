@@ -97,3 +97,11 @@ class EngineLimits:
         scheduler's check, which sees lengths only)."""
         self.check_length(num_prompt_tokens)
         self.check_blocks(num_prompt_tokens, max_tokens)
+
+
+def check_fits(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int
+) -> None:
+    """EngineLimits.check_fits for a holder of the lengths alone (the scheduler: its own
+    invariant, a request that can never complete would wait forever)."""
+    EngineLimits(max_model_len, 0, num_blocks, block_size).check_fits(num_prompt_tokens, max_tokens)

@@ -1,12 +1,13 @@
-"""Per-request state the scheduler and runner share (SamplingParams, Request) and what one step
-yields per request (StepOutput from the scheduler, RequestOutput from the engine)."""
+"""A request as an engine takes it (EngineRequest), the state the scheduler and runner keep for
+it (Request), and what one step yields per request (StepOutput from the scheduler,
+RequestOutput from the engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -18,9 +19,6 @@ from replica.errors import (  # noqa: F401
     RequestRejected,
 )
 from replica.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutput  # noqa: F401
-
-if TYPE_CHECKING:
-    from replica.contracts import EngineRequest
 
 # The parent of a prompt's first block in the hash chain. Hashes must be equal in every process
 # (the router predicts a replica's prefix-cache hits from them, router/kv_index.py): Python's
@@ -64,6 +62,36 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request as an engine takes it: built once by whoever admits it (the ingress's
+    fan-out, the offline LLM, a test) and carried whole to the scheduler, whose Request holds
+    it (replica/request.py). A per-request feature adds its field here and reads it where it
+    acts; the transports in between (Ray, the engine core's socket) carry it unchanged."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    request_id: str  # the sender's id (a replica aborts it by this id; the router keys on it)
+    priority: int = 0  # lower is more urgent (the engine's priority scheduling policy)
+    # time.monotonic() when the replica took it (the front stamps it when None)
+    arrival_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def footprint_tokens(self) -> int:
+        """The KV footprint the request can reach: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+    def arrived(self, now: float | None = None) -> EngineRequest:
+        """This request with its arrival stamped (itself when it has one)."""
+        if self.arrival_time is not None:
+            return self
+        return dataclasses.replace(self, arrival_time=time.monotonic() if now is None else now)
 
 
 class Request:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from replica.config import EngineConfig
 from replica.kv_cache import KVCacheManager
+from replica.limits import check_fits
 from replica.request import Request, RequestRejected, RequestStatus, StepOutput
 from replica.spec_decode import NgramProposer, speculation_allowed
 
@@ -77,25 +78,6 @@ def _sort_key(request: Request) -> tuple[int, float, int]:
     return request.sort_key
 
 
-def check_request_fits(
-    num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int
-) -> None:
-    """Raise RequestRejected when a request of this shape could never complete: its prompt and
-    one output token exceed max_model_len, or it would need more KV blocks than exist."""
-    if num_prompt_tokens + 1 > max_model_len:
-        raise RequestRejected(
-            f"prompt has {num_prompt_tokens} tokens; with at least 1 token to generate it "
-            f"exceeds max_model_len={max_model_len}"
-        )
-    max_total = min(num_prompt_tokens + max_tokens, max_model_len)
-    blocks = -(-max_total // block_size)
-    if blocks > num_blocks:
-        raise RequestRejected(
-            f"request needs up to {max_total} tokens = {blocks} KV blocks of "
-            f"{block_size}, but the whole KV cache has {num_blocks} blocks"
-        )
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
         # EngineConfig checks this itself only when it is given max_model_len; here it is known
@@ -129,7 +111,7 @@ class Scheduler:
     # -- requests in and out --------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise RequestRejected when a request of this shape could never complete."""
-        check_request_fits(
+        check_fits(
             num_prompt_tokens, max_tokens, self.max_model_len, self.block_size, self.kv.num_blocks
         )
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from replica.contracts import AutoscalingStats, EngineRequest, PreemptionRate, RoutingStats
-from replica.request import Request, RequestRejected, SamplingParams
+from replica.contracts import AutoscalingStats, PreemptionRate, RoutingStats
+from replica.request import EngineRequest, Request, RequestRejected, SamplingParams
 from replica.scheduler import Scheduler
 from sim.calibrate import serving_step
 from sim.profile import StepShape

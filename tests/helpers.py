@@ -216,7 +216,7 @@ def engine_request(prompt, params, request_id: str | None = None, priority: int 
     """An EngineRequest from its parts (a fresh id unless one is given)."""
     import uuid
 
-    from replica.contracts import EngineRequest
+    from replica.request import EngineRequest
 
     rid = request_id if request_id is not None else uuid.uuid4().hex
     return EngineRequest(list(prompt), params, rid, priority, arrival)

@@ -18,12 +18,13 @@ import time
 import pytest
 
 from replica.config import EngineConfig
-from replica.contracts import EngineRequest, GenerateRequest
+from replica.contracts import GenerateRequest
 from replica.engine import AsyncEngine, Engine, wire
 from replica.engine.core_client import ProcessEngine
 from replica.kv_events import KVEventBatch
 from replica.request import (
     EngineDeadError,
+    EngineRequest,
     GrammarRejected,
     RequestOutput,
     RequestRejected,

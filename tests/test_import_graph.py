@@ -12,21 +12,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_MAY_IMPORT = {"replica.api", "replica.config"}
 
-# Router modules that still import replica internals, being switched to replica.api on other
-# branches of the same change; the lead empties this set after merging them.
-PENDING = {
-    "router.dialects",
-    "router.errors",
-    "router.fanout",
-    "router.ingress",
-    "router.protocol",
-    "router.tool_calls",
-}
-# Cycles not removed yet, owned elsewhere (each as the sorted list of its modules); the lead
-# empties this after merging: replica/parallel/runner.py looks names up on its package (so that
-# tests can patch them there), whose __init__ imports it.
-PENDING_CYCLES = [["replica.parallel", "replica.parallel.runner"]]
-
 
 @functools.cache
 def _import_graph():
@@ -52,8 +37,7 @@ def router_violations(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 def test_no_import_cycle_between_modules():
     ig = _import_graph()
     found = ig.cycles(ig.module_graph())
-    assert [c for c in found if c not in PENDING_CYCLES] == [], found
-    assert [c for c in PENDING_CYCLES if c not in found] == [], "gone: drop from PENDING_CYCLES"
+    assert found == []
 
 
 def test_cycles_are_found_through_function_level_and_type_only_imports(tmp_path):
@@ -76,10 +60,8 @@ def test_cycles_are_found_through_function_level_and_type_only_imports(tmp_path)
 
 def test_router_imports_from_replica_only_its_api_and_config():
     violations = router_violations(_import_graph().module_graph())
-    unexpected = {m: sorted(v) for m, v in violations.items() if m not in PENDING}
+    unexpected = {m: sorted(v) for m, v in violations.items()}
     assert unexpected == {}, "import these through replica.api (add names there if needed)"
-    converted = PENDING - set(violations)
-    assert not converted, f"{sorted(converted)} now import only replica.api: drop from PENDING"
 
 
 def test_architecture_doc_shows_the_current_package_graph():

@@ -178,7 +178,7 @@ def no_workers(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("workers were started for a configuration that cannot work")
 
-    monkeypatch.setattr(parallel, "_LocalWorkers", refuse)
+    monkeypatch.setattr(parallel.workers, "_LocalWorkers", refuse)
 
 
 def test_heads_not_divisible_by_tp_is_rejected_before_workers_start(tiny_llama_dir, no_workers):
@@ -224,7 +224,7 @@ def test_checkpoint_with_wrong_shapes_is_rejected_and_workers_stopped(
             super().__init__(specs)
             started.append(self)
 
-    monkeypatch.setattr(parallel, "_LocalWorkers", RecordingWorkers)
+    monkeypatch.setattr(parallel.workers, "_LocalWorkers", RecordingWorkers)
     with pytest.raises(CheckpointError, match=rf"'{name}' has shape \[64, 96\].*\[64, 128\]"):
         TensorParallelRunner(tp_config(bad), bad)
     (workers,) = started

@@ -16,9 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from replica.config import EngineConfig
-from replica.contracts import EngineRequest
 from replica.engine.core_client import ProcessEngine
-from replica.request import SamplingParams, StructuredOutput
+from replica.request import EngineRequest, SamplingParams, StructuredOutput
 
 
 async def main():

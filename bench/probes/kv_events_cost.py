@@ -23,9 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from replica.config import EngineConfig  # noqa: E402
-from replica.contracts import EngineRequest  # noqa: E402
 from replica.kv_events import KVEventHub  # noqa: E402
-from replica.request import Request, SamplingParams  # noqa: E402
+from replica.request import EngineRequest, Request, SamplingParams  # noqa: E402
 from replica.scheduler import Scheduler  # noqa: E402
 from router.kv_index import KVIndex  # noqa: E402
 from sim.workloads import multi_turn_conversations  # noqa: E402

@@ -16,8 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from replica.config import EngineConfig  # noqa: E402
-from replica.contracts import EngineRequest  # noqa: E402
-from replica.request import Request, SamplingParams  # noqa: E402
+from replica.request import EngineRequest, Request, SamplingParams  # noqa: E402
 from replica.scheduler import Scheduler  # noqa: E402
 
 

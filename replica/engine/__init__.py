@@ -15,7 +15,7 @@ wire.py             the typed messages between a front and its core
 from __future__ import annotations
 
 from replica.engine.async_engine import AsyncEngine
-from replica.engine.core import Engine, check_request, load_eos_token_ids, make_runner
+from replica.engine.core import Engine, load_eos_token_ids, make_runner
 from replica.engine.llm import LLM, CompletionOutput
 from replica.engine.output_processor import OutputProcessor
 from replica.engine.streaming import StreamingEngine
@@ -34,7 +34,6 @@ __all__ = [
     "RequestRejected",
     "StepReport",
     "StreamingEngine",
-    "check_request",
     "load_eos_token_ids",
     "make_runner",
 ]

@@ -9,12 +9,11 @@ import threading
 import time
 from collections import deque
 
-from replica.contracts import EngineRequest
 from replica.engine.core import Engine
 from replica.engine.driver import EngineDriver
 from replica.engine.streaming import StreamingEngine
 from replica.engine.wire import Abort, Add, EngineInfo
-from replica.request import EngineDeadError
+from replica.request import EngineDeadError, EngineRequest
 
 logger = logging.getLogger(__name__)
 

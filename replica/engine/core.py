@@ -11,19 +11,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from replica.config import EngineConfig
-from replica.contracts import EngineRequest
 from replica.engine.output_processor import OutputProcessor
 from replica.engine.wire import StepReport
+from replica.limits import EngineLimits
 from replica.request import (
+    EngineRequest,
     GrammarRejected,
     Request,
     RequestOutput,
-    RequestRejected,
     RequestStatus,
     SamplingParams,
 )
 from replica.runner_protocol import Runner
-from replica.scheduler import Scheduler, SchedulerStats, check_request_fits
+from replica.scheduler import Scheduler, SchedulerStats
 from replica.structured import StructuredOutputError, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -53,38 +53,6 @@ def make_runner(config: EngineConfig, model_dir: str | Path) -> Runner:
     from replica.runner import ModelRunner
 
     return ModelRunner(config, model_dir)
-
-
-def check_request(
-    config: EngineConfig,
-    vocab_size: int,
-    max_model_len: int,
-    num_kv_blocks: int,
-    prompt_token_ids: Sequence[int],
-    params: SamplingParams,
-    priority: int = 0,
-) -> None:
-    """Raise RequestRejected (a user error) for a request an engine of this shape can never
-    serve: the engine's own check, and its front's (engine/streaming.py) before sending."""
-    if priority != 0 and config.scheduling_policy != "priority":
-        raise RequestRejected(
-            f"priority={priority} needs scheduling_policy='priority' (this replica runs "
-            f"{config.scheduling_policy!r})"
-        )
-    if not prompt_token_ids:
-        raise RequestRejected("prompt must contain at least one token")
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestRejected(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    check_request_fits(
-        len(prompt_token_ids), params.max_tokens, max_model_len, config.block_size, num_kv_blocks
-    )
-    if params.logit_bias:
-        bad = next((t for t in params.logit_bias if t >= vocab_size), None)
-        if bad is not None:
-            raise RequestRejected(
-                f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})"
-            )
 
 
 def step_report(engine: Engine, scheduler_output, step_time: float) -> StepReport:
@@ -154,6 +122,13 @@ class Engine:
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self.output_processor = OutputProcessor(tokenizer) if detokenize else None
         self.vocab_size = self.runner.vocab_size
+        self.limits = EngineLimits(
+            self.max_model_len,
+            self.vocab_size,
+            self.runner.num_kv_blocks,
+            config.block_size,
+            config.scheduling_policy,
+        )
         # grammars of structured outputs, compiled for this tokenizer and vocabulary on first use
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids)
         self.step_listeners: list = []  # callables(engine, scheduler_output, outputs, step_time)
@@ -178,10 +153,7 @@ class Engine:
 
     def check_request(self, request: EngineRequest) -> None:
         """Raise RequestRejected (a user error) for a request that can never be served."""
-        check_request(
-            self.config, self.vocab_size, self.max_model_len, self.num_kv_blocks,
-            request.prompt_token_ids, request.sampling, request.priority,
-        )  # fmt: skip
+        self.limits.check(request.prompt_token_ids, request.sampling, request.priority)
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of a structured request (cached), or None for a free one;

@@ -15,7 +15,6 @@ import traceback
 from multiprocessing.connection import Connection
 
 from replica.config import EngineConfig
-from replica.contracts import EngineRequest
 from replica.engine.core_process import core_command
 from replica.engine.output_processor import OutputProcessor
 from replica.engine.prestart import AdoptedProcess, connect_prestarted
@@ -39,7 +38,7 @@ from replica.engine.wire import (
     Stop,
     front_codec,
 )
-from replica.request import EngineDeadError, RequestOutput
+from replica.request import EngineDeadError, EngineRequest, RequestOutput
 from replica.startup import freeze_heap
 
 logger = logging.getLogger(__name__)

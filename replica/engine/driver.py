@@ -9,9 +9,9 @@ import concurrent.futures
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from replica.contracts import EngineRequest
 from replica.engine.core import Engine
 from replica.engine.wire import Abort, Add, Stop
+from replica.request import EngineRequest
 
 
 class EngineDriver:

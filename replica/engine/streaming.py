@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 
 from replica.config import EngineConfig
-from replica.contracts import EngineRequest
-from replica.engine.core import check_request
 from replica.engine.wire import EngineInfo
-from replica.request import EngineDeadError, EngineOverloaded, RequestOutput
+from replica.limits import EngineLimits
+from replica.request import EngineDeadError, EngineOverloaded, EngineRequest, RequestOutput
 from replica.scheduler import SchedulerStats
 
 
@@ -41,6 +41,18 @@ class StreamingEngine:
     @property
     def max_model_len(self) -> int:
         return self.info.max_model_len
+
+    @functools.cached_property
+    def limits(self) -> EngineLimits:
+        """What this engine can serve: the request check (replica/limits.py)."""
+        info, config = self.info, self.config
+        return EngineLimits(
+            info.max_model_len,
+            info.vocab_size,
+            info.num_kv_blocks,
+            config.block_size,
+            config.scheduling_policy,
+        )
 
     def stalled_s(self) -> float:
         """Seconds the engine has held requests without finishing a step (0 when it is idle
@@ -85,11 +97,7 @@ class StreamingEngine:
             raise EngineOverloaded("replica is draining and takes no new requests")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        info = self.info
-        check_request(
-            self.config, info.vocab_size, info.max_model_len, info.num_kv_blocks,
-            request.prompt_token_ids, request.sampling, request.priority,
-        )  # fmt: skip
+        self.limits.check(request.prompt_token_ids, request.sampling, request.priority)
         # Every request this replica holds has a stream (registered here at once, so a burst
         # that lands within one step is counted in full). Those beyond the seats that can run
         # are waiting: all max_num_seqs seats, unless the last step already left requests

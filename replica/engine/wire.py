@@ -14,9 +14,8 @@ from typing import Any
 
 import msgspec
 
-from replica.contracts import EngineRequest
 from replica.kv_events import KVEventBatch
-from replica.request import EngineDeadError, RequestOutput
+from replica.request import EngineDeadError, EngineRequest, RequestOutput
 from replica.scheduler import SchedulerStats
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import replica.parallel as _package
+import replica.parallel.channel as _channel
+import replica.parallel.workers as _workers
 from replica.config import EngineConfig
 from replica.parallel.channel import _STEP, _STOP, StepChannel
 from replica.parallel.checks import (
@@ -29,7 +30,6 @@ from replica.parallel.worker import (
     _leave_group,
     _status_key,
 )
-from replica.parallel.workers import _LocalWorkers, _RayWorkers
 from replica.request import EngineDeadError
 from replica.runner import ModelRunner
 from replica.runner_protocol import RunnerOutput
@@ -50,8 +50,9 @@ class TensorParallelError(EngineDeadError):
 class TensorParallelRunner:
     """The Runner (runner_protocol.py) of a tensor-parallel group; this object is rank 0.
 
-    `_LocalWorkers`, `_RayWorkers` and `encode_batch` are looked up on the replica.parallel
-    package when used, so a test or bench that patches them there is obeyed."""
+    `_LocalWorkers`, `_RayWorkers` and `encode_batch` are looked up on their modules
+    (replica.parallel.workers, .channel) when used, so a test that patches them there is
+    obeyed."""
 
     def __init__(
         self,
@@ -122,9 +123,11 @@ class TensorParallelRunner:
             for rank in range(1, tp)
         ]
         if placement_group is not None:
-            self.workers: _LocalWorkers | _RayWorkers = _package._RayWorkers(specs, placement_group)
+            self.workers: _workers._LocalWorkers | _workers._RayWorkers = _workers._RayWorkers(
+                specs, placement_group
+            )
         else:
-            self.workers = _package._LocalWorkers(specs)
+            self.workers = _workers._LocalWorkers(specs)
         try:
             self._start(model_dir, device_type, time.monotonic() + startup_timeout_s)
         except BaseException:
@@ -145,7 +148,7 @@ class TensorParallelRunner:
 
     def _start(self, model_dir: str | Path, device_type: str, deadline: float) -> None:
         self._wait_for_ranks("joined", deadline)
-        if device_type == "cuda" and isinstance(self.workers, _LocalWorkers):
+        if device_type == "cuda" and isinstance(self.workers, _workers._LocalWorkers):
             torch.cuda.set_device(0)
         control = _join_group(self._store, 0, self.size, self.backend, self.collective_timeout_s)
         self._joined = True
@@ -243,7 +246,7 @@ class TensorParallelRunner:
                 raise TensorParallelError("the tensor-parallel group is shut down")
             try:
                 batch = self.runner.prepare_batch(so)
-                self.channel.send(_STEP, _package.encode_batch(batch))
+                self.channel.send(_STEP, _channel.encode_batch(batch))
                 return self.runner.execute(so, batch)
             except Exception as exc:
                 # a dead peer fails the collective at once; its watcher names the cause
