@@ -19,7 +19,7 @@ from replica.hub import find_hub, get_hub
 from replica.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot, call_hub
 from replica.limits import EngineLimits
 from replica.metrics import merge_expositions
-from replica.request import RequestOutput, extend_block_hashes
+from replica.request import EngineRequest, RequestOutput, extend_block_hashes
 from replica.sampling_params import (
     LOGIT_BIAS_BOUND,
     MAX_LOGPROBS,
