@@ -21,18 +21,16 @@ from cluster.processes import (
     real_haproxy_binary,
 )
 
-# The embedded cluster's Ray Serve mode. Throughput-optimized (Ray >= 2.56): gRPC between
-# deployments, user code and routers on each replica's main event loop, buffered request logs;
-# on 2 cores it cut TTFT p50 by ~15% and TPOT p50 by ~9% at 3-4 req/s (bench/README.md,
-# serving_ray_modes). Its direct ingress (the ingress replicas serve HTTP themselves) with
-# HAProxy in front of them in place of Ray's Python proxy: one Python hop less per request,
-# half of Ray Serve's floor here (bench/README.md, http_overhead). Nobody but the controller
-# routes to the replicas, so a replica being stopped waits 1 s for HAProxy to drop it, not the
-# 30 s meant for external load balancers. Serve's own Prometheus metrics (every replica's and
-# router's ray.util.metrics) are exported once a second instead of ten times: the idle server's
-# CPU fell from 13.3% to 10.4% of a core (bench/README.md, session 46), Serve's autoscaling
-# metrics are pushed on their own schedule, and ours are on /metrics. A value already in the
-# environment wins.
+# The embedded cluster's Ray Serve mode (each measured in docs/perf-serving-path.md):
+# - throughput-optimized (Ray >= 2.56: gRPC between deployments, user code and routers on each
+#   replica's main loop, buffered request logs): ~15% lower TTFT p50 at 3-4 req/s on 2 cores;
+# - direct ingress with HAProxy in front instead of Ray's Python proxy: one Python hop less per
+#   request, half of Ray Serve's floor;
+# - only the controller routes to the replicas, so a stopping replica waits 1 s for HAProxy to
+#   drop it, not the 30 s meant for external load balancers;
+# - Serve's own Prometheus metrics exported once a second, not ten times (idle CPU 13.3% ->
+#   10.4% of a core; routing and autoscaling read live counters, ours are on /metrics).
+# A value already in the environment wins.
 EMBEDDED_RAY_SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
@@ -192,9 +190,8 @@ def start(config: ClusterConfig, address: str | None = None, timings: dict | Non
 
 
 _PYTHON_PROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
-# "1": pre-start the engine core (opt-in: a pre-started core decoded 1.12-1.42x slower per
-# token than one its replica spawned, in 4 alternated served runs at batch 1 on a 2-vCPU host,
-# cause not found; it saves ~1.7 s of start-up: bench/README.md, "Start-up")
+# "1": pre-start the engine core (opt-in: its start-up gain was from -0.8 to +2.2 s on a 2-vCPU
+# host, not reliable enough to be the default; docs/perf-startup.md)
 PRESTART_ENV = "STEPSERVE_PRESTART_CORE"
 _prestarted: list = []  # the PrestartedCore of this process's embedded cluster, if any
 

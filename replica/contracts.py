@@ -37,6 +37,13 @@ class GenerateRequest(EngineRequest):
     prefix_key: int | None = None  # hash of the prompt's first blocks (prefix affinity), or None
     reports_progress: bool = False  # the sender reports the first token and the end (router tally)
 
+    @classmethod
+    def of(cls, request: EngineRequest, **changes: Any) -> GenerateRequest:
+        """`request` with every one of its fields, whatever they are, plus routing hints and
+        other `changes` (a fresh request_id per send)."""
+        fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(EngineRequest)}
+        return cls(**(fields | changes))
+
 
 @dataclass(frozen=True, slots=True)
 class Accepted:

@@ -7,17 +7,16 @@ still waiting for their first token (streams) or their answer (unary), counting 
 equal or higher priority (lower value) since the replicas serve those first, divided by the
 rate at which the queue drains. So the lowest priority is refused first, and each ingress of
 several judges by its own share. Behind a queue a seat's time (the mean of the last streams',
-first token to end) is added: the deadline covers the whole request (bench/README.md, overload
-run 7: admitted by the first token alone, 1047 retries were cut off mid-stream).
+first token to end) is added: the deadline covers the whole request (admitted by the first
+token alone, retries were cut off mid-stream; docs/overload-and-soak.md).
 
-The rate, measured three ways because each fails somewhere (overload runs 3-9):
+The rate, measured three ways because each fails somewhere (docs/overload-and-soak.md):
 - Little's law over streams: the most streams seen in their seats at once lately (the seats
   the replicas give this ingress) over their mean seat time. It needs one stream to have ended,
   where counting departures needs a window of waves and reads low just after a burst (a batch's
   worth runs, none has ended). Not the streams in a seat now: just after a burst most admitted
-  streams are still in prefill (run 6). It reads high, though: a seat counts from its first
-  token, not from the next request's prefill in it (run 8: 5.5 per second promised by a server
-  serving about 4).
+  streams are still in prefill. It reads high, though: a seat counts from its first token, not
+  from the next request's prefill in it (it promised 5.5 per second for a server serving ~4).
 - The pace of departures while requests were queued, over the time they were queued: once at
   least `steady_samples` of them are in the window it caps Little's estimate. Only departures
   behind a queue count: a lightly loaded server's departures measure its load, not its
@@ -28,7 +27,7 @@ Before any rate there is none: requests are admitted (the hard count limit,
 http.max_pending_requests, still holds), and a deadline ends those that wait too long.
 
 A burst's refusals all see the same queue; told the same Retry-After they came back together and
-were refused again (run 3: 1055 of 1373). Each refusal takes the next return slot instead, the
+were refused again (most of a burst's retries). Each refusal takes the next return slot instead, the
 slots spaced at the service rate from when the request would fit; slots nobody took lapse.
 """
 
@@ -115,8 +114,7 @@ class Admission:
             paced = len(departures) / max(self._backlogged_s(now), self.min_span_s)
         if little is not None and paced is not None:
             # Little's law counts a seat from its first token, so a seat's turnover (prefill
-            # of the next request in it) is missing and it reads high (run 8: 5.5 per second
-            # promised to retries by a server that served about 4); a steady stream of
+            # of the next request in it) is missing and it reads high; a steady stream of
             # departures is the pace itself
             rate = min(little, paced) if len(departures) >= self.steady_samples else little
         else:
@@ -145,9 +143,9 @@ class Admission:
         now = time.monotonic() if now is None else now
         wait = self.expected_wait(priority, now)
         # the deadline covers the whole request: behind a queue, a seat's time follows the
-        # wait (admitting by the first token alone, run 7 admitted 1047 retries that their
-        # deadline then cut off mid-stream). With nothing ahead the request is admitted
-        # whatever its deadline: a 429 would not help it
+        # wait (admitted by the first token alone, a request could be cut off mid-stream by its
+        # deadline). With nothing ahead the request is admitted whatever its deadline: a 429
+        # would not help it
         total = None if wait is None else wait + (self.mean_seat_s(now) if wait > 0 else 0.0)
         if total is None or total <= deadline_s:
             return Verdict(True, wait)

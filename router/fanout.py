@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from replica.api import Accepted, GenerateRequest, RequestOutput, SamplingParams
+from replica.api import Accepted, EngineRequest, GenerateRequest, RequestOutput
 from router.errors import (
     ReplicaCallCancelled,
     cancelled_from_inside,
@@ -31,8 +31,8 @@ from router.inflight import note_finished, note_first_token
 from router.kv_routing import note_cached, note_gone
 from router.policy import Policy
 
-# (choice index, prompt token ids, sampling params) of one choice
-Job = tuple[int, list[int], SamplingParams]
+# (choice index, the choice's request as the ingress built it: every field but its id)
+Job = tuple[int, EngineRequest]
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,35 +73,30 @@ class ReplicaCalls:
         )  # fmt: skip
         await asyncio.sleep(pause)
 
-    def request(
-        self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> GenerateRequest:
-        return GenerateRequest(
-            prompt_token_ids=prompt_ids,
-            sampling=params,
-            priority=priority,
+    def request(self, choice: EngineRequest) -> GenerateRequest:
+        """One send of a choice: the request whole, a fresh id and the routing hints."""
+        return GenerateRequest.of(
+            choice,
             request_id=uuid.uuid4().hex,
-            prefix_key=self.policy.prefix_key(prompt_ids, self.block_size),
+            prefix_key=self.policy.prefix_key(choice.prompt_token_ids, self.block_size),
             # this ingress tells the router the request's first token and its end
             reports_progress=True,
         )
 
-    def one_stream(
-        self, prompt_ids: list[int], params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[RequestOutput | Accepted]:
+    def one_stream(self, choice: EngineRequest) -> AsyncIterator[RequestOutput | Accepted]:
         """The deltas of one choice, with the replica's Accepted (if it sent one) passed on;
         a call its replica lost or refused before any output is sent again."""
-        return self._call(prompt_ids, params, priority, streamed=True)
+        return self._call(choice, streamed=True)
 
     async def _call(
-        self, prompt_ids: list[int], params: SamplingParams, priority: int, streamed: bool
+        self, choice: EngineRequest, streamed: bool
     ) -> AsyncIterator[RequestOutput | Accepted]:
         """One choice's call, streamed (its deltas) or unary (its whole output, one item),
         with the replica's Accepted passed on. The one retry loop: a call its replica lost or
         refused before any output reached the caller is sent again (`_again`)."""
         first_sent = time.monotonic()
         for send in itertools.count():
-            request = self.request(prompt_ids, params, priority)
+            request = self.request(choice)
             first = True
             try:
                 if streamed:
@@ -137,18 +132,16 @@ class ReplicaCalls:
                 note_gone(request.request_id)
             await self._again(lost, send, first_sent, request.request_id)
 
-    async def complete_all(
-        self, jobs: list[Job], priority: int = 0
-    ) -> list[tuple[int, RequestOutput]]:
+    async def complete_all(self, jobs: list[Job]) -> list[tuple[int, RequestOutput]]:
         """Every job run to completion concurrently, one unary call each (a non-streaming
         answer needs no per-token messages). Leaving early (client gone) cancels the calls,
         and so aborts each in its replica."""
 
-        async def one(index: int, ids: list[int], params: SamplingParams):
+        async def one(index: int, choice: EngineRequest):
             if len(jobs) > 1:
                 own_serve_request_id()  # this task's context only
             # run to its end, so the call's tallies are settled when this returns
-            outputs = [out async for out in self._call(ids, params, priority, streamed=False)]
+            outputs = [out async for out in self._call(choice, streamed=False)]
             return index, outputs[-1]
 
         if len(jobs) == 1:
@@ -160,23 +153,21 @@ class ReplicaCalls:
             for task in tasks:
                 task.cancel()
 
-    async def fan_out(
-        self, jobs: list[Job], priority: int = 0
-    ) -> AsyncIterator[tuple[int, RequestOutput | Accepted]]:
+    async def fan_out(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput | Accepted]]:
         """Run every job concurrently; yield (choice index, delta or Accepted) as they come.
         Leaving early cancels every choice (and so aborts it in its replica)."""
         if len(jobs) == 1:
-            index, ids, params = jobs[0]
-            async for out in self.one_stream(ids, params, priority):
+            index, choice = jobs[0]
+            async for out in self.one_stream(choice):
                 yield index, out
             return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        async def pump(index: int, ids: list[int], params: SamplingParams) -> None:
+        async def pump(index: int, choice: EngineRequest) -> None:
             own_serve_request_id()  # this task's context only
             try:
-                async for out in self.one_stream(ids, params, priority):
+                async for out in self.one_stream(choice):
                     queue.put_nowait((index, out))
             except BaseException as exc:  # forwarded to the consumer, which raises it
                 queue.put_nowait((index, exc))

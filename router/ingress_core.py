@@ -205,7 +205,7 @@ class IngressCore:
                 choice_params = params
                 if n > 1 and params.seed is not None:
                     choice_params = dataclasses.replace(params, seed=params.seed + j)
-                jobs.append((p_index * n + j, ids, choice_params))
+                jobs.append((p_index * n + j, req.engine_request(ids, choice_params)))
         return jobs
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
@@ -360,7 +360,9 @@ class IngressCore:
             except Exception as exc:
                 cause = root_cause(exc)
                 if isinstance(cause, GrammarRejected):  # a replica could not compile it
-                    raise self.grammar_error(jobs[0][2].structured, str(cause), req) from None
+                    raise self.grammar_error(
+                        jobs[0][1].sampling.structured, str(cause), req
+                    ) from None
                 raise
         finally:
             if owns_slot:

@@ -36,8 +36,8 @@ class Answers:
     def _prompt_tokens(jobs: list[Job], n: int) -> int:
         """Prompt tokens of the request for usage: each prompt once, whatever n is."""
         per_prompt = {}
-        for index, ids, _ in jobs:
-            per_prompt.setdefault(index // n, len(ids))
+        for index, choice in jobs:
+            per_prompt.setdefault(index // n, choice.num_prompt_tokens)
         return sum(per_prompt.values())
 
     @staticmethod
@@ -52,12 +52,10 @@ class Answers:
     ) -> BaseModel:
         """The whole answer, within the request's deadline (408 past it: the calls are
         cancelled, which aborts them in their replicas and frees their blocks)."""
-        choices = {index: Choice(index) for index, _, _ in jobs}
+        choices = {index: Choice(index) for index, _ in jobs}
         echo_only = getattr(req, "echo_only", False)
         try:
-            results = await asyncio.wait_for(
-                self.calls.complete_all(jobs, req.priority), ticket.remaining_s()
-            )
+            results = await asyncio.wait_for(self.calls.complete_all(jobs), ticket.remaining_s())
         except asyncio.TimeoutError:
             raise ticket.timeout_error() from None
         # and ends (serve_request's finally); its first token was not seen
@@ -71,7 +69,7 @@ class Answers:
         return dialect.response(
             usage,
             ordered,
-            logprobs=jobs[0][2].logprobs is not None,
+            logprobs=jobs[0][1].sampling.logprobs is not None,
             token_ids=getattr(req, "return_token_ids", False),
             **self.answer_options(req, echo),
         )
@@ -92,12 +90,12 @@ class Answers:
         shape = dialect.stream(token_ids, **self.answer_options(req, echo))
         echo_only = getattr(req, "echo_only", False)
         completion_tokens = 0
-        wants_logprobs = jobs[0][2].logprobs is not None
-        pending = shape.preamble([index for index, _, _ in jobs])  # held until the first text
+        wants_logprobs = jobs[0][1].sampling.logprobs is not None
+        pending = shape.preamble([index for index, _ in jobs])  # held until the first text
         started = False
         first_token = False
         keepalive = self.keepalive_s
-        paced = _paced(self.calls.fan_out(jobs, req.priority), keepalive, STREAM_HOLD_S)
+        paced = _paced(self.calls.fan_out(jobs), keepalive, STREAM_HOLD_S)
         try:
             async for item in _until(paced, ticket):
                 if item is _KEEPALIVE or isinstance(item[1], Accepted):

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from replica.request import EngineOverloaded, SamplingParams  # noqa: E402
+from replica.request import EngineOverloaded, EngineRequest, SamplingParams  # noqa: E402
 from router import fanout  # noqa: E402
 from router.fanout import MAX_SENDS, ReplicaCalls  # noqa: E402
 from router.policy import Policy, RoutingConfig  # noqa: E402
@@ -70,13 +70,17 @@ def calls(script) -> tuple[ReplicaCalls, FakeHandle]:
     return ReplicaCalls(handle, Policy(RoutingConfig()), block_size=16), handle
 
 
+def choice(prompt: list[int]) -> EngineRequest:
+    return EngineRequest(prompt, params(), "")
+
+
 def params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=3)
 
 
 def collect(calls_: ReplicaCalls) -> list[int]:
     async def run() -> list[int]:
-        return [out.token async for out in calls_.one_stream([1, 2, 3], params())]
+        return [out.token async for out in calls_.one_stream(choice([1, 2, 3]))]
 
     return asyncio.run(run())
 
@@ -122,7 +126,7 @@ def test_a_call_refused_by_a_full_replica_is_sent_again_for_a_while(monkeypatch)
 
 def test_unary_calls_are_sent_again_each_on_its_own():
     c, handle = calls([(0, ActorDiedError), (None, Exception), (0, ActorDiedError)])
-    jobs = [(0, [1, 2], params()), (1, [3, 4], params())]
+    jobs = [(0, choice([1, 2])), (1, choice([3, 4]))]
     results = asyncio.run(c.complete_all(jobs))
     assert sorted(i for i, _ in results) == [0, 1]
     assert all(out.token == 7 for _, out in results)
@@ -164,7 +168,7 @@ def test_a_call_cancelled_by_ray_counts_as_a_lost_replica_not_as_the_streams_own
     before, handle = calls([(0, asyncio.CancelledError)])
     assert collect(before) == [0, 1, 2] and len(handle.sends) == 2
     unary, handle = calls([(0, asyncio.CancelledError)])
-    assert asyncio.run(unary.complete_all([(0, [1, 2], params())]))[0][1].token == 7
+    assert asyncio.run(unary.complete_all([(0, choice([1, 2]))]))[0][1].token == 7
     assert len(handle.sends) == 2
     after, handle = calls([(1, asyncio.CancelledError)])
     with pytest.raises(ReplicaCallCancelled) as info:
@@ -189,7 +193,7 @@ def test_a_stream_cancelled_by_its_client_is_not_sent_again():
     calls_ = ReplicaCalls(handle, Policy(RoutingConfig()), block_size=16)
 
     async def run() -> None:
-        got = await cancel_after_first(calls_.one_stream([1, 2, 3], params()))
+        got = await cancel_after_first(calls_.one_stream(choice([1, 2, 3])))
         assert [out.token for out in got] == [0]
 
     asyncio.run(run())

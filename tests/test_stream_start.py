@@ -19,6 +19,7 @@ from replica.contracts import Accepted, GenerateRequest  # noqa: E402
 from replica.deployment import LLMServer  # noqa: E402
 from replica.request import (  # noqa: E402
     EngineOverloaded,
+    EngineRequest,
     RequestOutput,
     SamplingParams,
     StructuredOutput,
@@ -152,7 +153,7 @@ class Handle:
 def test_fan_out_passes_accepted_on_and_resends_a_call_lost_after_it():
     handle = Handle()
     calls = ReplicaCalls(handle, Policy(RoutingConfig()), block_size=16)
-    job = (0, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3))
+    job = (0, EngineRequest([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3), ""))
 
     async def run():
         return [out async for _, out in calls.fan_out([job])]

@@ -27,6 +27,7 @@ from pydantic import (
 from replica.api import (
     SAMPLING_BOUNDS,
     Bound,
+    EngineRequest,
     RequestRejected,
     SamplingParams,
     StructuredOutput,
@@ -356,6 +357,11 @@ class SamplingRequest(BaseModel):
         """The request field behind an error's `param` (a SamplingParams field, or one of
         EngineLimits' "prompt", "max_tokens", ...): the name the client sent."""
         return self.constraint_field() if param == "structured" else param
+
+    def engine_request(self, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """One choice as the engine takes it: every per-request field this API carries to
+        the engine is set here (the fan-out gives each send its id)."""
+        return EngineRequest(list(prompt_token_ids), params, request_id="", priority=self.priority)
 
     @property
     def include_usage(self) -> bool:
