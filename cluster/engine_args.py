@@ -15,7 +15,7 @@ from replica.config import EngineConfig
 # --x / --no-x. A flag left out keeps the config file's value (None: unset). A field added to
 # EngineConfig gets its flag with no change here.
 #
-# Fields without a flag, and why (tests/test_cli_args.py checks every other field has one).
+# Fields without a flag, and why (tests/cluster/test_cli_args.py checks every other field has one).
 ENGINE_FLAGS_EXCLUDED: dict[str, str] = {}
 # Extra spellings, kept from before the flags were generated.
 ENGINE_FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}

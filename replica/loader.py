@@ -43,7 +43,7 @@ def check_model_dir(model_dir: str | Path) -> Path:
 
 # transformers' defaults (v5) for the config.json fields the models read, by architecture: a
 # field config.json leaves out takes these, as transformers' config classes give it
-# (tests/test_loader.py checks them against AutoConfig). Reading config.json ourselves keeps
+# (tests/replica/test_loader.py checks them against AutoConfig). Reading config.json ourselves keeps
 # transformers' config classes out of the replica: importing one pulls in torch.distributed's
 # tensor package and more, ~3 s of a replica's start on a 2-core host.
 _COMMON_DEFAULTS: dict[str, Any] = {

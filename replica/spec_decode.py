@@ -9,7 +9,7 @@ plus the token the model chose after it (so a step always yields at least one to
 tokens are those greedy decoding produces one step at a time, up to floating-point: the
 positions run through the multi-token attention path, as a chunked prefill's do, so an argmax
 within rounding of a tie could flip; greedy fp32 is token-identical to transformers on the test
-checkpoints, tests/test_spec_decode.py). The KV
+checkpoints, tests/replica/test_spec_decode.py). The KV
 written for rejected draft positions sits past the request's computed tokens and is
 overwritten when those positions are computed for real; prefix-cache blocks only ever hash
 real tokens.

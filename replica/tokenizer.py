@@ -5,7 +5,7 @@ importing a config class imports torch and more (~3 s of a replica's start, on a
 and the ingress needs torch for nothing else). For the checkpoints whose tokenizer_config.json
 declares the generic tokenizers-backed class, with a model type whose tokenizer AutoTokenizer
 does not special-case (FAST_MODEL_TYPES), that class is loaded directly: the class
-AutoTokenizer would choose (tests/test_loader.py compares them). Anything else goes through
+AutoTokenizer would choose (tests/replica/test_loader.py compares them). Anything else goes through
 AutoTokenizer."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def load_tokenizer(model_dir: str | Path):
 def declared_eos_token_id(model_dir: str | Path) -> int | None:
     """The id of the eos_token that tokenizer_config.json declares, looked up in tokenizer.json
     (its added tokens, then its vocabulary) without loading a tokenizer: what the loaded
-    tokenizer's `eos_token_id` is (tests/test_loader.py compares), at a fraction of the cost
+    tokenizer's `eos_token_id` is (tests/replica/test_loader.py compares), at a fraction of the cost
     (an engine core that does not detokenize needs no more of its tokenizer at start).
     LookupError when the files do not settle it (the tokenizer must be loaded to know)."""
     path = Path(model_dir)

@@ -27,7 +27,7 @@ class InflightLoad:
     comes after `routed` (Ray hands the sender its response only once routed), and
     its prefill ends at `first_token(key)`; Ray's completion hook is ignored for it, because Ray
     2.60 fires `on_request_completed` for a streaming call as soon as the replica accepts it,
-    before `on_request_routed` even (tests/test_routing.py shows it). Any other request leaves
+    before `on_request_routed` even (tests/integration/test_routing.py shows it). Any other request leaves
     at Ray's `completed(request_id)`; one that Ray completes before `routed` (it finished at
     once) is remembered, a bounded number, so the late `routed` leaves no phantom behind. A
     completion on another replica (a request the replica rejected, then sent elsewhere) does

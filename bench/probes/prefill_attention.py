@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from replica.layers.cpu_isa import use_level  # noqa: E402
 from replica.layers.cpu_kernels import paged_prefill  # noqa: E402
-from tests.test_prefill_kernel import spans_case  # noqa: E402
+from tests.replica.test_prefill_kernel import spans_case  # noqa: E402
 
 SHAPES = {  # name: (context before, query tokens) per request
     "146-token prompt": [(0, 146)],

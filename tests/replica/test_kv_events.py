@@ -153,7 +153,7 @@ def test_block_hashes_are_equal_in_another_process() -> None:
     )
     there = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True,
-        env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parent.parent),
+        env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=str(__import__("pathlib").Path(__file__).parents[2]),
     )  # fmt: skip
     assert eval(there.stdout) == here
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from replica.metrics import EngineMetrics, merge_expositions
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 METRIC_RE = re.compile(r"stepserve:[a-z0-9_]+")
 
 

@@ -13,8 +13,8 @@ from replica.scheduler import Scheduler
 from replica.spec_decode import NgramProposer, speculation_allowed
 from tests.fake_runner import FakeRunner
 from tests.helpers import scheduler_request
-from tests.test_model_parity import expected_outputs, greedy_params, mixed_prompts
-from tests.test_scheduler import run_to_completion
+from tests.replica.test_model_parity import expected_outputs, greedy_params, mixed_prompts
+from tests.replica.test_scheduler import run_to_completion
 
 EOS = frozenset({0})
 

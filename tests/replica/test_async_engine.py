@@ -12,7 +12,7 @@ from replica.config import EngineConfig
 from replica.engine import LLM, AsyncEngine, Engine
 from replica.request import EngineOverloaded, RequestOutput, SamplingParams
 from tests.helpers import engine_request
-from tests.test_model_parity import mixed_prompts
+from tests.replica.test_model_parity import mixed_prompts
 
 NUM_STREAMS = 16
 

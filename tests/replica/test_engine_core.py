@@ -33,7 +33,7 @@ from replica.request import (
 )
 from replica.scheduler import SchedulerStats
 from tests.helpers import engine_request
-from tests.test_model_parity import mixed_prompts
+from tests.replica.test_model_parity import mixed_prompts
 
 
 def config(model_dir, **fields) -> EngineConfig:

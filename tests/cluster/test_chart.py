@@ -22,7 +22,7 @@ from cluster.config import AuthConfig, AutoscalingConfig, ClusterConfig, HttpCon
 from replica.config import EngineConfig
 from router.policy import RoutingConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "stepserve"
 CRD_DIR = REPO.parent / "shared" / "crds"
 RELEASE, NAMESPACE = "demo", "llm"

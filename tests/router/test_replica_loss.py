@@ -2,7 +2,7 @@
 first output is sent again (router/fanout.py), a stream already under way is not; one refused
 by a full replica is sent again for a while; the router skips a replica its calls found dead or
 unreachable (router/request_router.py). Fake handles and replicas: the real thing is
-tests/test_multinode.py's node loss and tests/test_reliability.py's burst."""
+tests/integration/test_multinode.py's node loss and tests/integration/test_reliability.py's burst."""
 
 from __future__ import annotations
 

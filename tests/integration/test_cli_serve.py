@@ -348,7 +348,7 @@ def test_serve_starts_its_own_cluster_beside_a_running_ray_start_cluster():
         embedded = subprocess.Popen(
             [sys.executable, "-c", _EMBEDDED_BESIDE_ANOTHER, str(free_port())],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True, cwd=Path(__file__).resolve().parent.parent,
+            start_new_session=True, cwd=Path(__file__).resolve().parents[2],
         )  # fmt: skip
         out, err = embedded.communicate(timeout=240)
         assert embedded.returncode == 0, err[-3000:]

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SLEEPER = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); " \
     "time.sleep(60)  # stepserve-probe-target"  # fmt: skip

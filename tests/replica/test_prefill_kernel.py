@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.layers.cpu_kernels import paged_prefill
-from tests.test_cpu_kernels import needs_native, scattered_cache
+from tests.replica.test_cpu_kernels import needs_native, scattered_cache
 
 pytestmark = needs_native
 

@@ -18,7 +18,7 @@ from replica.layers.attention.flex import (
     FlexMetadataBuilder,
     decode_bucket,
 )
-from tests.test_model_parity import expected_outputs, greedy_params, mixed_prompts
+from tests.replica.test_model_parity import expected_outputs, greedy_params, mixed_prompts
 
 BLOCK = 16  # the compiled kernel's smallest key tile; CPU runs the same layout
 

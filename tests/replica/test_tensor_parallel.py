@@ -26,7 +26,7 @@ from replica.request import EngineDeadError, SamplingParams
 from replica.runner import StepBatch
 from replica.runner_protocol import Runner
 from tests.helpers import engine_request
-from tests.test_model_parity import (
+from tests.replica.test_model_parity import (
     MAX_TOKENS,
     PROMPT_LENGTHS,
     expected_outputs,
@@ -34,7 +34,7 @@ from tests.test_model_parity import (
     mixed_prompts,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNNER_KV_BLOCKS = 256
 
 

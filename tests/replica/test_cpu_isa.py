@@ -10,7 +10,7 @@ import torch
 
 from replica.layers import cpu_isa, cpu_kernels
 from replica.layers.linear import onednn_available
-from tests.test_cpu_kernels import needs_native
+from tests.replica.test_cpu_kernels import needs_native
 
 pytestmark = pytest.mark.skipif(not cpu_isa.is_x86(), reason="x86-64 levels")
 
@@ -123,7 +123,7 @@ def test_an_engine_field_caps_the_level_of_its_runner(tiny_llama_dir, run_genera
     """EngineConfig.cpu_isa caps one engine's level (the same job as STEPSERVE_CPU_ISA, per
     engine): every native kernel call of its forward runs at it, the caller's level is left
     alone, and its greedy tokens are those of the CPU's own level."""
-    from tests.test_model_parity import greedy_params, mixed_prompts
+    from tests.replica.test_model_parity import greedy_params, mixed_prompts
 
     seen = []
     real = cpu_kernels.native_library

@@ -19,7 +19,7 @@ from replica.layers.linear import TensorParallel
 from replica.loader import build_model, load_hf_config, load_weights, safetensors_files
 from replica.request import SamplingParams
 from replica.runner import ModelRunner
-from tests.test_cpu_kernels import NATIVE_POSSIBLE, needs_native
+from tests.replica.test_cpu_kernels import NATIVE_POSSIBLE, needs_native
 
 
 @functools.cache
