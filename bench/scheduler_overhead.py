@@ -89,6 +89,7 @@ def measure(num_running: int, num_steps: int, prefix_caching: bool, warmup: int 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON report")
     args = parser.parse_args()
     plan = [(64, 2000), (256, 1000), (1024, 300)]
     if args.quick:
@@ -118,8 +119,8 @@ def main() -> None:
 
     if args.quick:
         return
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
         json.dumps(
             {
                 "benchmark": "scheduler_overhead",
@@ -138,7 +139,7 @@ def main() -> None:
         )
         + "\n"
     )
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ class SimIngress:
 
     def __init__(self, sim, index: int) -> None:
         self.sim = sim
-        self.index = index
+        self.number = index  # which ingress of the cluster
         self.policy = Policy(sim.config.routing, random.Random(sim.rng.random()))
         self.load = InflightLoad()
         cfg = sim.config
+        # the mirror of every replica's prefix cache (with routing.kv_events)
         self.index = KVIndex(cfg.engine.block_size) if cfg.routing.kv_events else None
         self.rng = random.Random(sim.rng.random())
         self.pending: deque[SimRequest] = deque()

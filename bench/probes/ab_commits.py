@@ -12,7 +12,8 @@ Run (the "before" checkout as a git worktree):
 
 Supported benches and the metrics taken from their JSON: offline_throughput (output tokens/s
 per system), http_overhead (every median and p99 of every mode: engine, handle, HTTP, floor,
-added). A bench NAME is bench/NAME.py in each checkout, or bench/probes/NAME.py where it has
+added), scheduler_overhead (median and p90 per running count and prefix caching),
+engine_core_ipc (per batch: the core's encode+send, the front's receive+decode, the bytes). A bench NAME is bench/NAME.py in each checkout, or bench/probes/NAME.py where it has
 moved there.
 Each checkout's bench runs with that checkout first on sys.path (its own replica/, router/...),
 in this interpreter.
@@ -44,6 +45,15 @@ def metrics(bench: str, report: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     if bench == "offline_throughput":
         _flatten("tok/s", report["output_tokens_per_s"], out)
+    elif bench == "scheduler_overhead":
+        for row in report["results"]:
+            key = f"{row['num_running']}/prefix_{'on' if row['prefix_caching'] else 'off'}"
+            out[f"{key}.median_us"] = float(row["median_us"])
+            out[f"{key}.p90_us"] = float(row["p90_us"])
+    elif bench == "engine_core_ipc":
+        for row in report["rows"]:
+            for name in ("core_encode_send_us", "front_recv_decode_us", "bytes"):
+                out[f"batch_{row['batch']}.{name}"] = float(row[name])
     elif bench == "http_overhead":
         _flatten("", report["modes"], out)  # mode.quantity_ms.{mean,median,p90,p99}
         out = {k: v for k, v in out.items() if k.endswith((".median", ".p99"))}
