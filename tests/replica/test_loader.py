@@ -150,8 +150,8 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(llama_copy):
 
 
 def test_unsupported_rope_scaling_is_a_clear_error():
-    with pytest.raises(ValueError, match="'yarn' is not supported; supported: default"):
-        RotaryEmbedding(16, 64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="'dynamic' is not supported; supported: default"):
+        RotaryEmbedding(16, 64, 10000.0, {"rope_type": "dynamic", "factor": 4.0})
 
 
 def test_linear_rope_scaling_divides_positions():
