@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from replica.layers.linear import TensorParallel, WeightShapeError
+from replica.layers.linear import TensorParallel, WeightShapeError, loaded_shape, narrow_loaded
 from replica.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,28 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "intermediate_size": 22016,
         "max_position_embeddings": 32768,
         "use_sliding_window": False,
+    },
+    "Phi3ForCausalLM": {
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "sliding_window": None,
+    },
+    "SmolLM3ForCausalLM": {
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "rope_theta": 2000000.0,  # read after rope_parameters' own (rotary.rope_parameters)
+        "no_rope_layer_interval": 4,
     },
 }
 
@@ -148,6 +170,27 @@ def load_model(
     return model
 
 
+def _checkpoint_parts(model: nn.Module, hf_name: str, loaded: Any) -> list[tuple[str, Any]]:
+    """A checkpoint tensor as the per-projection tensors the model loads: a fused one (Phi-3's
+    qkv_proj, gate_up_proj; `fused_checkpoint_tensors` of the model) split by rows into its
+    parts under their unfused names, every other tensor as it is."""
+    for fused, parts in getattr(model, "fused_checkpoint_tensors", {}).items():
+        if f".{fused}." not in hf_name:
+            continue
+        shape = loaded_shape(loaded)
+        rows = sum(size for _, size in parts)
+        if shape[0] != rows:
+            raise WeightShapeError((rows, *shape[1:]), shape)
+        out, offset = [], 0
+        for part, size in parts:
+            out.append(
+                (hf_name.replace(f".{fused}.", f".{part}."), narrow_loaded(loaded, 0, offset, size))
+            )
+            offset += size
+        return out
+    return [(hf_name, loaded)]
+
+
 def _to_model_name(model: nn.Module, hf_name: str) -> tuple[str, Any]:
     for fused, part, shard_id in getattr(model, "stacked_params_mapping", ()):
         if f".{part}." in hf_name:
@@ -189,18 +232,20 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
             for hf_name in f.keys():
                 if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
                     continue
-                name, shard_id = _to_model_name(model, hf_name)
-                param = params.get(name)
-                if param is None:
-                    unexpected.append(hf_name)
-                    continue
-                loader = param.weight_loader
                 try:
-                    tensor = f.get_slice(hf_name)
-                    if shard_id is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
+                    for part_name, tensor in _checkpoint_parts(
+                        model, hf_name, f.get_slice(hf_name)
+                    ):
+                        name, shard_id = _to_model_name(model, part_name)
+                        param = params.get(name)
+                        if param is None:
+                            unexpected.append(part_name)
+                            continue
+                        if shard_id is None:
+                            param.weight_loader(param, tensor)
+                        else:
+                            param.weight_loader(param, tensor, shard_id)
+                        loaded.add(part_name)
                 except WeightShapeError as exc:
                     raise CheckpointError(
                         f"{file.name}: tensor {hf_name!r} has shape {list(exc.got)} but the model "
@@ -212,7 +257,6 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
                     raise CheckpointError(
                         f"cannot read tensor {hf_name!r} from {file}: {exc}"
                     ) from exc
-                loaded.add(hf_name)
     if unexpected:
         logger.warning(
             "ignoring %d checkpoint tensors the model does not use, e.g. %s",

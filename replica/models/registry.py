@@ -5,11 +5,15 @@ from __future__ import annotations
 from torch import nn
 
 from replica.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from replica.models.phi3 import Phi3ForCausalLM
+from replica.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 
