@@ -303,3 +303,29 @@ def test_minimal_config_json_reads_as_transformers_does(arch, tmp_path):
         theta, scaling = rope_parameters(config)
         tables.append(RotaryEmbedding(head_dim_of(config), 64, theta, scaling).cos)
     assert torch.equal(tables[0], tables[1])
+
+
+@pytest.mark.timeout(180)
+def test_phi4_mini_over_a_real_tp2_group_matches_transformers(
+    family_dirs, tmp_path_factory, tiny_tokenizer_dir, run_generation
+):
+    """tp=2 over gloo (rank 1 a local process): fused projections loaded by rows per rank,
+    partial rotary, tied head; chunked prefill and preemption in one run."""
+    from replica.config import EngineConfig
+    from replica.parallel import TensorParallelRunner
+
+    if "phi4-long" not in family_dirs:
+        family_dirs["phi4-long"] = _build(tmp_path_factory, tiny_tokenizer_dir, "phi4-long")
+    model_dir = family_dirs["phi4-long"]
+    config = EngineConfig(model=str(model_dir), device="cpu", block_size=4, num_kv_blocks=256,
+                          tensor_parallel_size=2)  # fmt: skip
+    runner = TensorParallelRunner(config, model_dir)
+    try:
+        prompts, max_tokens = workload("phi4-long", 3)
+        run = run_generation(model_dir, prompts, [greedy_params(n) for n in max_tokens],
+                             runner=runner, block_size=4, num_kv_blocks=20,
+                             max_num_batched_tokens=16)  # fmt: skip
+    finally:
+        runner.shutdown()
+    assert run.scheduler.num_preemptions_total > 0
+    assert run.outputs == expected_outputs(model_dir, prompts, max_tokens)

@@ -198,3 +198,21 @@ def test_unsupported_scalings_name_the_value_and_what_is_supported():
     }
     with pytest.raises(ValueError, match="long_factor has 3 entries; expected rotary_dim / 2 = 8"):
         RotaryEmbedding(16, 64, 10000.0, scaling)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary_kernel_equals_the_torch_rotation_bitwise(dtype):
+    """rotate_ (the C kernel over each head's gathered rotary dims, in place in qkv rows)
+    equals rotate; the value heads after the query and key heads are left alone."""
+    from tests.replica.test_cpu_kernels import NATIVE_POSSIBLE
+
+    if not NATIVE_POSSIBLE:
+        pytest.skip("no native kernels on this host")
+    rotary = RotaryEmbedding(16, 64, 10000.0, {"partial_rotary_factor": 0.75})
+    qkv = torch.randn(9, 8 * 16).to(dtype)  # 4 query, 2 key, 2 value heads
+    positions = torch.tensor([0, 3, 7, 8, 20, 33, 34, 50, 63])
+    want = rotary.rotate(positions, qkv[:, : 6 * 16].view(9, 6, 16)).reshape(9, -1)
+    got = qkv.clone()
+    rotary.rotate_(positions, got, 6)
+    assert torch.equal(got[:, : 6 * 16], want)
+    assert torch.equal(got[:, 6 * 16 :], qkv[:, 6 * 16 :])
