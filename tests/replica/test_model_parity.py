@@ -45,7 +45,8 @@ def hf_greedy(
     from transformers import GenerationConfig
 
     model = _hf_model(model_dir, device)
-    eos = model.generation_config.eos_token_id if stop_at_eos else None
+    # no EOS at all: transformers reads None as "the model's own EOS"
+    eos = model.generation_config.eos_token_id if stop_at_eos else []
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
     )
