@@ -5,11 +5,17 @@ from __future__ import annotations
 from torch import nn
 
 from replica.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from replica.models.moe import MixtralForCausalLM, OlmoeForCausalLM
+from replica.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 
