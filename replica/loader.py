@@ -86,6 +86,9 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "hidden_size": 2048,
         "intermediate_size": 6144,
         "moe_intermediate_size": 768,
+        # under transformers' own name for it, so a config.json's num_experts (Qwen's name)
+        # or num_local_experts (transformers' save) wins: models/moe.py num_experts_of
+        "num_local_experts": 128,
         "num_hidden_layers": 24,
         "num_key_value_heads": 4,
         "max_position_embeddings": 32768,

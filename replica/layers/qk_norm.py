@@ -23,8 +23,8 @@ class HeadRMSNorm(RMSNorm):
         self.head_dim = head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # reshape copies a strided slice of the qkv rows into the contiguous rows the C op reads
-        return super().forward(x.reshape(-1, self.head_dim)).view(x.shape)
+        # x is a strided slice of the qkv rows; the C op reads contiguous rows
+        return super().forward(x.contiguous().view(-1, self.head_dim)).view(x.shape)
 
 
 class ProjectionRMSNorm(nn.Module):
