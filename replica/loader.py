@@ -95,6 +95,53 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 2000000.0,  # read after rope_parameters' own (rotary.rope_parameters)
         "no_rope_layer_interval": 4,
     },
+    "Qwen3ForCausalLM": {
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+    },
+    "Qwen3MoeForCausalLM": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        # under transformers' own name for it, so a config.json's num_experts (Qwen's name)
+        # or num_local_experts (transformers' save) wins: models/moe.py num_experts_of
+        "num_local_experts": 128,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "MixtralForCausalLM": {
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        # theta 1e6 where config.json names none (a rope_theta or rope_parameters there wins)
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "OlmoeForCausalLM": {
+        "vocab_size": 50304,
+        "hidden_size": 2048,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+    },
 }
 
 
@@ -192,6 +239,9 @@ def _checkpoint_parts(model: nn.Module, hf_name: str, loaded: Any) -> list[tuple
 
 
 def _to_model_name(model: nn.Module, hf_name: str) -> tuple[str, Any]:
+    # a family whose checkpoint names a module differently (Mixtral's block_sparse_moe)
+    for theirs, ours in getattr(model, "checkpoint_renames", ()):
+        hf_name = hf_name.replace(f".{theirs}.", f".{ours}.")
     for fused, part, shard_id in getattr(model, "stacked_params_mapping", ()):
         if f".{part}." in hf_name:
             return hf_name.replace(f".{part}.", f".{fused}."), shard_id
@@ -209,6 +259,8 @@ def _expected_hf_names(model: nn.Module) -> set[str]:
             if f".{fused}." in name
         }
         names.update(parts or {name})
+    for theirs, ours in getattr(model, "checkpoint_renames", ()):
+        names = {name.replace(f".{ours}.", f".{theirs}.") for name in names}
     return names
 
 

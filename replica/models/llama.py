@@ -1,8 +1,11 @@
 """One decoder for the Llama family (Llama, SmolLM2, Mistral, Qwen2 with its QKV bias), built
-from tensor-parallel layers and run over a flat token stream with paged attention."""
+from tensor-parallel layers and run over a flat token stream with paged attention. Families that
+differ in the MLP (mixture of experts) or normalise queries and keys (Qwen3, OLMoE) plug into it
+through `build_mlp` and `qk_norm`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +22,7 @@ from replica.layers.linear import (
     TensorParallel,
 )
 from replica.layers.norm import RMSNorm
+from replica.layers.qk_norm import make_qk_norms
 from replica.layers.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -41,7 +45,12 @@ class LlamaAttention(nn.Module):
     fused_cpu_ops = False  # set by the runner: rotary in place by the C kernel (CPU)
 
     def __init__(
-        self, hf_config: Any, tp: TensorParallel, rotary: RotaryEmbedding, qkv_bias: bool
+        self,
+        hf_config: Any,
+        tp: TensorParallel,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        qk_norm: str | None = None,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
@@ -68,6 +77,13 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim**-0.5
         )
+        # Qwen3, OLMoE: the query and key projections normalised in place before rotary
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            eps = hf_config.rms_norm_eps
+            self.q_norm, self.k_norm = make_qk_norms(qk_norm, self.qkv_proj, eps, tp)
+        clip = getattr(hf_config, "clip_qkv", None)  # OLMoE: q, k and v clamped after the norms
+        self.clip_qkv = None if clip is None else float(clip)
 
     def forward(
         self,
@@ -79,6 +95,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         num_tokens = hidden.shape[0]
         qk_size = self.q_size + self.kv_size
+        if self.q_norm is not None:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : qk_size]
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         rotary = self._rotary[0]
         if self.fused_cpu_ops and fused_ops_available(qkv):
             # query and key heads rotated in place in the qkv rows
@@ -113,16 +135,26 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+# (hf_config, tp, layer index) -> the layer's MLP: LlamaMLP, or a mixture of experts
+MLPBuilder = Callable[[Any, TensorParallel, int], nn.Module]
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, hf_config: Any, tp: TensorParallel, rotary: RotaryEmbedding, qkv_bias: bool
+        self,
+        hf_config: Any,
+        tp: TensorParallel,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        mlp: nn.Module | None = None,
+        qk_norm: str | None = None,
     ) -> None:
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.self_attn = LlamaAttention(hf_config, tp, rotary, qkv_bias)
+        self.self_attn = LlamaAttention(hf_config, tp, rotary, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.mlp = LlamaMLP(hf_config, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(hf_config, tp)
 
     def forward(
         self,
@@ -144,7 +176,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: Any, tp: TensorParallel, qkv_bias: bool) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        tp: TensorParallel,
+        qkv_bias: bool,
+        build_mlp: MLPBuilder | None = None,
+        qk_norm: str | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, tp)
         theta, scaling = rope_parameters(hf_config)
@@ -152,8 +191,15 @@ class LlamaModel(nn.Module):
             head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, tp, self.rotary_emb, qkv_bias)
-            for _ in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(
+                hf_config,
+                tp,
+                self.rotary_emb,
+                qkv_bias,
+                None if build_mlp is None else build_mlp(hf_config, tp, i),
+                qk_norm,
+            )
+            for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -174,6 +220,7 @@ class LlamaForCausalLM(nn.Module):
     """HF names map onto ours one to one, except the fused projections listed below."""
 
     qkv_bias = False
+    qk_norm: str | None = None  # "head" (Qwen3) or "projection" (OLMoE): replica/layers/qk_norm.py
     # (our fused parameter, HF's name for one part, shard id)
     stacked_params_mapping = [
         ("qkv_proj", "q_proj", "q"),
@@ -188,10 +235,15 @@ class LlamaForCausalLM(nn.Module):
         tp = tp or TensorParallel()
         self.hf_config = hf_config
         self.tp = tp
-        self.model = LlamaModel(hf_config, tp, self.qkv_bias)
+        self.model = LlamaModel(hf_config, tp, self.qkv_bias, self.build_mlp, self.qk_norm)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         shared = self.model.embed_tokens.weight if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, shared)
+
+    @staticmethod
+    def build_mlp(hf_config: Any, tp: TensorParallel, layer_index: int) -> nn.Module:
+        """The MLP of one decoder layer; mixture-of-experts families override this."""
+        return LlamaMLP(hf_config, tp)
 
     @property
     def num_layers(self) -> int:

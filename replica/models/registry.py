@@ -5,7 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from replica.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from replica.models.moe import MixtralForCausalLM, OlmoeForCausalLM
 from replica.models.phi3 import Phi3ForCausalLM
+from replica.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from replica.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -14,6 +16,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

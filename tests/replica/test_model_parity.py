@@ -474,9 +474,10 @@ def _sharded_logits(model_dir: Path, tp_size: int, steps) -> list[torch.Tensor]:
                 hf_config, _ThreadTP(rank, tp_size, None, exchange), "cpu", torch.float32
             )
             load_weights(model, files)
-            kv_heads = model.model.layers[0].self_attn.attn.num_kv_heads
+            attn = model.model.layers[0].self_attn
+            kv_heads, d = attn.attn.num_kv_heads, attn.head_dim
             caches = [
-                (torch.zeros(16, 4, kv_heads, 16), torch.zeros(16, 4, kv_heads, 16))
+                (torch.zeros(16, 4, kv_heads, d), torch.zeros(16, 4, kv_heads, d))
                 for _ in range(model.num_layers)
             ]
             logits = []
