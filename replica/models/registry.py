@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from replica.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from replica.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
