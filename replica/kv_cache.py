@@ -179,6 +179,7 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self._num_skipped: dict[str, int] = {}  # leading blocks freed behind the window
+        self.num_window_freed_blocks = 0  # total, since start
 
     @property
     def num_blocks(self) -> int:
@@ -267,6 +268,7 @@ class KVCacheManager:
             held[i] = None
             ids[i] = NULL_BLOCK_ID
         self._num_skipped[rid] = end
+        self.num_window_freed_blocks += sum(b is not None for b in freed)
         # later blocks first: the free list's tail is evicted last, and a prompt's early blocks
         # are the likeliest prefix hits
         self.pool.free_blocks(b for b in reversed(freed) if b is not None)
