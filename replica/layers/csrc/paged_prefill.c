@@ -265,13 +265,14 @@ static inline __attribute__((always_inline)) void tile_body(const problem_t *p, 
             for (int rr = 0; rr < RB; rr++) {
                 const int r = r0 + rr;
                 const int pos = ctx + q0 + (r < rows ? r : rows - 1) / group;
-                /* keys before lo are outside the row's window (0: none are). A row may see no
+                /* keys before `first` are outside the row's window (0: none are). A row may see no
                  * key of a tile; if it has seen none before either, its sums are wiped by the
                  * correction factor (0) of the first tile it does see (its own position). */
-                const int lo = window > 0 ? pos - window + 1 : 0;
+                const int first = window > 0 ? pos - window + 1 - t0 : 0; /* seen: first..last */
+                const int last = pos - t0 < nk - 1 ? pos - t0 : nk - 1;
                 float mx = m[r];
                 for (int j = 0; j < KT; j++) {
-                    if (t0 + j > pos || j >= nk || t0 + j < lo) sc[rr][j] = MASKED;
+                    if (j > last || j < first) sc[rr][j] = MASKED;
                     mx = sc[rr][j] > mx ? sc[rr][j] : mx;
                 }
                 corr[rr] = exp_nonpositive(m[r] - mx);
