@@ -1,5 +1,11 @@
 """Paged KV-cache bookkeeping: BlockPool (ref counts, LRU free list, prefix hash table) and
-KVCacheManager (which blocks each request holds). No tensors here: the runner owns those."""
+KVCacheManager (which blocks each request holds). No tensors here: the runner owns those.
+
+For a model whose every layer attends through the same sliding window (Mistral), a running
+request's blocks wholly before its window go back to the pool: its block table keeps their
+positions, holding NULL_BLOCK_ID (attention masks those keys out, so whatever block 0 holds is
+never seen). A freed block keeps its prefix-cache hash until it is reused, and its contents stay
+valid until then, so a later prefix hit on it is exact."""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ from collections.abc import Iterable
 
 from replica.kv_events import KVEventLog
 from replica.request import ROOT_BLOCK_HASH, Request
+
+NULL_BLOCK_ID = 0  # a freed window block's place in a block table
 
 
 class KVBlock:
@@ -151,13 +159,27 @@ class KVCacheManager:
     """Which blocks each request holds. `allocate_slots` returns new blocks or None; the
     scheduler decides what None means (preempt, or do not admit)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
+        """sliding_window: every layer's window, when all layers have the same one (blocks
+        before it are freed); None keeps every block of a request until it ends."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # a freed window block is None here and NULL_BLOCK_ID in the ids
+        self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self._num_skipped: dict[str, int] = {}  # leading blocks freed behind the window
+        self.num_window_freed_blocks = 0  # total, since start
 
     @property
     def num_blocks(self) -> int:
@@ -194,6 +216,8 @@ class KVCacheManager:
         when the pool cannot supply them (nothing is changed then)."""
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
+        if held and self.sliding_window is not None:
+            self._free_skipped(request, held)
         if held and not new_computed_blocks:
             # fast path, most decode steps: the held blocks have room and no block fills up
             total_tokens = request.num_computed_tokens + num_new_tokens
@@ -229,7 +253,33 @@ class KVCacheManager:
             self._cache_full_blocks(request, held, total_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, held: list[KVBlock], total_tokens: int) -> None:
+    def _free_skipped(self, request: Request, held: list[KVBlock | None]) -> None:
+        """Free the blocks wholly before the window of the request's next query (at position
+        num_computed_tokens: it sees keys from num_computed_tokens - window + 1 on)."""
+        rid = request.request_id
+        first_needed = request.num_computed_tokens - self.sliding_window + 1
+        end = min(max(0, first_needed) // self.block_size, len(held))
+        done = self._num_skipped.get(rid, 0)
+        if end <= done:
+            return
+        ids = self.req_to_block_ids[rid]
+        freed = held[done:end]
+        for i in range(done, end):
+            held[i] = None
+            ids[i] = NULL_BLOCK_ID
+        self._num_skipped[rid] = end
+        self.num_window_freed_blocks += sum(b is not None for b in freed)
+        # later blocks first: the free list's tail is evicted last, and a prompt's early blocks
+        # are the likeliest prefix hits
+        self.pool.free_blocks(b for b in reversed(freed) if b is not None)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (freed window blocks not counted)."""
+        return sum(b is not None for b in self.req_to_blocks.get(request_id, ()))
+
+    def _cache_full_blocks(
+        self, request: Request, held: list[KVBlock | None], total_tokens: int
+    ) -> None:
         rid = request.request_id
         start = self._num_cached_blocks[rid]
         end = min(total_tokens // self.block_size, len(request.block_hashes))
@@ -237,7 +287,8 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         for i in range(start, end):
-            self.pool.cache_block(held[i], hashes[i], hashes[i - 1] if i else ROOT_BLOCK_HASH)
+            if held[i] is not None:  # freed behind the window: cached when it was computed
+                self.pool.cache_block(held[i], hashes[i], hashes[i - 1] if i else ROOT_BLOCK_HASH)
         self._num_cached_blocks[rid] = end
 
     def _in_flight_blocks(self, request: Request, num_computed: int) -> list[KVBlock]:
@@ -245,7 +296,7 @@ class KVCacheManager:
         this step (`num_computed`: its computed tokens when the step began)."""
         held = self.req_to_blocks.get(request.request_id) or []
         cached = self._num_cached_blocks.get(request.request_id, 0)
-        return held[num_computed // self.block_size : cached]
+        return [b for b in held[num_computed // self.block_size : cached] if b is not None]
 
     def in_flight_shared(self, request: Request, num_computed: int) -> bool:
         """Whether another request holds one of this request's blocks that are cached but
@@ -269,8 +320,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(rid, None)
         self.req_to_block_ids.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
+        self._num_skipped.pop(rid, None)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_to_block_ids.get(request_id, [])
@@ -279,8 +331,14 @@ class KVCacheManager:
         """Assert the pool's bookkeeping is consistent (used by tests after every step)."""
         pool = self.pool
         holders: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
-            for b in blocks:
+        for rid, blocks in self.req_to_blocks.items():
+            ids = self.req_to_block_ids[rid]
+            assert len(ids) == len(blocks), f"{rid}: block ids drifted from its blocks"
+            for b, block_id in zip(blocks, ids):
+                if b is None:  # freed behind the window
+                    assert block_id == NULL_BLOCK_ID, f"{rid}: a freed block left id {block_id}"
+                    continue
+                assert b.block_id == block_id, f"{rid}: id {block_id} for {b}"
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
         free_ids = [b.block_id for b in pool.free_queue]
         assert len(free_ids) == pool.num_free_blocks, "free count drifted from the free list"

@@ -25,6 +25,7 @@ from replica.layers.attention import (
     FlashAttnBackend,
     KVCache,
     NativeDecodeBackend,
+    attention_layers,
     select_attention_backend,
     set_attention_backend,
 )
@@ -37,6 +38,7 @@ from replica.layers.linear import TensorParallel, pack_linear_weights
 from replica.layers.sampler import Sampler
 from replica.loader import load_hf_config, load_model
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
+from replica.models.windows import all_layers_window
 from replica.runner_protocol import RunnerOutput
 from replica.scheduler import ScheduledRequest, SchedulerOutput
 from replica.structured import fill_bitmask
@@ -99,13 +101,9 @@ def verify_greedy_drafts(logits: torch.Tensor, drafts: list[list[int]]) -> list[
 
 
 def model_max_len(hf_config: Any) -> int:
-    """The longest context the checkpoint supports (a sliding window caps it, since attention
-    here is always full)."""
-    limit = int(hf_config.max_position_embeddings)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, int(window))
-    return limit
+    """The longest context the checkpoint supports: its positions (a sliding window limits what
+    a layer attends to, not the context)."""
+    return int(hf_config.max_position_embeddings)
 
 
 class ModelRunner:
@@ -217,7 +215,8 @@ class ModelRunner:
         self.num_kv_heads = num_kv_heads_per_rank(self.hf_config, self.tp.size)
         self.head_dim = head_dim_of(self.hf_config)
         # the attention backend, chosen once: its builder makes each step's metadata, every
-        # layer runs its impl
+        # layer runs its impl (with its own sliding window and soft cap)
+        layers = attention_layers(self.model)
         spec = AttentionSpec(
             self.device,
             self.dtype,
@@ -228,10 +227,18 @@ class ModelRunner:
             config.cpu_prefill_attention,
             cuda_attention=config.cuda_attention,
             num_heads=int(self.hf_config.num_attention_heads) // self.tp.size,
+            sliding_windows=tuple(sorted({a.sliding_window for a in layers} - {None})),
+            soft_cap=any(a.logits_soft_cap is not None for a in layers),
         )
         self.attn_backend = select_attention_backend(spec)
         set_attention_backend(self.model, self.attn_backend)
         self.attn_builder = self.attn_backend.make_builder(spec)
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window all layers share, if they all have one (the scheduler frees KV blocks
+        behind it); None when some layer attends to the whole context."""
+        return all_layers_window(self.hf_config)
 
     @property
     def use_paged_kernel(self) -> bool:
@@ -257,7 +264,7 @@ class ModelRunner:
         if wanted > limit:
             raise ValueError(
                 f"max_model_len={wanted} exceeds the model's maximum context of {limit} tokens "
-                "(max_position_embeddings / sliding_window in config.json)"
+                "(max_position_embeddings in config.json)"
             )
         return wanted
 

@@ -79,7 +79,15 @@ def _sort_key(request: Request) -> tuple[int, float, int]:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_kv_blocks: int,
+        max_model_len: int,
+        kv_sliding_window: int | None = None,
+    ) -> None:
+        """kv_sliding_window: the window every layer of the model shares, if they all have one
+        (the runner's kv_sliding_window): blocks behind it are freed as requests run."""
         # EngineConfig checks this itself only when it is given max_model_len; here it is known
         config.check_prefill_budget(max_model_len)
         self.config = config
@@ -87,7 +95,9 @@ class Scheduler:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, kv_sliding_window
+        )
         self.requests: dict[str, Request] = {}
         # fcfs: arrival order, a preempted request back at the front; priority: ordered by
         # (priority, arrival time), so a preempted request keeps its place

@@ -110,7 +110,10 @@ def generate_with_runner(
     if runner is None:
         runner = ModelRunner(config, model_dir)
     scheduler = Scheduler(
-        config, config.num_kv_blocks or runner.num_kv_blocks, runner.max_model_len
+        config,
+        config.num_kv_blocks or runner.num_kv_blocks,
+        runner.max_model_len,
+        getattr(runner, "kv_sliding_window", None),
     )
     all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     ids = request_ids or [f"req-{i}" for i in range(len(prompts))]

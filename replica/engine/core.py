@@ -118,7 +118,12 @@ class Engine:
         self.startup_s["runner_other"] = round(max(0.0, runner_s - sum(phases.values())), 3)
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = load_eos_token_ids(self.model_dir, eos_token_id)
-        self.scheduler = Scheduler(config, self.runner.num_kv_blocks, self.max_model_len)
+        self.scheduler = Scheduler(
+            config,
+            self.runner.num_kv_blocks,
+            self.max_model_len,
+            getattr(self.runner, "kv_sliding_window", None),  # blocks behind it are freed
+        )
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self.output_processor = OutputProcessor(tokenizer) if detokenize else None
         self.vocab_size = self.runner.vocab_size

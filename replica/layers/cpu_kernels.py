@@ -145,8 +145,12 @@ _MISSING = object()
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "stepserve_paged_decode": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32]),
-        "stepserve_paged_prefill": (ctypes.c_int, [ptr] * 8 + [i32] * 6 + [f32, i32, i32]),
+        # ..., scale, bf16, num_threads, sliding window (0: none), soft cap (0: none)
+        "stepserve_paged_decode": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32, i32, f32]),
+        "stepserve_paged_prefill": (
+            ctypes.c_int,
+            [ptr] * 8 + [i32] * 6 + [f32, i32, i32, i32, f32],
+        ),
         "stepserve_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i32, f32, i32, i32]),
         "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32, i32]),
         "stepserve_rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]),
@@ -202,10 +206,14 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     num_threads: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence against its paged K/V, read in place.
     q [n, heads, d]; caches [blocks, block_size, kv_heads, d]; block_table int32 [n, max_blocks];
-    seq_lens int32 [n]. Returns [n, heads, d] in q's dtype."""
+    seq_lens int32 [n]. Returns [n, heads, d] in q's dtype. sliding_window: only the last
+    `window` keys are attended (earlier blocks are not read); soft_cap: scores capped by
+    soft_cap * tanh(score / soft_cap) before the softmax."""
     _check_attention_inputs("paged_decode", q, k_cache, v_cache)
     q = q.contiguous()
     block_table = block_table.to(torch.int32).contiguous()
@@ -216,7 +224,17 @@ def paged_decode(
         raise ValueError("block_table and seq_lens need one row per query")
     if num_seqs and int(seq_lens.max()) > block_table.shape[1] * block_size:
         raise ValueError("a sequence is longer than its block table")
-    return paged_decode_unchecked(q, k_cache, v_cache, block_table, seq_lens, scale, num_threads)
+    _check_window_and_cap(sliding_window, soft_cap)
+    return paged_decode_unchecked(
+        q, k_cache, v_cache, block_table, seq_lens, scale, num_threads, sliding_window, soft_cap
+    )
+
+
+def _check_window_and_cap(sliding_window: int | None, soft_cap: float | None) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
 
 
 def paged_decode_unchecked(
@@ -227,6 +245,8 @@ def paged_decode_unchecked(
     seq_lens: torch.Tensor,
     scale: float,
     num_threads: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """`paged_decode` for a caller that has checked its inputs (the native decode backend's
     metadata builder does, once per step, for all layers): contiguous caches of q's dtype, int32 contiguous block_table and
@@ -253,6 +273,8 @@ def paged_decode_unchecked(
         float(scale),
         1 if q.dtype == torch.bfloat16 else 0,
         num_threads or torch.get_num_threads(),
+        sliding_window or 0,
+        float(soft_cap or 0.0),
     )
     if status:
         raise MemoryError("native paged decode kernel could not allocate its scratch memory")
@@ -269,12 +291,15 @@ def paged_prefill(
     ctx_starts: torch.Tensor,
     scale: float,
     num_threads: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each span's queries against its paged K/V (the span's own new K/V
     already written to the cache), read in place, tiled (csrc/paged_prefill.c). q [T, heads, d]
     holds the spans' query rows at q_starts[s]..q_starts[s]+q_lens[s]; their positions start at
     ctx_starts[s] and each attends keys 0..its position. Returns [T, heads, d] (rows outside
-    the spans are left uninitialized). Checks its inputs; `paged_prefill_unchecked` trusts them."""
+    the spans are left uninitialized). sliding_window and soft_cap as in `paged_decode`. Checks
+    its inputs; `paged_prefill_unchecked` trusts them."""
     _check_attention_inputs("paged_prefill", q, k_cache, v_cache)
     q = q.contiguous()
     spans = [x.to(torch.int32).contiguous() for x in (q_starts, q_lens, ctx_starts)]
@@ -291,7 +316,10 @@ def paged_prefill(
         raise ValueError("a span's query rows run past q")
     if n and int((ctx + lens).max()) > block_table.shape[1] * block_size:
         raise ValueError("a span's keys run past its block table")
-    return paged_prefill_unchecked(q, k_cache, v_cache, block_table, *spans, scale, num_threads)
+    _check_window_and_cap(sliding_window, soft_cap)
+    return paged_prefill_unchecked(
+        q, k_cache, v_cache, block_table, *spans, scale, num_threads, None, sliding_window, soft_cap
+    )
 
 
 def paged_prefill_unchecked(
@@ -305,6 +333,8 @@ def paged_prefill_unchecked(
     scale: float,
     num_threads: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """`paged_prefill` for a caller that checked its inputs once per step (the native backend's
     metadata builder): int32 contiguous tables, contiguous q and caches of one dtype. Writes
@@ -331,6 +361,8 @@ def paged_prefill_unchecked(
         float(scale),
         1 if q.dtype == torch.bfloat16 else 0,
         num_threads or torch.get_num_threads(),
+        sliding_window or 0,
+        float(soft_cap or 0.0),
     )
     if status:
         raise MemoryError("native paged prefill kernel could not allocate its scratch memory")

@@ -24,6 +24,7 @@ from replica.layers.linear import (
 from replica.layers.norm import RMSNorm
 from replica.layers.qk_norm import make_qk_norms
 from replica.layers.rotary import RotaryEmbedding, rope_parameters
+from replica.models.windows import apply_layer_windows
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -239,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         shared = self.model.embed_tokens.weight if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, shared)
+        apply_layer_windows(self, hf_config)  # Mistral's, Qwen2's sliding windows
 
     @staticmethod
     def build_mlp(hf_config: Any, tp: TensorParallel, layer_index: int) -> nn.Module:

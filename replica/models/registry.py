@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from replica.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from replica.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from replica.models.moe import MixtralForCausalLM, OlmoeForCausalLM
 from replica.models.phi3 import Phi3ForCausalLM
@@ -11,6 +12,8 @@ from replica.models.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from replica.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -219,6 +219,10 @@ class TensorParallelRunner:
 
     # -- the Runner protocol ----------------------------------------------------------------
     @property
+    def kv_sliding_window(self) -> int | None:
+        return self.runner.kv_sliding_window
+
+    @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 

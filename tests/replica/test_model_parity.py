@@ -233,9 +233,10 @@ def test_cpu_runs_use_the_fused_ops_in_fp32_and_bf16(tiny_llama_dir, run_generat
     assert fused.outputs == plain.outputs
 
 
-def test_mistral_matches_transformers_and_caps_context_at_its_window(
-    tiny_mistral_dir, run_generation
-):
+def test_mistral_matches_transformers_and_keeps_its_full_context(tiny_mistral_dir, run_generation):
+    """The sliding window (256) limits what each layer attends to, not the context: the model's
+    max_model_len is its max_position_embeddings (512). Windows shorter than the prompts:
+    tests/replica/test_sliding_window.py."""
     prompts = mixed_prompts(6, PROMPT_LENGTHS)
     run = run_generation(
         tiny_mistral_dir,
@@ -245,8 +246,8 @@ def test_mistral_matches_transformers_and_caps_context_at_its_window(
         max_num_batched_tokens=32,
     )
     assert run.outputs == expected_outputs(tiny_mistral_dir, prompts, MAX_TOKENS)
-    # attention here is always full, so the context never outgrows the sliding window
-    assert run.runner.max_model_len == 256
+    assert run.runner.max_model_len == 512
+    assert run.runner.kv_sliding_window == 256
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])

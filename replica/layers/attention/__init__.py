@@ -17,7 +17,7 @@ from replica.layers.attention.backend import (
 )
 from replica.layers.attention.flash_attn import FlashAttnBackend, FlashAttnMetadata
 from replica.layers.attention.flex import FlexAttentionBackend, FlexMetadata
-from replica.layers.attention.layer import Attention, set_attention_backend
+from replica.layers.attention.layer import Attention, attention_layers, set_attention_backend
 from replica.layers.attention.native_decode import (
     DecodeBatch,
     NativeDecodeBackend,
@@ -54,6 +54,7 @@ __all__ = [
     "NativeDecodeMetadata",
     "PrefillSpan",
     "StepLayout",
+    "attention_layers",
     "TorchSDPABackend",
     "TorchSDPAMetadata",
     "select_attention_backend",

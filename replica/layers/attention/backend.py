@@ -25,6 +25,10 @@ class AttentionSpec:
     cpu_prefill_attention: str = "native"  # EngineConfig.cpu_prefill_attention
     cuda_attention: str = "torch"  # EngineConfig.cuda_attention
     num_heads: int = 0  # this rank's query heads (0: as many as its KV heads)
+    # the distinct sliding windows of the model's layers (empty: every layer attends fully)
+    # and whether any layer soft-caps its scores: a backend that cannot must not be picked
+    sliding_windows: tuple[int, ...] = ()
+    soft_cap: bool = False
 
     @property
     def group(self) -> int:
@@ -103,14 +107,26 @@ class AttentionMetadataBuilder:
 
 class AttentionImpl:
     """One layer's attention on one backend: q [T, num_heads, d] against the paged cache, which
-    holds the step's new K/V (k, v [T, num_kv_heads, d]) already; returns [T, num_heads * d]."""
+    holds the step's new K/V (k, v [T, num_kv_heads, d]) already; returns [T, num_heads * d].
+    sliding_window: a query at position p sees keys p - window < j <= p (None: all j <= p);
+    soft_cap: scores become soft_cap * tanh(scores / soft_cap) before the softmax."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.group = num_heads // num_kv_heads  # query heads per KV head
+        self.sliding_window = sliding_window
+        self.soft_cap = soft_cap
 
     def forward(
         self,
@@ -145,6 +161,12 @@ class AttentionBackend:
 
     @classmethod
     def make_impl(
-        cls, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        cls,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
     ) -> AttentionImpl:
-        return cls.impl_cls(num_heads, num_kv_heads, head_dim, scale)
+        return cls.impl_cls(num_heads, num_kv_heads, head_dim, scale, sliding_window, soft_cap)

@@ -75,6 +75,11 @@ class FlashAttnImpl(AttentionImpl):
         num_tokens = q.shape[0]
         d = self.head_dim
         k_cache, v_cache = kv_cache
+        extra = {}  # only where set: flash-attn's defaults are full attention, no cap
+        if self.sliding_window is not None:  # keys p - (window - 1) <= j <= p
+            extra["window_size"] = (self.sliding_window - 1, 0)
+        if self.soft_cap is not None:
+            extra["softcap"] = self.soft_cap
         out = flash_attn_varlen_func(
             q,
             k_cache,
@@ -86,6 +91,7 @@ class FlashAttnImpl(AttentionImpl):
             softmax_scale=self.scale,
             causal=True,  # flash-attn aligns the causal mask bottom-right
             block_table=meta.block_table,
+            **extra,
         )
         return out.reshape(num_tokens, self.num_heads * d)
 

@@ -479,7 +479,9 @@ class FlexAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports(cls, spec: AttentionSpec) -> bool:
-        return flex_available(spec)
+        # its block masks are built once per step for every layer: no per-layer sliding
+        # window or soft cap (the selector says so and falls back)
+        return not spec.sliding_windows and not spec.soft_cap and flex_available(spec)
 
     @classmethod
     def make_builder(cls, spec: AttentionSpec) -> FlexMetadataBuilder:

@@ -13,18 +13,46 @@ from replica.layers.attention.torch_sdpa import TorchSDPABackend
 class Attention(nn.Module):
     """Attention of this rank's heads; q/k/v come in flat [T, heads * head_dim]. Writes the new
     K/V to their cache slots, then runs the backend's impl: torch SDPA until `use_backend` picks
-    another; the step's metadata must be that backend's."""
+    another; the step's metadata must be that backend's. sliding_window: a query at position p
+    sees keys p - window < j <= p (None: every earlier key); logits_soft_cap: scores become
+    cap * tanh(scores / cap) before the softmax (None: as they are)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = check_sliding_window(sliding_window)
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+        self.logits_soft_cap = logits_soft_cap
+        self.backend: type[AttentionBackend] = TorchSDPABackend
         self.use_backend(TorchSDPABackend)
 
     def use_backend(self, backend: type[AttentionBackend]) -> None:
-        self.impl = backend.make_impl(self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        self.backend = backend
+        self.impl = backend.make_impl(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.scale,
+            self.sliding_window,
+            self.logits_soft_cap,
+        )
+
+    def set_sliding_window(self, window: int | None) -> None:
+        """This layer's window (a model sets it per layer after building them)."""
+        self.sliding_window = check_sliding_window(window)
+        self.use_backend(self.backend)
 
     def forward(
         self,
@@ -48,9 +76,20 @@ class Attention(nn.Module):
         return self.impl.forward(q, k, v, kv_cache, meta)
 
 
+def check_sliding_window(window: int | None) -> int | None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+    return window
+
+
 def set_attention_backend(model: nn.Module, backend: type[AttentionBackend]) -> int:
     """Point every Attention layer of `model` at `backend`; returns how many there are."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for layer in layers:
         layer.use_backend(backend)
     return len(layers)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's Attention layers, in layer order."""
+    return [m for m in model.modules() if isinstance(m, Attention)]

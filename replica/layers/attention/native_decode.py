@@ -173,21 +173,24 @@ class NativeDecodeImpl(AttentionImpl):
         batch = meta.decode_batch
         if batch is not None and batch.all_tokens:  # a pure decode step: q is in stream order
             out = paged_decode_unchecked(
-                q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale
-            )
+                q, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale,
+                None, self.sliding_window, self.soft_cap,
+            )  # fmt: skip
             return out.view(num_tokens, self.num_heads * d)
         out = torch.empty_like(q)
         if batch is not None:
             qd = q.index_select(0, batch.token_index)
             od = paged_decode_unchecked(
-                qd, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale
-            )
+                qd, k_cache, v_cache, batch.block_table, batch.seq_lens, self.scale,
+                None, self.sliding_window, self.soft_cap,
+            )  # fmt: skip
             out.index_copy_(0, batch.token_index, od)
         prefill = meta.prefill_batch
         if prefill is not None:  # the spans' rows of out, read from the cache in place
             paged_prefill_unchecked(
                 q, k_cache, v_cache, prefill.block_table, prefill.q_starts, prefill.q_lens,
-                prefill.ctx_starts, self.scale, out=out,
+                prefill.ctx_starts, self.scale, out=out, sliding_window=self.sliding_window,
+                soft_cap=self.soft_cap,
             )  # fmt: skip
         if meta.prefills:
             attend_prefills(self, out, q, k, v, kv_cache, meta.prefills)

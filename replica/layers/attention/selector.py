@@ -4,11 +4,15 @@ listed here ahead of the ones it should win over."""
 
 from __future__ import annotations
 
+import logging
+
 from replica.layers.attention.backend import AttentionBackend, AttentionSpec
 from replica.layers.attention.flash_attn import FlashAttnBackend
 from replica.layers.attention.flex import FlexAttentionBackend
 from replica.layers.attention.native_decode import NativeDecodeBackend
 from replica.layers.attention.torch_sdpa import TorchSDPABackend
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS: list[type[AttentionBackend]] = [
     FlashAttnBackend,  # CUDA with flash-attn and a block size it pages with
@@ -22,5 +26,15 @@ def select_attention_backend(spec: AttentionSpec) -> type[AttentionBackend]:
     """The first backend of ATTENTION_BACKENDS that runs `spec`."""
     for backend in ATTENTION_BACKENDS:
         if backend.supports(spec):
+            flex_wanted = spec.device.type == "cuda" and spec.cuda_attention == "flex"
+            if flex_wanted and backend is not FlexAttentionBackend:
+                if spec.sliding_windows or spec.soft_cap:
+                    logger.warning(
+                        "cuda_attention='flex' does not run sliding windows %s or soft-capped "
+                        "scores (soft cap: %s): attention runs %s instead",
+                        list(spec.sliding_windows),
+                        spec.soft_cap,
+                        backend.name,
+                    )
             return backend
     raise ValueError(f"no attention backend runs {spec}")

@@ -1,10 +1,12 @@
 """Torch SDPA attention, the backend that runs on every device: decodes gathered block by block
 into groups of similar context length (padded, masked), each prefill in its own causal SDPA call
-(the prefill half is shared with the native decode backend)."""
+(the prefill half is shared with the native decode backend). A layer with a sliding window
+adds the window to the mask (and a prefill gathers only the keys its window reaches); a layer
+with a soft cap runs the same attention as explicit ops, capping the scores before the mask."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,19 @@ class DecodeGroup:
     block_ids: torch.Tensor  # [g * num_blocks] each request's blocks, padded with its first
     num_blocks: int
     mask: torch.Tensor | None  # [g, 1, 1, num_blocks * block_size] True where a key is real
+    seq_lens: torch.Tensor | None = None  # [g] keys each attends to (for window masks)
+    # window -> mask [g, 1, 1, keys]: made by the first layer of that window in the step
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int, block_size: int) -> torch.Tensor:
+        """Keys p - window < j <= p of each member (p: its query's position)."""
+        mask = self.window_masks.get(window)
+        if mask is None:
+            lens = self.seq_lens[:, None]
+            keys = torch.arange(self.num_blocks * block_size, device=lens.device)[None, :]
+            mask = ((keys < lens) & (keys >= lens - window))[:, None, None, :]
+            self.window_masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -50,6 +65,25 @@ class PrefillSpan:
     # bottom-right causal mask [n, start+n].
     context_slots: torch.Tensor | None
     mask: torch.Tensor | None
+    start: int = 0  # the position of its first query token
+    # window -> (the slots of the keys the window reaches, or None: the span's own new K/V;
+    # its mask [n, keys]): made by the first layer of that window in the step
+    window_views: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+
+    def window_view(self, window: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The keys a window lets this span's queries see: from the earliest query's window
+        on, masked to p - window < j <= p per query (position p)."""
+        view = self.window_views.get(window)
+        if view is None:
+            n, start = self.query_end - self.query_start, self.start
+            first = max(0, start - window + 1)
+            device = self.mask.device if self.mask is not None else None
+            positions = torch.arange(start, start + n, device=device)[:, None]
+            keys = torch.arange(first, start + n, device=device)[None, :]
+            mask = (keys <= positions) & (keys > positions - window)
+            slots = None if self.context_slots is None else self.context_slots[first:]
+            view = self.window_views[window] = (slots, mask)
+        return view
 
 
 @dataclass
@@ -103,8 +137,43 @@ def prefill_spans(
         keys = torch.arange(start + n)
         slots = layout.block_table[i, keys // block_size] * block_size + keys % block_size
         mask = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
-        prefills.append(PrefillSpan(q0, q0 + n, slots.to(device), mask.to(device)))
+        prefills.append(PrefillSpan(q0, q0 + n, slots.to(device), mask.to(device), start))
     return prefills
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """q [B, H, n, d] against k, v [B, H_kv, m, d] (H a multiple of H_kv; mask True where a key
+    is seen, broadcast to [B, H, n, m]; causal: bottom-right). With a soft cap it is explicit
+    ops in transformers' order: scores * scale, capped, masked, softmax, times v."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if causal:
+        n, m = q.shape[-2], k.shape[-2]
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(diagonal=m - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def attend_prefills(
@@ -121,22 +190,26 @@ def attend_prefills(
     k_cache, v_cache = kv_cache
     flat_k = k_cache.view(-1, impl.num_kv_heads, d)
     flat_v = v_cache.view(-1, impl.num_kv_heads, d)
+    window = impl.sliding_window
     for span in prefills:
         lo, hi = span.query_start, span.query_end
         qp = q[lo:hi].transpose(0, 1).unsqueeze(0)
-        if span.context_slots is None:
+        slots, mask = span.context_slots, span.mask
+        if window is not None and window < span.start + hi - lo:  # some key is outside it
+            slots, mask = span.window_view(window)
+        if slots is None:
             kp, vp = k[lo:hi], v[lo:hi]
         else:
-            kp = flat_k.index_select(0, span.context_slots)
-            vp = flat_v.index_select(0, span.context_slots)
-        op = F.scaled_dot_product_attention(
+            kp = flat_k.index_select(0, slots)
+            vp = flat_v.index_select(0, slots)
+        op = attention(
             qp,
             kp.transpose(0, 1).unsqueeze(0),
             vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=impl.scale,
-            enable_gqa=impl.group > 1,
+            mask,
+            impl.scale,
+            impl.soft_cap,
+            causal=mask is None,
         )
         out[lo:hi] = op[0].transpose(0, 1)
 
@@ -186,6 +259,7 @@ def _decode_groups(
                 block_ids=tables.reshape(-1).to(device),
                 num_blocks=num_blocks,
                 mask=mask,
+                seq_lens=lens.to(device),
             )
         )
     return groups
@@ -245,12 +319,11 @@ class TorchSDPAImpl(AttentionImpl):
                 # whole blocks, gathered contiguously: [g, keys, kv_heads, d] -> heads first
                 kd = k_cache.index_select(0, group.block_ids).view(g, num_keys, -1, d)
                 vd = v_cache.index_select(0, group.block_ids).view(g, num_keys, -1, d)
-                od = F.scaled_dot_product_attention(
-                    qd,
-                    kd.transpose(1, 2),
-                    vd.transpose(1, 2),
-                    attn_mask=group.mask,
-                    scale=self.scale,
+                mask = group.mask
+                if self.sliding_window is not None and self.sliding_window < num_keys:
+                    mask = group.window_mask(self.sliding_window, block_size)
+                od = attention(
+                    qd, kd.transpose(1, 2), vd.transpose(1, 2), mask, self.scale, self.soft_cap
                 )
                 out.index_copy_(0, group.token_index, od.reshape(g, self.num_heads, d))
         if meta.prefills:

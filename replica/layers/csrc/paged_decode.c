@@ -7,6 +7,9 @@
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_table  int32 [num_seqs, max_blocks]   (only the first ceil(seq_len / block_size) read)
  *   seq_lens     int32 [num_seqs]               (keys 0..seq_len-1 are attended)
+ * window > 0: a sliding window, only keys seq_len-window..seq_len-1 are attended (the blocks
+ * before them are never read: the KV manager may have freed them). soft_cap > 0: scores become
+ * soft_cap * tanh(score / soft_cap) before the softmax. 0 for either: as without.
  * Each cache slot holds all KV heads back to back, so a sequence's keys (then values) are read
  * in one sequential pass per block, each row once for every query head that shares it (GQA).
  * Sequences are split over threads in contiguous runs of similar total context.
@@ -31,8 +34,8 @@ typedef struct {
     const void *q, *k, *v;
     const int32_t *block_table, *seq_lens;
     void *out;
-    int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, bf16;
-    float scale;
+    int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, bf16, window;
+    float scale, soft_cap;
     int64_t first_item, last_item; /* [first, last) of the sequences */
     int status;
     void *parts; /* vector path: [heads, 16] partial-sum vectors of one key tile */
@@ -67,6 +70,17 @@ static inline float dot(const float *a, const float *b, int n) {
     for (int l = 0; l < LANES; l++) s += acc[l];
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+/* the first key a sequence of `len` keys attends to under the job's window */
+static inline int first_key(const job_t *j, int len) {
+    return j->window > 0 && len > j->window ? len - j->window : 0;
+}
+
+/* soft cap of `n` scores, in place */
+static void cap_scores(float *scores, int64_t n, float cap) {
+    const float inv = 1.0f / cap;
+    for (int64_t i = 0; i < n; i++) scores[i] = cap * tanhf(scores[i] * inv);
 }
 
 /* softmax of each of `rows` rows of `len` scores, in place */
@@ -124,14 +138,14 @@ static inline __attribute__((always_inline)) void sequence_body(
     const int group = heads / kvh, bs = j->block_size, bf16 = j->bf16;
     const __mmask16 tail = (__mmask16)((d % 16) ? ((1u << (d % 16)) - 1) : 0xFFFF);
     const int64_t kv_row = (int64_t)kvh * d;
-    const int len = j->seq_lens[s];
+    const int len = j->seq_lens[s], lo = first_key(j, len), nk = len - lo; /* keys lo..len-1 */
     const int32_t *table = j->block_table + s * j->max_blocks;
     __m512 kc[MAX_CHUNKS];
     /* scores = q k^T in tiles of 16 keys: each key's chunks are loaded once per KV head and
      * dotted with every query head of its group into a vector of partial sums (parts, in L1);
      * the 16 partial vectors of a head are then summed across lanes together (hsum16). */
     __m512 *parts = (__m512 *)j->parts;
-    for (int t0 = 0; t0 < len; t0 += 16) {
+    for (int t0 = lo; t0 < len; t0 += 16) {
         const int n = len - t0 < 16 ? len - t0 : 16;
         for (int o = 0; o < 16; o++) {
             const int t = t0 + o;
@@ -161,33 +175,36 @@ static inline __attribute__((always_inline)) void sequence_body(
         }
         const __mmask16 keep = (__mmask16)(n == 16 ? 0xFFFF : (1u << n) - 1);
         for (int qh = 0; qh < heads; qh++)
-            _mm512_mask_storeu_ps(scores + (int64_t)qh * len + t0, keep, hsum16(parts + qh * 16));
+            _mm512_mask_storeu_ps(scores + (int64_t)qh * nk + t0 - lo, keep, hsum16(parts + qh * 16));
     }
-    softmax_rows(scores, heads, len);
+    if (j->soft_cap > 0.0f) cap_scores(scores, (int64_t)heads * nk, j->soft_cap);
+    softmax_rows(scores, heads, nk);
     /* out = p v, per KV head and per run of its query heads whose accumulators fit in
      * registers (GS heads x nch chunks <= 16 vectors) */
     const int gs_max = nch >= 16 ? 1 : 16 / nch;
     for (int g = 0; g < kvh; g++) {
         for (int j0 = 0; j0 < group; j0 += gs_max) {
             const int gs = group - j0 < gs_max ? group - j0 : gs_max;
-            const float *sc0 = scores + (int64_t)(g * group + j0) * len;
+            const float *sc0 = scores + (int64_t)(g * group + j0) * nk;
             __m512 a[16];
             for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-            for (int t0 = 0; t0 < len; t0 += bs) {
+            /* runs of keys within one block: whole blocks, except a window's first */
+            for (int t0 = lo, n; t0 < len; t0 += n) {
+                const int o0 = t0 % bs;
+                n = len - t0 < bs - o0 ? len - t0 : bs - o0;
                 const int64_t base = (int64_t)table[t0 / bs] * bs * kv_row + g * d;
-                const int n = len - t0 < bs ? len - t0 : bs;
                 /* the first pass brings whole rows of the next block (all KV heads): the later
                  * passes over this sequence then read from cache */
                 const int64_t next =
-                    g == 0 && j0 == 0 && t0 + bs < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
-                for (int o = 0; o < n; o++) {
+                    g == 0 && j0 == 0 && t0 + n < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
+                for (int o = o0; o < o0 + n; o++) {
                     const int64_t row = base + (int64_t)o * kv_row;
                     if (next >= 0) prefetch_row(j->v, next + (int64_t)o * kv_row, kv_row, bf16);
                     for (int c = 0; c < nch; c++)
                         kc[c] = vload(j->v, row + c * 16, bf16, c == nch - 1 ? tail : 0xFFFF);
                     for (int jj = 0; jj < 16; jj++) {
                         if (jj >= gs || jj * nch >= 16) break;
-                        const __m512 p = _mm512_set1_ps(sc0[(int64_t)jj * len + t0 + o]);
+                        const __m512 p = _mm512_set1_ps(sc0[(int64_t)jj * nk + t0 - o0 + o - lo]);
                         for (int c = 0; c < nch; c++)
                             a[jj * nch + c] = _mm512_fmadd_ps(p, kc[c], a[jj * nch + c]);
                     }
@@ -222,31 +239,36 @@ static void sequence_scalar(const job_t *j, int64_t s, const float *qf, float *s
     const int d = j->head_dim, heads = j->num_heads, group = heads / j->num_kv_heads;
     const int bs = j->block_size;
     const int64_t kv_row = (int64_t)j->num_kv_heads * d;
-    const int len = j->seq_lens[s];
+    const int len = j->seq_lens[s], lo = first_key(j, len), nk = len - lo; /* keys lo..len-1 */
     const int32_t *table = j->block_table + s * j->max_blocks;
-    /* scores = q k^T: one sequential pass over the sequence's blocks; every slot holds
-     * all KV heads back to back, so each key row is read once for all query heads */
-    for (int t0 = 0; t0 < len; t0 += bs) {
+    /* scores = q k^T: one sequential pass over the sequence's blocks (runs of keys within one
+     * block: whole blocks, except a window's first); every slot holds all KV heads back to
+     * back, so each key row is read once for all query heads */
+    for (int t0 = lo, n; t0 < len; t0 += n) {
+        const int o0 = t0 % bs;
+        n = len - t0 < bs - o0 ? len - t0 : bs - o0;
         const int64_t base = (int64_t)table[t0 / bs] * bs * kv_row;
-        const int n = len - t0 < bs ? len - t0 : bs;
-        const int64_t next = t0 + bs < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
-        for (int o = 0; o < n; o++) {
+        const int64_t next = t0 + n < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
+        for (int o = o0; o < o0 + n; o++) {
             const float *krow = slot_row(j->k, base, next, o, kv_row, j->bf16, row);
             for (int qh = 0; qh < heads; qh++)
-                scores[(int64_t)qh * len + t0 + o] = dot(qf + qh * d, krow + (qh / group) * d, d);
+                scores[(int64_t)qh * nk + t0 - o0 + o - lo] =
+                    dot(qf + qh * d, krow + (qh / group) * d, d);
         }
     }
-    softmax_rows(scores, heads, len);
+    if (j->soft_cap > 0.0f) cap_scores(scores, (int64_t)heads * nk, j->soft_cap);
+    softmax_rows(scores, heads, nk);
     /* out = p v: one sequential pass over the value blocks */
     memset(acc, 0, sizeof(float) * (size_t)heads * d);
-    for (int t0 = 0; t0 < len; t0 += bs) {
+    for (int t0 = lo, n; t0 < len; t0 += n) {
+        const int o0 = t0 % bs;
+        n = len - t0 < bs - o0 ? len - t0 : bs - o0;
         const int64_t base = (int64_t)table[t0 / bs] * bs * kv_row;
-        const int n = len - t0 < bs ? len - t0 : bs;
-        const int64_t next = t0 + bs < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
-        for (int o = 0; o < n; o++) {
+        const int64_t next = t0 + n < len ? (int64_t)table[t0 / bs + 1] * bs * kv_row : -1;
+        for (int o = o0; o < o0 + n; o++) {
             const float *vrow = slot_row(j->v, base, next, o, kv_row, j->bf16, row);
             for (int qh = 0; qh < heads; qh++) {
-                const float p = scores[(int64_t)qh * len + t0 + o];
+                const float p = scores[(int64_t)qh * nk + t0 - o0 + o - lo];
                 const float *vh = vrow + (qh / group) * d;
                 float *a = acc + qh * d;
                 for (int i = 0; i < d; i++) a[i] += p * vh[i];
@@ -295,15 +317,16 @@ int stepserve_paged_decode(const void *q, const void *k_cache, const void *v_cac
                            const int32_t *block_table, const int32_t *seq_lens, void *out,
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, int max_blocks, float scale, int bf16,
-                           int num_threads) {
+                           int num_threads, int window, float soft_cap) {
     const int64_t items = num_seqs;
     if (items == 0) return 0;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > items) num_threads = (int)items;
     if (num_threads > 256) num_threads = 256;
     /* contiguous runs of sequences with similar total context per thread */
-    int64_t total = 0;
-    for (int s = 0; s < num_seqs; s++) total += seq_lens[s];
+    int64_t total = 0; /* keys attended: a window bounds them */
+#define KEYS(len) (window > 0 && (len) > window ? window : (len))
+    for (int s = 0; s < num_seqs; s++) total += KEYS(seq_lens[s]);
     job_t jobs[256];
     pthread_t threads[256];
     int64_t item = 0, done = 0;
@@ -313,10 +336,11 @@ int stepserve_paged_decode(const void *q, const void *k_cache, const void *v_cac
         j->seq_lens = seq_lens; j->out = out; j->num_seqs = num_seqs; j->num_heads = num_heads;
         j->num_kv_heads = num_kv_heads; j->head_dim = head_dim; j->block_size = block_size;
         j->max_blocks = max_blocks; j->bf16 = bf16; j->scale = scale; j->status = 0;
+        j->window = window; j->soft_cap = soft_cap;
         j->first_item = item;
         const int64_t target = total * (t + 1) / num_threads;
         while (item < items && (t == num_threads - 1 || done < target)) {
-            done += seq_lens[item];
+            done += KEYS(seq_lens[item]);
             item++;
         }
         j->last_item = item;

@@ -13,6 +13,10 @@
  *   q_starts     int32 [num_spans]  a span's first query row in q
  *   q_lens       int32 [num_spans]  its query tokens
  *   ctx_starts   int32 [num_spans]  the position of its first query (keys before it: cached)
+ * window > 0: a sliding window, a query at position p attends keys p-window+1..p only (key
+ * tiles wholly before a tile's windows are skipped, never read: the KV manager may have freed
+ * their blocks); soft_cap > 0: scores become soft_cap * tanh(score / soft_cap) before the
+ * softmax. 0 for either: as without.
  * Element type: fp32, or bf16 (kv_elements.h); accumulation in fp32.
  *
  * Written for the compiler's vectorizer: the score tile is a KT-wide row updated by
@@ -184,6 +188,8 @@ typedef struct {
     void *out;
     int num_heads, num_kv_heads, head_dim, block_size, max_blocks, bf16;
     float scale;
+    int window;
+    float soft_cap;
 } problem_t;
 
 typedef struct {
@@ -222,7 +228,10 @@ static inline __attribute__((always_inline)) void tile_body(const problem_t *p, 
         l[r] = 0.0f;
     }
     const int last_key = ctx + q0 + nq - 1; /* the tile's last query sees keys 0..last_key */
-    for (int t0 = 0; t0 <= last_key; t0 += KT) {
+    const int window = p->window;
+    /* the tile's first query sees keys from first_key on: earlier key tiles are skipped */
+    const int first_key = window > 0 && ctx + q0 - window + 1 > 0 ? ctx + q0 - window + 1 : 0;
+    for (int t0 = first_key / KT * KT; t0 <= last_key; t0 += KT) {
         const int nk = last_key + 1 - t0 < KT ? last_key + 1 - t0 : KT;
         /* the key tile transposed [d, KT] and the value tile [KT, d], in fp32 */
         for (int j = 0; j < KT; j++) {
@@ -240,17 +249,30 @@ static inline __attribute__((always_inline)) void tile_body(const problem_t *p, 
          * come before t0 only once t0 > their position: rows are in position order) */
         for (int r0 = 0; r0 < padded; r0 += RB) {
             if (t0 > ctx + q0 + (r0 + RB - 1 < rows ? r0 + RB - 1 : rows - 1) / group) continue;
+            /* nor a block whose every row's window starts after this tile's last key */
+            if (window > 0 && t0 + nk - 1 <= ctx + q0 + (r0 < rows ? r0 : rows - 1) / group - window)
+                continue;
             /* scores of RB rows x KT keys: each key row of the tile is loaded once for the RB
              * rows (register blocking) */
             float sc[RB][KT];
             qk_block(qf + (int64_t)r0 * d, d, kt, sc);
+            if (p->soft_cap > 0.0f) {
+                const float cap = p->soft_cap, inv = 1.0f / cap;
+                for (int rr = 0; rr < RB; rr++)
+                    for (int j = 0; j < KT; j++) sc[rr][j] = cap * tanhf(sc[rr][j] * inv);
+            }
             float corr[RB];
             for (int rr = 0; rr < RB; rr++) {
                 const int r = r0 + rr;
                 const int pos = ctx + q0 + (r < rows ? r : rows - 1) / group;
+                /* keys before `first` are outside the row's window (0: none are). A row may see no
+                 * key of a tile; if it has seen none before either, its sums are wiped by the
+                 * correction factor (0) of the first tile it does see (its own position). */
+                const int first = window > 0 ? pos - window + 1 - t0 : 0; /* seen: first..last */
+                const int last = pos - t0 < nk - 1 ? pos - t0 : nk - 1;
                 float mx = m[r];
                 for (int j = 0; j < KT; j++) {
-                    if (t0 + j > pos || j >= nk) sc[rr][j] = MASKED;
+                    if (j > last || j < first) sc[rr][j] = MASKED;
                     mx = sc[rr][j] > mx ? sc[rr][j] : mx;
                 }
                 corr[rr] = exp_nonpositive(m[r] - mx);
@@ -343,9 +365,10 @@ int stepserve_paged_prefill(const void *q, const void *k_cache, const void *v_ca
                             const int32_t *q_lens, const int32_t *ctx_starts, void *out,
                             int num_spans, int num_heads, int num_kv_heads, int head_dim,
                             int block_size, int max_blocks, float scale, int bf16,
-                            int num_threads) {
+                            int num_threads, int window, float soft_cap) {
     const problem_t p = {q, k_cache, v_cache, block_table, q_starts, q_lens, ctx_starts, out,
-                         num_heads, num_kv_heads, head_dim, block_size, max_blocks, bf16, scale};
+                         num_heads, num_kv_heads, head_dim, block_size, max_blocks, bf16, scale,
+                         window, soft_cap};
     int64_t num_items = 0;
     for (int s = 0; s < num_spans; s++) num_items += (int64_t)num_kv_heads * ((q_lens[s] + QT - 1) / QT);
     if (num_items == 0) return 0;
