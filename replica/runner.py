@@ -132,6 +132,8 @@ class ModelRunner:
         self.hf_config = load_hf_config(model_dir)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_model_len = self._resolve_max_model_len()
+        # the longest context this engine serves: LongRoPE picks its factors by it (rotary.py)
+        self.hf_config.max_model_len = self.max_model_len
         started = self._phase("config", started)
         self.model = load_model(model_dir, self.hf_config, self.tp, self.device, self.dtype)
         started = self._phase("weights", started)

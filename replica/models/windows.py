@@ -1,7 +1,8 @@
 """Which layers attend through a sliding window, read from a HF config as transformers reads it
-for each family: Mistral windows every layer, Qwen2 the layers from max_window_layers on (with
-use_sliding_window), Gemma 2 every other layer, Gemma 3 five of every six; a config's own
-`layer_types` list wins where the family honours it."""
+for each family: Mistral, Mixtral, Phi-3 and Qwen3-MoE window every layer, Qwen2 the layers from
+max_window_layers on (with use_sliding_window), Gemma 2 every other layer, Gemma 3 five of every
+six; a config's own `layer_types` list wins where the family honours it (Qwen3, SmolLM3). A
+window on a family whose layout is not known here is an error, never ignored."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ SLIDING = "sliding_attention"
 FULL = "full_attention"
 # architecture -> layers per repeat of its pattern (the last of each repeat attends fully)
 _PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+# families whose every layer takes the config's window (transformers passes it to each layer)
+_EVERY_LAYER = {"MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 def _architecture(hf_config: Any) -> str:
@@ -31,6 +34,8 @@ def layer_types(hf_config: Any) -> list[str]:
     if arch == "Qwen2ForCausalLM" and not getattr(hf_config, "use_sliding_window", False):
         return [FULL] * n
     types = getattr(hf_config, "layer_types", None)
+    if types is None and arch in _EVERY_LAYER:
+        return [SLIDING] * n
     if types is None:
         if arch == "Qwen2ForCausalLM":
             first = int(getattr(hf_config, "max_window_layers", 28))
@@ -43,7 +48,11 @@ def layer_types(hf_config: Any) -> list[str]:
             )
             types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
         else:
-            types = [FULL] * n
+            raise ValueError(
+                f"sliding_window={window} on architecture {arch!r}, whose layers' windows are "
+                "not known here (no layer_types in its config); windowed families: Mistral, "
+                "Mixtral, Phi-3, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3"
+            )
     types = list(types)[:n]
     unknown = sorted({t for t in types if t not in (SLIDING, FULL)})
     if unknown or len(types) != n:

@@ -230,6 +230,24 @@ def test_longrope_regime_follows_the_served_context(family_dirs, tmp_path_factor
     assert not torch.equal(served_long.cos[:32], served_short.cos[:32])
 
 
+def test_an_engine_serving_no_more_than_the_original_context_matches_transformers(
+    family_dirs, tmp_path_factory, tiny_tokenizer_dir, run_generation
+):
+    """The runner tells the model its max_model_len: a long-context Phi-4-mini-like checkpoint
+    served at max_model_len <= original_max_position_embeddings rotates with the short factors,
+    as transformers does for sequences that short."""
+    if "phi4-long" not in family_dirs:
+        family_dirs["phi4-long"] = _build(tmp_path_factory, tiny_tokenizer_dir, "phi4-long")
+    model_dir = family_dirs["phi4-long"]
+    prompts = mixed_prompts(7, [9, 14, 20])
+    max_tokens = [8, 10, 6]  # every sequence stays within the original 32 positions
+    run = run_generation(
+        model_dir, prompts, [greedy_params(n) for n in max_tokens], block_size=4,
+        max_model_len=ORIGINAL_CONTEXT,
+    )  # fmt: skip
+    assert run.outputs == expected_outputs(model_dir, prompts, max_tokens)
+
+
 # -- loading -----------------------------------------------------------------------------------
 def test_fused_projection_of_the_wrong_size_is_a_clear_error(
     family_dirs, tmp_path_factory, tiny_tokenizer_dir

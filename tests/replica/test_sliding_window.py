@@ -286,3 +286,55 @@ def test_a_long_conversation_holds_a_window_of_blocks(mistral_w64_dir):
     # the window (64 keys: up to 5 blocks unaligned) and one 64-token chunk (up to 5 more)
     assert peak_windowed <= 10
     assert windowed == full == expected_outputs(mistral_w64_dir, [prompt], [148])[0]
+
+
+@pytest.mark.parametrize(
+    ("family", "fields"),
+    [
+        ("mixtral", {"sliding_window": 8}),
+        ("qwen3_moe", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 0}),
+        ("qwen3", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1}),
+    ],
+)
+def test_families_with_a_window_shorter_than_the_prompts_match_transformers(
+    family, fields, tmp_path, tiny_tokenizer_dir, run_generation
+):
+    """Windows read per family (models/windows.py): every layer (Mixtral, Qwen3-MoE) or the
+    config's layer_types (Qwen3), through chunked prefill and prefix hits."""
+    from replica.tiny_models_moe import build_tiny_family
+
+    build_tiny_family(tmp_path, tiny_tokenizer_dir, family, seed=41, **fields)
+    prompts = mixed_prompts(3, [21, 34, 9, 40])
+    max_tokens = [12, 6, 16, 9]
+    run = run_generation(
+        tmp_path, prompts, [greedy_params(n) for n in max_tokens], block_size=4,
+        max_num_batched_tokens=16, enable_prefix_caching=True,
+    )  # fmt: skip
+    assert run.outputs == expected_outputs(tmp_path, prompts, max_tokens)
+
+
+def test_phi3_with_a_window_shorter_than_the_prompts_matches_transformers(
+    tmp_path, tiny_tokenizer_dir, run_generation
+):
+    from replica.tiny_models_phi3_smollm3 import build_tiny_phi3
+
+    build_tiny_phi3(tmp_path, tiny_tokenizer_dir, seed=42, sliding_window=8)
+    prompts = mixed_prompts(4, [25, 12, 38])
+    max_tokens = [10, 14, 8]
+    run = run_generation(
+        tmp_path, prompts, [greedy_params(n) for n in max_tokens], block_size=4,
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    assert run.outputs == expected_outputs(tmp_path, prompts, max_tokens)
+
+
+def test_a_window_on_a_family_of_unknown_layout_is_refused():
+    from types import SimpleNamespace
+
+    from replica.models.windows import layer_windows
+
+    config = SimpleNamespace(
+        architectures=["OlmoeForCausalLM"], num_hidden_layers=2, sliding_window=16
+    )
+    with pytest.raises(ValueError, match="sliding_window=16 on architecture 'OlmoeForCausalLM'"):
+        layer_windows(config)
