@@ -271,8 +271,11 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock | None] | None,
         num_new: int,
+        touched: bool = False,
     ) -> list[KVBlock]:
-        """Take the hits and `num_new` new blocks (`plan`'s count, known to be free)."""
+        """Take the hits and `num_new` new blocks (`plan`'s count, known to be free).
+        touched: the hits' references are taken already (kv_hybrid.py takes every group's
+        before any group's new blocks, which could otherwise evict another group's hit)."""
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
         computed = new_computed_blocks or []
@@ -288,9 +291,8 @@ class KVCacheManager:
             if computed[0] is None:  # a hybrid group's hit starts behind its window
                 skipped = next((i for i, b in enumerate(computed) if b is not None), len(computed))
                 self._num_skipped[rid] = len(held) + skipped
+            if not touched:
                 self.pool.touch(b for b in computed if b is not None)
-            else:
-                self.pool.touch(computed)
             held.extend(computed)
             ids.extend(NULL_BLOCK_ID if b is None else b.block_id for b in computed)
             self._num_cached_blocks[rid] = len(held)

@@ -50,6 +50,18 @@ class HybridKVCacheManager:
     def num_window_freed_blocks(self) -> int:
         return sum(g.num_window_freed_blocks for g in self.groups)
 
+    def max_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a request of up to `num_tokens` may hold at once, running at most
+        `step_tokens` a step: every block in a full-attention group, a windowed group's window
+        (less its last key) and a step's tokens, unaligned."""
+        bs = self.block_size
+        whole = -(-num_tokens // bs)
+        return sum(
+            whole if g.sliding_window is None
+            else min(whole, -(-(g.sliding_window - 1 + step_tokens) // bs) + 1)
+            for g in self.groups
+        )  # fmt: skip
+
     def usage(self) -> float:
         return self.pool.usage()
 
@@ -104,10 +116,14 @@ class HybridKVCacheManager:
         evictable = sum(p[1] for p in plans if p is not None)
         if need > self.pool.num_free_blocks - evictable:
             return None
+        # every hit off the free list first: a group's new blocks must not evict another's hit
+        for h, p in zip(hits, plans):
+            if p is not None and h:
+                self.pool.touch(b for b in h if b is not None)
         new_blocks: list[KVBlock] = []
         for g, h, p in zip(self.groups, hits, plans):
             if p is not None:
-                new_blocks += g.commit(request, num_new_tokens, h, p[0])
+                new_blocks += g.commit(request, num_new_tokens, h, p[0], touched=True)
         return new_blocks
 
     def block_ids(self, request_id: str) -> list[int]:

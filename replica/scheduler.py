@@ -132,9 +132,19 @@ class Scheduler:
     # -- requests in and out --------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise RequestRejected when a request of this shape could never complete."""
-        # a hybrid model's request may hold blocks in every group (a whole prompt in one step)
-        blocks = self.kv.num_blocks // (self.kv.num_groups if self.hybrid else 1)
-        check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.block_size, blocks)
+        check_fits(
+            num_prompt_tokens, max_tokens, self.max_model_len, self.block_size, self.kv.num_blocks
+        )
+        if self.hybrid:  # blocks in every KV group
+            total = min(num_prompt_tokens + max_tokens, self.max_model_len)
+            need = self.kv.max_blocks(total, self.max_num_batched_tokens)
+            if need > self.kv.num_blocks:
+                raise RequestRejected(
+                    f"request needs up to {total} tokens = {need} KV blocks of "
+                    f"{self.block_size} over {self.kv.num_groups} KV groups, but the whole KV "
+                    f"cache has {self.kv.num_blocks} blocks",
+                    "max_tokens",
+                )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
