@@ -150,12 +150,18 @@ class HybridKVCacheManager:
             g.free(request)
 
     def check_invariants(self) -> None:
-        """The pool's books against every group's tables; every group covers the same
-        positions of the same requests."""
+        """The pool's books against every group's tables; no block in two groups (nor cached
+        under another group's key); every group covers the same positions of the same
+        requests."""
         holders: dict[int, int] = {}
+        owner: dict[int, int] = {}
         for g in self.groups:
             for block_id, n in g.holders().items():
                 holders[block_id] = holders.get(block_id, 0) + n
+                # a block holds one group's layers: two groups never share it
+                assert owner.setdefault(block_id, g.group) == g.group, f"block {block_id} shared"
+                key = self.pool.blocks[block_id].block_hash
+                assert key is None or (key[0] if isinstance(key, tuple) else 0) == g.group
         check_pool(self.pool, holders)
         first = self.groups[0]
         for g in self.groups[1:]:
