@@ -64,8 +64,11 @@ def test_gemma_matches_transformers_through_batching(
         **(PLAIN_TORCH if path == "torch" else {}),
     )
     runner = run.runner
-    # hybrid: local and global layers, so every block is kept; max_model_len is the positions'
+    # hybrid: a KV group per window (kv_groups.py), the local layers' blocks behind their
+    # window freed; max_model_len is the positions'
     assert runner.kv_sliding_window is None and runner.max_model_len == 512
+    assert runner.kv_group_windows[0] is None and len(runner.kv_group_windows) > 1
+    assert run.scheduler.kv.num_window_freed_blocks > 0
     windows = {layer.self_attn.attn.sliding_window for layer in runner.model.model.layers}
     assert windows == {None, runner.hf_config.sliding_window}
     assert run.outputs == expected_outputs(gemma_dir, prompts, MAX_TOKENS)
@@ -139,6 +142,8 @@ def test_gemma_tp2_over_gloo_matches_transformers(gemma_dir, run_generation):
         run = run_generation(gemma_dir, prompts, greedy_params(8), runner=runner, **fields)
     finally:
         runner.shutdown()
+    # every rank ran each KV group's own tables (the step batch carries them all)
+    assert len(run.scheduler.kv.groups) > 1 and run.scheduler.kv.num_window_freed_blocks > 0
     assert run.outputs == expected_outputs(gemma_dir, prompts, [8, 8, 8])
 
 
