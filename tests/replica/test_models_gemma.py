@@ -239,9 +239,11 @@ def test_gemma3_270m_matches_transformers(gemma3_270m_dir, run_generation):
     story = " ".join(f"On day {i} the baker sold {3 * i % 17} loaves." for i in range(70))
     prompts.append(tokenizer.encode(story + " On the last day the baker"))
     assert len(prompts[-1]) > 600
+    # 64 blocks' bytes of all 18 layers: a block is one KV group's 3 layers (kv_groups.py)
     run = run_generation(
-        gemma3_270m_dir, prompts, greedy_params(16), num_kv_blocks=64, block_size=16,
+        gemma3_270m_dir, prompts, greedy_params(16), num_kv_blocks=64 * 6, block_size=16,
         max_num_batched_tokens=256,
     )  # fmt: skip
+    assert run.runner.kv_groups.num_slots == 3 and len(run.runner.kv_group_windows) == 6
     assert run.runner.hf_config.layer_types[5] == "full_attention"
     assert run.outputs == [hf_greedy(gemma3_270m_dir, tuple(p), 16, False) for p in prompts]
