@@ -23,7 +23,7 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: int | tuple[int, int] | None = None  # its key in BlockPool.cached
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -94,8 +94,9 @@ class BlockPool:
         arrive as stored events in the first batch."""
         if self.events is None:
             self.events = KVEventLog(block_size)
-            for block_hash in self.cached:
-                self.events.stored(block_hash, ROOT_BLOCK_HASH)
+            for key in self.cached:
+                if isinstance(key, int):  # group 0's blocks only (see cache_block)
+                    self.events.stored(key, ROOT_BLOCK_HASH)
         return self.events
 
     @property
@@ -105,8 +106,8 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.free_queue.num_free / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
-        return self.cached.get(block_hash)
+    def get_cached_block(self, block_hash: int, group: int = 0) -> KVBlock | None:
+        return self.cached.get(block_hash if not group else (group, block_hash))
 
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         if n > self.free_queue.num_free:
@@ -138,20 +139,28 @@ class BlockPool:
         """Forget a block's hash (evicted, or its contents never computed): no lookup finds it."""
         if block.block_hash is None:
             return
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
-            if self.events is not None:
-                self.events.removed(block.block_hash)
+        key = block.block_hash
+        if self.cached.get(key) is block:
+            del self.cached[key]
+            if self.events is not None and isinstance(key, int):
+                self.events.removed(key)
         block.block_hash = None
 
-    def cache_block(self, block: KVBlock, block_hash: int, parent: int = ROOT_BLOCK_HASH) -> None:
+    def cache_block(
+        self, block: KVBlock, block_hash: int, parent: int = ROOT_BLOCK_HASH, group: int = 0
+    ) -> None:
+        """Cache `block` under its hash in KV group `group` (kv_hybrid.py): group 0's key is the
+        hash itself, and only its blocks are reported as events (the other groups hold the same
+        positions, so the router's prefix index loses nothing); another group's key is
+        (group, hash), as the same tokens' blocks of two groups hold different layers."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        block.block_hash = block_hash
+        key = block_hash if not group else (group, block_hash)
+        block.block_hash = key
         # first writer wins: an identical block already cached stays the canonical one
-        if block_hash not in self.cached:
-            self.cached[block_hash] = block
-            if self.events is not None:
+        if key not in self.cached:
+            self.cached[key] = block
+            if self.events is not None and not group:
                 self.events.stored(block_hash, parent)
 
 
@@ -165,15 +174,20 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         sliding_window: int | None = None,
+        pool: BlockPool | None = None,
+        group: int = 0,
     ) -> None:
         """sliding_window: every layer's window, when all layers have the same one (blocks
-        before it are freed); None keeps every block of a request until it ends."""
+        before it are freed); None keeps every block of a request until it ends. pool, group:
+        this manager is KV group `group` of a hybrid model, drawing from a shared pool
+        (kv_hybrid.py)."""
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.group = group
+        self.pool = pool if pool is not None else BlockPool(num_blocks, enable_caching)
         # a freed window block is None here and NULL_BLOCK_ID in the ids
         self.req_to_blocks: dict[str, list[KVBlock | None]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
@@ -196,7 +210,7 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
+            block = self.pool.get_cached_block(block_hash, self.group)
             if block is None:
                 break
             hits.append(block)
@@ -214,37 +228,73 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after the
         prefix-cache hits in `new_computed_blocks`). Returns the newly allocated blocks, or None
         when the pool cannot supply them (nothing is changed then)."""
+        plan = self.plan(request, num_new_tokens, new_computed_blocks)
+        if plan is None:
+            return []
+        num_new, num_evictable_hits = plan
+        # hits on free blocks come off the free list, so they count against what is free
+        if num_new > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        return self.commit(request, num_new_tokens, new_computed_blocks, num_new)
+
+    def plan(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock | None] | None,
+    ) -> tuple[int, int] | None:
+        """Frees the blocks behind the window, then: None when the held blocks have room and
+        none fills up (most decode steps), else (new blocks needed, hits now on the free list).
+        A hit of None is a position behind the window (a hybrid group's, kv_hybrid.py)."""
         rid = request.request_id
         held = self.req_to_blocks.get(rid)
         if held and self.sliding_window is not None:
             self._free_skipped(request, held)
         if held and not new_computed_blocks:
-            # fast path, most decode steps: the held blocks have room and no block fills up
             total_tokens = request.num_computed_tokens + num_new_tokens
             if total_tokens <= len(held) * self.block_size and (
                 not self.enable_caching
                 or total_tokens // self.block_size <= self._num_cached_blocks[rid]
             ):
-                return []
+                return None
         computed = new_computed_blocks or []
         num_held = len(held) if held else 0
         total_tokens = (
             request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         )
         num_new = self.blocks_needed(total_tokens) - num_held - len(computed)
-        # hits on free blocks come off the free list, so they count against what is free
-        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new > self.pool.num_free_blocks - num_evictable_hits:
-            return None
+        return num_new, sum(1 for b in computed if b is not None and b.ref_cnt == 0)
+
+    def commit(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock | None] | None,
+        num_new: int,
+        touched: bool = False,
+    ) -> list[KVBlock]:
+        """Take the hits and `num_new` new blocks (`plan`'s count, known to be free).
+        touched: the hits' references are taken already (kv_hybrid.py takes every group's
+        before any group's new blocks, which could otherwise evict another group's hit)."""
+        rid = request.request_id
+        held = self.req_to_blocks.get(rid)
+        computed = new_computed_blocks or []
+        total_tokens = (
+            request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        )
         if held is None:
             held = self.req_to_blocks[rid] = []
             self.req_to_block_ids[rid] = []
             self._num_cached_blocks[rid] = 0
         ids = self.req_to_block_ids[rid]
         if computed:
-            self.pool.touch(computed)
+            if computed[0] is None:  # a hybrid group's hit starts behind its window
+                skipped = next((i for i, b in enumerate(computed) if b is not None), len(computed))
+                self._num_skipped[rid] = len(held) + skipped
+            if not touched:
+                self.pool.touch(b for b in computed if b is not None)
             held.extend(computed)
-            ids.extend(b.block_id for b in computed)
+            ids.extend(NULL_BLOCK_ID if b is None else b.block_id for b in computed)
             self._num_cached_blocks[rid] = len(held)
         new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
         held.extend(new_blocks)
@@ -288,7 +338,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         for i in range(start, end):
             if held[i] is not None:  # freed behind the window: cached when it was computed
-                self.pool.cache_block(held[i], hashes[i], hashes[i - 1] if i else ROOT_BLOCK_HASH)
+                parent = hashes[i - 1] if i else ROOT_BLOCK_HASH
+                self.pool.cache_block(held[i], hashes[i], parent, self.group)
         self._num_cached_blocks[rid] = end
 
     def _in_flight_blocks(self, request: Request, num_computed: int) -> list[KVBlock]:
@@ -327,9 +378,8 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_to_block_ids.get(request_id, [])
 
-    def check_invariants(self) -> None:
-        """Assert the pool's bookkeeping is consistent (used by tests after every step)."""
-        pool = self.pool
+    def holders(self) -> dict[int, int]:
+        """Block id -> how many of this manager's tables hold it (asserting ids match blocks)."""
         holders: dict[int, int] = {}
         for rid, blocks in self.req_to_blocks.items():
             ids = self.req_to_block_ids[rid]
@@ -340,13 +390,22 @@ class KVCacheManager:
                     continue
                 assert b.block_id == block_id, f"{rid}: id {block_id} for {b}"
                 holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        free_ids = [b.block_id for b in pool.free_queue]
-        assert len(free_ids) == pool.num_free_blocks, "free count drifted from the free list"
-        assert len(set(free_ids)) == len(free_ids), "a block is on the free list twice"
-        in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
-        assert pool.num_free_blocks + in_use == pool.num_blocks, "free + in use != total"
-        for b in pool.blocks:
-            assert b.ref_cnt == holders.get(b.block_id, 0), f"{b} ref_cnt != holders"
-            assert (b.ref_cnt == 0) == (b.prev_free is not None), f"{b} free-list membership"
-        for h, b in pool.cached.items():
-            assert b.block_hash == h, f"cache entry {h} points at {b}"
+        return holders
+
+    def check_invariants(self) -> None:
+        """Assert the pool's bookkeeping is consistent (used by tests after every step)."""
+        check_pool(self.pool, self.holders())
+
+
+def check_pool(pool: BlockPool, holders: dict[int, int]) -> None:
+    """Assert the pool's books agree with `holders` (block id -> tables holding it)."""
+    free_ids = [b.block_id for b in pool.free_queue]
+    assert len(free_ids) == pool.num_free_blocks, "free count drifted from the free list"
+    assert len(set(free_ids)) == len(free_ids), "a block is on the free list twice"
+    in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+    assert pool.num_free_blocks + in_use == pool.num_blocks, "free + in use != total"
+    for b in pool.blocks:
+        assert b.ref_cnt == holders.get(b.block_id, 0), f"{b} ref_cnt != holders"
+        assert (b.ref_cnt == 0) == (b.prev_free is not None), f"{b} free-list membership"
+    for h, b in pool.cached.items():
+        assert b.block_hash == h, f"cache entry {h} points at {b}"

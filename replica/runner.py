@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import mmap
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import torch
 
 from replica.config import EngineConfig
 from replica.cuda_graphs import DecodeGraphs
+from replica.kv_groups import allocate_caches, group_metadata, kv_groups, zero_pages
 from replica.kv_prefault import KVPrefaulter
 from replica.layers import cpu_isa
 from replica.layers.attention import (
@@ -41,24 +40,22 @@ from replica.models.llama import head_dim_of, num_kv_heads_per_rank
 from replica.models.windows import all_layers_window
 from replica.runner_protocol import RunnerOutput
 from replica.scheduler import ScheduledRequest, SchedulerOutput
+from replica.spec_decode import verify_greedy_drafts
 from replica.structured import fill_bitmask
 
-__all__ = ["ModelRunner", "RunnerOutput", "StepBatch", "StepTimes", "model_max_len"]
+__all__ = [
+    "ModelRunner",
+    "RunnerOutput",
+    "StepBatch",
+    "StepTimes",
+    "model_max_len",
+    "verify_greedy_drafts",
+    "zero_pages",
+]
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor on fresh anonymous memory: the OS hands out zeroed pages as each is
-    first touched, so nothing is written up front (torch.zeros wrote the default 1 GiB KV cache
-    at start-up: 0.6-0.9 s on a 2-core host), and only the blocks in use become resident. The
-    tensor keeps its mapping alive."""
-    numel = math.prod(shape)
-    size = numel * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(size, 1))  # MAP_ANONYMOUS | MAP_PRIVATE: zero-filled by the OS
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 @dataclass
@@ -71,6 +68,8 @@ class StepBatch:
     query_lens: list[int]  # per request: tokens run this step
     block_ids: list[list[int]]  # per request: its block table
     sample_rows: list[int]  # rows of the flat stream whose logits are computed
+    # a hybrid model's KV groups 1..: per group, per request, its block table (kv_groups.py)
+    group_block_ids: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -80,24 +79,6 @@ class StepTimes:
     prepare: float = 0.0  # the batch layout, attention metadata and input tensors
     forward: float = 0.0  # the model and the LM head over the sampled rows
     sample: float = 0.0  # sampling and the tokens back to Python
-
-
-def verify_greedy_drafts(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
-    """Greedy verification of drafts: `logits` holds, per draft in order, the rows of its
-    request's last token and of each draft token. A request's new tokens are the longest
-    prefix of its draft that matches the argmax at each position, then the argmax after it
-    (the sampler's greedy choice: argmax of fp32 logits, first index on ties)."""
-    chosen = logits.float().argmax(dim=-1).tolist()
-    out = []
-    offset = 0
-    for draft in drafts:
-        row = chosen[offset : offset + len(draft) + 1]
-        offset += len(draft) + 1
-        accepted = 0
-        while accepted < len(draft) and row[accepted] == draft[accepted]:
-            accepted += 1
-        out.append(draft[:accepted] + [row[accepted]])
-    return out
 
 
 def model_max_len(hf_config: Any) -> int:
@@ -187,6 +168,7 @@ class ModelRunner:
             and config.cuda_graphs
             and self.tp.size == 1
             and self.attn_backend.name == "flex"
+            and not self.kv_groups.hybrid  # graphs are captured over one block table
         ):
             return None
         max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
@@ -234,6 +216,10 @@ class ModelRunner:
         )
         self.attn_backend = select_attention_backend(spec)
         set_attention_backend(self.model, self.attn_backend)
+        # a hybrid model's layers form KV groups, each reading its own block table
+        self.kv_groups = kv_groups([a.sliding_window for a in layers])
+        for layer, group in zip(layers, self.kv_groups.layer_group):
+            layer.kv_group = group
         self.attn_builder = self.attn_backend.make_builder(spec)
 
     @property
@@ -241,6 +227,12 @@ class ModelRunner:
         """The window all layers share, if they all have one (the scheduler frees KV blocks
         behind it); None when some layer attends to the whole context."""
         return all_layers_window(self.hf_config)
+
+    @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        """A hybrid model's KV groups' windows (the scheduler keeps a table per group); empty
+        when one table serves every layer."""
+        return self.kv_groups.windows if self.kv_groups.hybrid else ()
 
     @property
     def use_paged_kernel(self) -> bool:
@@ -272,9 +264,17 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block over all layers, K and V, this rank's heads."""
+        """Bytes of one KV block over all layers (a hybrid model: one KV group's), K and V, this
+        rank's heads."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return (
+            2
+            * self.kv_groups.num_slots
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * element
+        )
 
     def _resolve_num_kv_blocks(self) -> int:
         config = self.config
@@ -313,7 +313,8 @@ class ModelRunner:
             list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)
         ]
         with torch.inference_mode():
-            hidden = self._forward([0] * sum(lens), [0] * num_seqs, lens, tables, scratch)
+            groups = [tables] * (len(self.kv_groups.windows) - 1)
+            hidden = self._forward([0] * sum(lens), [0] * num_seqs, lens, tables, scratch, groups)
             rows = min(self.config.max_num_seqs, hidden.shape[0])
             self.model.compute_logits(hidden[:rows])
         torch.cuda.synchronize(self.device)
@@ -330,7 +331,8 @@ class ModelRunner:
         if self.device.type != "cpu" or mib == 0:
             return None
         ahead = max(1, (mib << 20) // self.kv_block_bytes)
-        prefaulter = KVPrefaulter([t for kv in self.kv_caches for t in kv], ahead)
+        tensors = {id(t): t for kv in self.kv_caches for t in kv}  # a hybrid's layers share
+        prefaulter = KVPrefaulter(list(tensors.values()), ahead)
         # a runner dropped without shutdown() (tests, a failed start) stops the thread, which
         # would otherwise keep the cache's memory alive
         weakref.finalize(self, prefaulter.close, 0.0)
@@ -355,23 +357,12 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         """`num_blocks` blocks a layer, plus the sink block after them for a backend that
-        needs one (bound to its builder here)."""
+        needs one (bound to its builder here); a hybrid model's layer j of every KV group
+        shares tensor j (kv_groups.py)."""
         sink = self.attn_backend.needs_sink_block
         self.attn_builder.bind_cache(num_blocks, num_blocks, self.max_model_len)
         shape = (num_blocks + int(sink), self.block_size, self.num_kv_heads, self.head_dim)
-        # zeros, not empty: padded decode lanes read slots and NaN garbage would leak through
-        if self.device.type == "cpu":
-            return [
-                (zero_pages(shape, self.dtype), zero_pages(shape, self.dtype))
-                for _ in range(self.num_layers)
-            ]
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.num_layers)
-        ]
+        return allocate_caches(self.kv_groups, shape, self.dtype, self.device)
 
     # -- one step -------------------------------------------------------------------------
     def _forward(
@@ -381,8 +372,11 @@ class ModelRunner:
         query_lens: list[int],
         block_ids: list[list[int]],
         kv_caches: list[KVCache],
+        group_block_ids: list[list[list[int]]] = (),
     ) -> torch.Tensor:
-        ids, positions, meta = self._prepare_inputs(input_ids, starts, query_lens, block_ids)
+        ids, positions, meta = self._prepare_inputs(
+            input_ids, starts, query_lens, block_ids, group_block_ids
+        )
         return self.model(ids, positions, kv_caches, meta)
 
     def _prepare_inputs(
@@ -391,8 +385,11 @@ class ModelRunner:
         starts: list[int],
         query_lens: list[int],
         block_ids: list[list[int]],
+        group_block_ids: list[list[list[int]]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         meta, positions = self.attn_builder.build(starts, query_lens, block_ids)
+        if group_block_ids:  # a hybrid model: each KV group's layers read their own tables
+            group_metadata(self.attn_builder, meta, starts, query_lens, group_block_ids)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return ids, positions, meta
 
@@ -528,7 +525,10 @@ class ModelRunner:
             first_row = {id(s): row for s, row in zip(so.scheduled, first_rows)}
             for s, n in prompt_rows:
                 sample_rows.extend(range(first_row[id(s)], first_row[id(s)] + n))
-        return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows)
+        groups = []
+        if self.kv_groups.hybrid:  # per group, each request's table
+            groups = [list(tables) for tables in zip(*(s.group_block_ids for s in so.scheduled))]
+        return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows, groups)
 
     @torch.inference_mode()
     def forward_batch(self, batch: StepBatch) -> torch.Tensor | None:
@@ -545,13 +545,15 @@ class ModelRunner:
         with self._isa_scope:  # this runner's instruction-set level (native kernels' build)
             start = time.perf_counter()
             ids, positions, meta = self._prepare_inputs(
-                batch.input_ids, batch.starts, batch.query_lens, batch.block_ids
-            )
+                batch.input_ids, batch.starts, batch.query_lens, batch.block_ids,
+                batch.group_block_ids,
+            )  # fmt: skip
             rows = None
             if batch.sample_rows:
                 rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
             if self.kv_prefault is not None:  # new blocks come from above the highest in use
-                self.kv_prefault.need(1 + max((t[-1] for t in batch.block_ids if t), default=0))
+                tables = [t for ts in (batch.block_ids, *batch.group_block_ids) for t in ts if t]
+                self.kv_prefault.need(1 + max((t[-1] for t in tables), default=0))
             forward_start = time.perf_counter()
             hidden = self.model(ids, positions, self.kv_caches, meta)
             logits = (

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from replica.config import EngineConfig
 from replica.kv_cache import KVCacheManager
+from replica.kv_hybrid import HybridKVCacheManager
 from replica.limits import check_fits
 from replica.request import Request, RequestRejected, RequestStatus, StepOutput
 from replica.spec_decode import NgramProposer, speculation_allowed
@@ -30,6 +31,8 @@ class ScheduledRequest:
     # speculative tokens run after the request's last token (replica/spec_decode.py): the
     # runner verifies them and returns the accepted ones plus the model's next token
     draft: list[int] = field(default_factory=list)
+    # a hybrid model's other KV groups' tables (kv_hybrid.py; live lists), empty otherwise
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -85,9 +88,12 @@ class Scheduler:
         num_kv_blocks: int,
         max_model_len: int,
         kv_sliding_window: int | None = None,
+        kv_group_windows: tuple[int | None, ...] = (),
     ) -> None:
         """kv_sliding_window: the window every layer of the model shares, if they all have one
-        (the runner's kv_sliding_window): blocks behind it are freed as requests run."""
+        (the runner's kv_sliding_window): blocks behind it are freed as requests run.
+        kv_group_windows: a hybrid model's KV groups' windows (the runner's; kv_groups.py),
+        one block table per group; fewer than two: one table."""
         # EngineConfig checks this itself only when it is given max_model_len; here it is known
         config.check_prefill_budget(max_model_len)
         self.config = config
@@ -95,9 +101,14 @@ class Scheduler:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.kv = KVCacheManager(
-            num_kv_blocks, config.block_size, config.enable_prefix_caching, kv_sliding_window
-        )
+        caching = config.enable_prefix_caching
+        if len(kv_group_windows) > 1:
+            self.kv = HybridKVCacheManager(
+                num_kv_blocks, config.block_size, caching, tuple(kv_group_windows)
+            )
+        else:
+            self.kv = KVCacheManager(num_kv_blocks, config.block_size, caching, kv_sliding_window)
+        self.hybrid = len(kv_group_windows) > 1
         self.requests: dict[str, Request] = {}
         # fcfs: arrival order, a preempted request back at the front; priority: ordered by
         # (priority, arrival time), so a preempted request keeps its place
@@ -124,6 +135,16 @@ class Scheduler:
         check_fits(
             num_prompt_tokens, max_tokens, self.max_model_len, self.block_size, self.kv.num_blocks
         )
+        if self.hybrid:  # blocks in every KV group
+            total = min(num_prompt_tokens + max_tokens, self.max_model_len)
+            need = self.kv.max_blocks(total, self.max_num_batched_tokens)
+            if need > self.kv.num_blocks:
+                raise RequestRejected(
+                    f"request needs up to {total} tokens = {need} KV blocks of "
+                    f"{self.block_size} over {self.kv.num_groups} KV groups, but the whole KV "
+                    f"cache has {self.kv.num_blocks} blocks",
+                    "max_tokens",
+                )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -260,6 +281,7 @@ class Scheduler:
                     num_new,
                     kv.block_ids(request.request_id),
                     draft,
+                    kv.group_block_ids(request.request_id) if self.hybrid else [],
                 )
             )
             request.num_computed_tokens += num_new
@@ -313,8 +335,10 @@ class Scheduler:
             if kv.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hit_tokens
+            rid = request.request_id
+            groups = kv.group_block_ids(rid) if self.hybrid else []
             out.scheduled.append(
-                ScheduledRequest(request, num_hit_tokens, num_new, kv.block_ids(request.request_id))
+                ScheduledRequest(request, num_hit_tokens, num_new, kv.block_ids(rid), [], groups)
             )
             request.num_computed_tokens += num_new
             budget -= num_new

@@ -23,8 +23,12 @@ not repeat stops paying for drafts (it still probes with one token when an n-gra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from replica.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["NgramProposer", "SpecStats", "speculation_allowed"]
 
@@ -133,3 +137,21 @@ class NgramProposer:
             state.draft_len = min(self.k, state.draft_len + 1)
         else:
             state.draft_len = max(1, num_accepted)
+
+
+def verify_greedy_drafts(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+    """Greedy verification of drafts: `logits` holds, per draft in order, the rows of its
+    request's last token and of each draft token. A request's new tokens are the longest
+    prefix of its draft that matches the argmax at each position, then the argmax after it
+    (the sampler's greedy choice: argmax of fp32 logits, first index on ties)."""
+    chosen = logits.float().argmax(dim=-1).tolist()
+    out = []
+    offset = 0
+    for draft in drafts:
+        row = chosen[offset : offset + len(draft) + 1]
+        offset += len(draft) + 1
+        accepted = 0
+        while accepted < len(draft) and row[accepted] == draft[accepted]:
+            accepted += 1
+        out.append(draft[:accepted] + [row[accepted]])
+    return out

@@ -114,6 +114,7 @@ def generate_with_runner(
         config.num_kv_blocks or runner.num_kv_blocks,
         runner.max_model_len,
         getattr(runner, "kv_sliding_window", None),
+        getattr(runner, "kv_group_windows", ()),
     )
     all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     ids = request_ids or [f"req-{i}" for i in range(len(prompts))]

@@ -123,6 +123,7 @@ class Engine:
             self.runner.num_kv_blocks,
             self.max_model_len,
             getattr(self.runner, "kv_sliding_window", None),  # blocks behind it are freed
+            getattr(self.runner, "kv_group_windows", ()),  # a hybrid model: a table per group
         )
         self._requests: dict[str, Request] = {}  # unfinished, by id
         self.output_processor = OutputProcessor(tokenizer) if detokenize else None

@@ -19,9 +19,10 @@ MESSAGE_CAPACITY = 2048
 
 def encode_batch(batch: StepBatch) -> list[int]:
     """[num_reqs, num_sampled, starts, query_lens, table lengths, sample rows, token ids,
-    block ids] as one flat list of ints."""
+    block ids, then per further KV group (a hybrid model's): its tables' lengths and block
+    ids] as one flat list of ints."""
     tables = batch.block_ids
-    return [
+    flat = [
         len(batch.starts),
         len(batch.sample_rows),
         *batch.starts,
@@ -31,6 +32,17 @@ def encode_batch(batch: StepBatch) -> list[int]:
         *batch.input_ids,
         *itertools.chain.from_iterable(tables),
     ]
+    for group in batch.group_block_ids:
+        flat += [*map(len, group), *itertools.chain.from_iterable(group)]
+    return flat
+
+
+def _tables(flat: list[int], i: int, lengths: list[int]) -> tuple[list[list[int]], int]:
+    tables = []
+    for length in lengths:
+        tables.append(flat[i : i + length])
+        i += length
+    return tables, i
 
 
 def decode_batch(flat: list[int]) -> StepBatch:
@@ -45,11 +57,12 @@ def decode_batch(flat: list[int]) -> StepBatch:
     num_tokens = sum(query_lens)
     input_ids = flat[i : i + num_tokens]
     i += num_tokens
-    tables = []
-    for length in table_lens:
-        tables.append(flat[i : i + length])
-        i += length
-    return StepBatch(input_ids, starts, query_lens, tables, sample_rows)
+    tables, i = _tables(flat, i, table_lens)
+    groups = []
+    while i < len(flat):  # a hybrid model's further KV groups
+        group, i = _tables(flat, i + n, flat[i : i + n])
+        groups.append(group)
+    return StepBatch(input_ids, starts, query_lens, tables, sample_rows, groups)
 
 
 class StepChannel:

@@ -223,6 +223,10 @@ class TensorParallelRunner:
         return self.runner.kv_sliding_window
 
     @property
+    def kv_group_windows(self) -> tuple[int | None, ...]:
+        return self.runner.kv_group_windows
+
+    @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 

@@ -64,8 +64,11 @@ def test_gemma_matches_transformers_through_batching(
         **(PLAIN_TORCH if path == "torch" else {}),
     )
     runner = run.runner
-    # hybrid: local and global layers, so every block is kept; max_model_len is the positions'
+    # hybrid: a KV group per window (kv_groups.py), the local layers' blocks behind their
+    # window freed; max_model_len is the positions'
     assert runner.kv_sliding_window is None and runner.max_model_len == 512
+    assert runner.kv_group_windows[0] is None and len(runner.kv_group_windows) > 1
+    assert run.scheduler.kv.num_window_freed_blocks > 0
     windows = {layer.self_attn.attn.sliding_window for layer in runner.model.model.layers}
     assert windows == {None, runner.hf_config.sliding_window}
     assert run.outputs == expected_outputs(gemma_dir, prompts, MAX_TOKENS)
@@ -91,7 +94,10 @@ def test_gemma_prefix_hits_and_preemption_keep_outputs_identical(gemma_dir, run_
         prompts,
         greedy_params(12),
         block_size=4,
-        num_kv_blocks=24,  # the longest request needs 17 blocks
+        # hybrid KV groups (kv_groups.py) share the pool: the longest request (68 tokens, 17
+        # blocks a group) holds at most 17 + 7 blocks on Gemma 2 (one windowed group, window
+        # 8) and 17 + 5 x 8 on Gemma 3 (five windowed groups of one layer, window 12)
+        num_kv_blocks=24 if "gemma2" in gemma_dir.name else 60,
         max_num_batched_tokens=16,
         enable_prefix_caching=True,
         **(PLAIN_TORCH if path == "torch" else {}),
@@ -136,6 +142,8 @@ def test_gemma_tp2_over_gloo_matches_transformers(gemma_dir, run_generation):
         run = run_generation(gemma_dir, prompts, greedy_params(8), runner=runner, **fields)
     finally:
         runner.shutdown()
+    # every rank ran each KV group's own tables (the step batch carries them all)
+    assert len(run.scheduler.kv.groups) > 1 and run.scheduler.kv.num_window_freed_blocks > 0
     assert run.outputs == expected_outputs(gemma_dir, prompts, [8, 8, 8])
 
 
@@ -231,9 +239,11 @@ def test_gemma3_270m_matches_transformers(gemma3_270m_dir, run_generation):
     story = " ".join(f"On day {i} the baker sold {3 * i % 17} loaves." for i in range(70))
     prompts.append(tokenizer.encode(story + " On the last day the baker"))
     assert len(prompts[-1]) > 600
+    # 64 blocks' bytes of all 18 layers: a block is one KV group's 3 layers (kv_groups.py)
     run = run_generation(
-        gemma3_270m_dir, prompts, greedy_params(16), num_kv_blocks=64, block_size=16,
+        gemma3_270m_dir, prompts, greedy_params(16), num_kv_blocks=64 * 6, block_size=16,
         max_num_batched_tokens=256,
     )  # fmt: skip
+    assert run.runner.kv_groups.num_slots == 3 and len(run.runner.kv_group_windows) == 6
     assert run.runner.hf_config.layer_types[5] == "full_attention"
     assert run.outputs == [hf_greedy(gemma3_270m_dir, tuple(p), 16, False) for p in prompts]

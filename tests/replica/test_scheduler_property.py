@@ -39,6 +39,8 @@ class Workload:
     # per request id: a repeating pattern the fake model outputs (prompt-lookup drafts of it
     # get accepted, also across stop tokens and max_tokens)
     forced: dict[str, list[int]] = field(default_factory=dict)
+    # a hybrid model's KV groups' windows (replica/kv_hybrid.py); empty: one table
+    group_windows: tuple[int | None, ...] = ()
 
 
 @st.composite
@@ -93,7 +95,11 @@ def workloads(draw) -> Workload:
             )
         )
     arrivals.sort(key=lambda a: a.step)
-    return Workload(config, num_blocks, max_model_len, arrivals, forced)
+    # group 0 attends fully (as kv_groups.py orders them): the fake runner checks its table
+    windows = draw(st.sampled_from([(), (), (None, 3), (None, 5, 5, 5), (None, 1, 9)]))
+    if windows:  # room for the windowed groups' blocks too
+        num_blocks += draw(st.integers(0, 3 * len(windows)))
+    return Workload(config, num_blocks, max_model_len, arrivals, forced, windows)
 
 
 def _same_step_workload() -> Workload:
@@ -157,7 +163,15 @@ def should_reject(w: Workload, a: Arrival) -> bool:
     if len(a.prompt) + 1 > w.max_model_len:
         return True
     max_total = min(len(a.prompt) + a.params.max_tokens, w.max_model_len)
+    if w.group_windows:
+        return sched_for(w).kv.max_blocks(max_total, w.config.max_num_batched_tokens) > (
+            w.num_blocks
+        )
     return -(-max_total // w.config.block_size) > w.num_blocks
+
+
+def sched_for(w: Workload) -> Scheduler:
+    return Scheduler(w.config, w.num_blocks, w.max_model_len, None, w.group_windows)
 
 
 def check_step_invariants(sched: Scheduler, w: Workload) -> None:
@@ -187,7 +201,7 @@ def check_step_invariants(sched: Scheduler, w: Workload) -> None:
 @example(lowest_priority_victim_before_a_higher_one)
 @example(preempted_in_the_step_that_cached_its_block)
 def test_random_workloads_keep_invariants_and_match_solo_outputs(w: Workload):
-    sched = Scheduler(w.config, w.num_blocks, w.max_model_len)
+    sched = sched_for(w)
     runner = FakeRunner(w.config.block_size, vocab_size=VOCAB_SIZE, forced_tokens=w.forced)
     budget, seats = w.config.max_num_batched_tokens, w.config.max_num_seqs
     accepted: dict[str, Request] = {}
@@ -239,7 +253,9 @@ def test_random_workloads_keep_invariants_and_match_solo_outputs(w: Workload):
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert sched.kv.req_to_blocks == {} and not sched.running and not sched.waiting
+    for kv in getattr(sched.kv, "groups", [sched.kv]):
+        assert kv.req_to_blocks == {}
+    assert not sched.running and not sched.waiting
     for rid, request in accepted.items():
         assert request.is_finished
         assert outputs[rid] == request.output_token_ids

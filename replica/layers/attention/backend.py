@@ -43,6 +43,9 @@ class AttentionMetadata:
     `TorchSDPAMetadata.build`, torch_sdpa.py)."""
 
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    # a hybrid model's step: every KV group's metadata, by group (None: one group, this one);
+    # not a field, so subclasses' fields stay positional
+    groups = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ class Attention(nn.Module):
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
         self.logits_soft_cap = logits_soft_cap
+        self.kv_group = 0  # a hybrid model's KV group (replica/kv_groups.py): its metadata
         self.backend: type[AttentionBackend] = TorchSDPABackend
         self.use_backend(TorchSDPABackend)
 
@@ -62,6 +63,8 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.kv_group:  # group 0 reads the step's metadata itself
+            meta = meta.groups[self.kv_group]
         num_tokens = q.shape[0]
         d = self.head_dim
         q = q.view(num_tokens, self.num_heads, d)
