@@ -136,18 +136,33 @@ def build_tiny_model(
     fields.update(overrides)
     torch.manual_seed(seed)
     model = model_cls[architecture](config_cls[architecture](**fields)).float().eval()
+    draw_weights(model)
+    save_checkpoint(model, out_dir, tokenizer_dir)
+
+
+def draw_weights(model) -> None:
+    """Weights scaled up from HF's init (0.1-scale normals) so greedy choices have clear
+    margins; norm weights around 1."""
+    import torch
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.1)
+
+
+def save_checkpoint(model, out_dir: Path, tokenizer_dir: Path) -> None:
+    """`model` in fp32 safetensors with the tiny tokenizer (and its EOS) beside it."""
+    import transformers
+
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=0, eos_token_id=TINY_EOS_ID, pad_token_id=0
     )
     model.save_pretrained(out_dir, safe_serialization=True)
-    for item in tokenizer_dir.iterdir():
-        shutil.copy(item, out_dir / item.name)
+    for item in Path(tokenizer_dir).iterdir():
+        shutil.copy(item, Path(out_dir) / item.name)
 
 
 # A bigger sibling of the tests' tiny Llama: enough compute per token that batch size and

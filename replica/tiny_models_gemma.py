@@ -4,10 +4,9 @@ shorter than the test prompts and soft caps small enough that tanh bends the sco
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-from replica.tiny_models import TINY_EOS_ID, TINY_VOCAB
+from replica.tiny_models import TINY_EOS_ID, TINY_VOCAB, save_checkpoint
 
 GEMMA_FIELDS = dict(
     hidden_size=64,
@@ -62,9 +61,4 @@ def build_tiny_gemma(
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(0.0, 0.2 if "norm" in name else 0.1)
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=0, eos_token_id=TINY_EOS_ID, pad_token_id=0
-    )
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for item in Path(tokenizer_dir).iterdir():
-        shutil.copy(item, Path(out_dir) / item.name)
+    save_checkpoint(model, out_dir, tokenizer_dir)

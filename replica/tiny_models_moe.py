@@ -4,11 +4,10 @@ tests and bench/moe.py."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
-from replica.tiny_models import TINY_EOS_ID, TINY_VOCAB
+from replica.tiny_models import TINY_EOS_ID, TINY_VOCAB, draw_weights, save_checkpoint
 
 # transformers' (config class, model class) names by family
 FAMILIES = {
@@ -73,15 +72,5 @@ def build_tiny_family(
     torch.manual_seed(seed)
     config = getattr(transformers, config_name)(**fields)
     model = getattr(transformers, model_name)(config).float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=0, eos_token_id=TINY_EOS_ID, pad_token_id=0
-    )
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for item in tokenizer_dir.iterdir():
-        shutil.copy(item, out_dir / item.name)
+    draw_weights(model)
+    save_checkpoint(model, out_dir, tokenizer_dir)

@@ -4,11 +4,10 @@ replica/tiny_models.py, for the parity tests of those families."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
-from replica.tiny_models import TINY_EOS_ID, TINY_VOCAB
+from replica.tiny_models import TINY_EOS_ID, TINY_VOCAB, draw_weights, save_checkpoint
 
 TINY_FIELDS = dict(
     hidden_size=64,
@@ -54,19 +53,8 @@ def _save(model: Any, out_dir: Path, tokenizer_dir: Path, seed: int) -> None:
     """Weights drawn as build_tiny_model draws them (scaled up for clear greedy margins, norm
     weights around 1), saved in fp32 safetensors with the tokenizer beside them."""
     import torch
-    import transformers
 
     torch.manual_seed(seed)
     model = model.float().eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.1)
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=0, eos_token_id=TINY_EOS_ID, pad_token_id=0
-    )
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for item in tokenizer_dir.iterdir():
-        shutil.copy(item, out_dir / item.name)
+    draw_weights(model)
+    save_checkpoint(model, out_dir, tokenizer_dir)
