@@ -14,7 +14,8 @@ from replica.tiny_models import BENCH_TINY_FIELDS as TINY_FIELDS  # noqa: E402,F
 
 
 def model_dir(name: str) -> Path:
-    """`tiny`, `default` (SmolLM2-135M-Instruct) or a path to a local HF directory."""
+    """`tiny`, `default` (SmolLM2-135M-Instruct in fp32), `default-gguf` (as served: Q4_1) or a
+    path to a local HF directory or GGUF file (replica/tiny_models.py resolve_model_dir)."""
     from replica.tiny_models import resolve_model_dir
 
     try:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -67,24 +68,33 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig.model_validate(data)
 
 
-def _resolve_default_model(config: ClusterConfig) -> ClusterConfig:
-    """Convert the default model once, before any replica starts (they would race for it)."""
-    if config.engine.model is not None:
-        if not Path(config.engine.model).is_dir():
-            raise SystemExit(f"error: --model {config.engine.model!r} is not a directory")
-        return config
-    from replica.default_model import default_model_dir
+def _resolve_model(config: ClusterConfig) -> tuple[ClusterConfig, Path]:
+    """Resolve --model here once, before anything starts: a path that is no model fails now, and
+    a GGUF file's metadata directory (or the default model's) is made before the replicas on
+    this machine look for it (each process still resolves the path on its own machine:
+    EngineConfig.model_dir). The config keeps the path the user gave, made absolute."""
+    from replica.default_model import resolve_model
 
-    model_dir = default_model_dir()
-    engine = config.engine.model_copy(
-        update={"model": str(model_dir), "served_model_name": config.model_name()}
-    )
-    return config.model_copy(update={"engine": engine})
+    model = config.engine.model
+    label = "the default model" if model is None else f"--model {model!r}"
+    try:
+        model_dir = resolve_model(model)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {label}: {exc}") from None
+    if not model_dir.is_dir():  # a file is a GGUF (resolved) or an error (raised)
+        raise SystemExit(f"error: {label} does not exist")
+    update = {"served_model_name": config.model_name()}
+    if model is not None:
+        update["model"] = os.path.abspath(Path(model).expanduser())
+    engine = config.engine.model_copy(update=update)
+    return config.model_copy(update={"engine": engine}), model_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = _resolve_default_model(build_config(args))
-    print(f"stepserve: serving {config.model_name()} ({config.engine.model})", flush=True)
+    config, model_dir = _resolve_model(build_config(args))
+    source = config.engine.model or "the default model"
+    where = source if str(model_dir) == source else f"{source}, metadata in {model_dir}"
+    print(f"stepserve: serving {config.model_name()} ({where})", flush=True)
     timings: dict[str, float] = {}
     url = start(config, args.address, timings)
     print(f"stepserve: ready at {url}/v1  (OpenAI-compatible; Ctrl-C to stop)", flush=True)

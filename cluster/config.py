@@ -81,8 +81,4 @@ class ClusterConfig(_Strict):
         return cls.model_validate(data)
 
     def model_name(self) -> str:
-        if self.engine.served_model_name:
-            return self.engine.served_model_name
-        if self.engine.model:
-            return Path(self.engine.model).name
-        return "SmolLM2-135M-Instruct"
+        return self.engine.served_name()

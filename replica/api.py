@@ -13,7 +13,6 @@ from replica.contracts import (
     PreemptionRate,
     RoutingStats,
 )
-from replica.default_model import default_model_dir
 from replica.errors import EngineDeadError, EngineOverloaded, GrammarRejected, RequestRejected
 from replica.hub import find_hub, get_hub
 from replica.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot, call_hub
@@ -63,7 +62,6 @@ __all__ = [
     "TOOL_CALL_OPEN",
     "call_hub",
     "check_logit_bias",
-    "default_model_dir",
     "extend_block_hashes",
     "find_hub",
     "freeze_heap",

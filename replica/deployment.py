@@ -139,7 +139,7 @@ class LLMServer:
             else:
                 self.kv_events = KVEventPublisher.in_process(self.engine, self.replica_id, hub)
         self._preemptions = PreemptionRate(_PREEMPTION_WINDOW_S)
-        model_name = config.served_model_name or Path(self.engine.info.model_dir).name
+        model_name = config.served_name()
         if self.core_process:  # the front observes the steps the core reports
             self.metrics = EngineMetrics(None, model_name, self.replica_id)
             self.engine.report_listeners.append(self.metrics.observe)

@@ -205,15 +205,22 @@ def bench_tiny_model_dir() -> Path:
 
 
 def resolve_model_dir(name: str) -> Path:
-    """`tiny` (the benchmarks' tiny random Llama), `default` (SmolLM2-135M-Instruct) or a
-    local Hugging Face model directory."""
+    """`tiny` (the benchmarks' tiny random Llama), `default` (SmolLM2-135M-Instruct
+    de-quantized to fp32: the checkpoint the benchmarks' figures and their peers, transformers
+    and vLLM, read), `default-gguf` (SmolLM2 as `stepserve serve` serves it: its Q4_1 GGUF), a
+    local Hugging Face model directory or a GGUF file."""
     if name == "tiny":
         return bench_tiny_model_dir()
     if name == "default":
-        from replica.default_model import default_model_dir
+        from replica.default_model import dequantized_default_model_dir
 
-        return default_model_dir()
-    path = Path(name)
+        return dequantized_default_model_dir()
+    from replica.default_model import resolve_model
+
+    path = resolve_model(None if name == "default-gguf" else name)
     if not path.is_dir():
-        raise ValueError(f"model {name!r}: expected tiny, default or a model directory")
+        raise ValueError(
+            f"model {name!r}: expected tiny, default, default-gguf, a model directory or a "
+            ".gguf file"
+        )
     return path

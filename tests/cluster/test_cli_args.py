@@ -127,6 +127,43 @@ def test_flags_of_before_the_generated_ones_work_as_they_did():
     assert args.seed == 3
 
 
+def test_quantization_flags_reach_the_engine_config(capsys):
+    engine = parse("--quantization", "int8", "--quant-activations", "fp32").engine
+    assert (engine.quantization, engine.quant_activations) == ("int8", "fp32")
+    default = parse().engine
+    assert (default.quantization, default.quant_activations) == ("none", "auto")
+    from cluster.engine_args import engine_overrides
+
+    args = make_parser().parse_args(["generate", "--prompt", "hi", "--quantization", "int8"])
+    assert engine_overrides(args) == {"quantization": "int8"}
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "--quantization", "int4"])
+    assert "argument --quantization: invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_serve_resolves_a_gguf_model_once_and_keeps_the_users_path(tmp_path, monkeypatch):
+    """`stepserve serve --model x.gguf` makes the file's metadata directory before anything
+    starts and passes the file's absolute path on (each process resolves it on its machine);
+    the served name is the file's name without .gguf."""
+    from cluster.cli import _resolve_model
+    from tests.replica.test_gguf_meta import write_gguf
+
+    monkeypatch.setenv("STEPSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf(tmp_path / "models" / "Tiny-Q8_0.gguf")
+    monkeypatch.chdir(tmp_path)
+    config, model_dir = _resolve_model(parse("--model", "models/Tiny-Q8_0.gguf"))
+    assert config.engine.model == str(gguf) and config.model_name() == "Tiny-Q8_0"
+    assert config.engine.served_model_name == "Tiny-Q8_0"
+    assert model_dir.parent == tmp_path / "cache" / "gguf" and (model_dir / "gguf.json").is_file()
+    config, model_dir = _resolve_model(parse("--model", "models"))  # the directory holding it
+    assert config.model_name() == "models" and (model_dir / "gguf.json").is_file()
+    with pytest.raises(SystemExit, match=r"--model 'nope' does not exist"):
+        _resolve_model(parse("--model", "nope"))
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(SystemExit, match=r"--model 'weights.bin': .*is not a GGUF file"):
+        _resolve_model(parse("--model", "weights.bin"))
+
+
 def test_unset_flags_keep_the_config_file_values(tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(

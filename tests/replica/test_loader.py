@@ -244,12 +244,14 @@ def test_indivisible_heads_are_a_clear_error():
 
 # -- the default model ------------------------------------------------------------------------
 def test_default_model_is_converted_once_with_tokenizer_and_generation_config(
-    default_model_dir,
+    dequantized_default_model_dir,
 ):
+    """The de-quantized fp32 copy the parity tests compare with transformers."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from replica.default_model import default_model_dir as convert
+    from replica.default_model import dequantized_default_model_dir as convert
 
+    default_model_dir = dequantized_default_model_dir
     weights = default_model_dir / "model.safetensors"
     before = weights.stat().st_mtime_ns
     assert convert() == default_model_dir

@@ -320,10 +320,12 @@ def test_llm_generate_matches_transformers(tiny_llama_dir):
     )
 
 
-def test_default_model_matches_transformers(default_model_dir, run_generation):
-    """SmolLM2-135M-Instruct, converted from the packaged GGUF, 32 greedy tokens (EOS honoured)."""
+def test_default_model_matches_transformers(dequantized_default_model_dir, run_generation):
+    """SmolLM2-135M-Instruct, de-quantized to fp32 from the packaged GGUF, 32 greedy tokens
+    (EOS honoured)."""
     from transformers import AutoTokenizer
 
+    default_model_dir = dequantized_default_model_dir
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir))
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
     prompts = [
