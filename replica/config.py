@@ -43,6 +43,20 @@ class EngineConfig(BaseModel):
         default=0, ge=0, description="Cap on tokens one prefill takes per step (0 = no cap)."
     )
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    quantization: Literal["none", "int8"] = Field(
+        default="none",
+        description="'int8': quantize the float checkpoint's linear weights (the LM head too, "
+        "and a tied embedding) to int8 per group of 32 (GGML's Q8_0) as they load; layers "
+        "whose in-features are not whole groups of 32 stay float. A GGUF checkpoint's "
+        "quantized tensors are served as they are either way; with 'int8' its float linear "
+        "tensors become Q8_0 too.",
+    )
+    quant_activations: Literal["auto", "int8", "fp32"] = Field(
+        default="auto",
+        description="How quantized matmuls take their activations: 'int8' rounds them to int8 "
+        "per group of 32 (integer dot products, faster), 'fp32' uses them as they are (closest "
+        "to the float model). auto: int8.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
@@ -191,6 +205,9 @@ class EngineConfig(BaseModel):
 
             return default_model_dir()
         return Path(self.model)
+
+    def resolved_quant_activations(self) -> str:
+        return "int8" if self.quant_activations == "auto" else self.quant_activations
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -22,11 +22,10 @@ def native_available() -> bool:
 
 def dequantize(w: QuantizedTensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [rows, cols] of the weight, or of only the given rows (a 1-D index tensor)."""
-    if rows is None:
-        return w.dequantize().to(w.data.device)
-    rows = rows.to(device=w.data.device, dtype=torch.long)
-    picked = QuantizedTensor(w.qtype, (int(rows.numel()), w.shape[1]), w.data.index_select(0, rows))
-    return picked.dequantize().to(w.data.device)
+    device = w.data.device
+    data = w.data if rows is None else w.data.index_select(0, rows.to(device, torch.long))
+    host = QuantizedTensor(w.qtype, (data.shape[0], w.shape[1]), data.cpu())  # numpy reference
+    return host.dequantize().to(device)
 
 
 def _round_activations(x: torch.Tensor) -> torch.Tensor:
