@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import logging
 import re
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from replica.quant.formats import FLOAT_TYPES, QType, QuantFormatError, QuantizedTensor
+from replica.quant.formats import BLOCK, FLOAT_TYPES, QType, QuantFormatError, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -83,26 +85,129 @@ class GGUFWeightError(ValueError):
     """A GGUF tensor cannot be served as it is; the message names the tensor and why."""
 
 
-def open_gguf(path: str | Path):
-    """The file's reader, memory-mapped copy-on-write (writable numpy views, nothing copied
-    until written, and nothing is)."""
-    from gguf import GGUFReader
+# GGUF value types (gguf.GGUFValueType): scalar struct formats; 8 string, 9 array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+DEFAULT_ALIGNMENT = 32
 
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # GGUF order: the row length (ne0) first
+    tensor_type: int
+    offset: int  # from the start of the file
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file's metadata and tensor table, and the file memory-mapped copy-on-write
+    (writable numpy views, nothing copied until written, and nothing is)."""
+
+    path: Path
+    fields: dict[str, Any]
+    tensors: list[GGUFTensorInfo]
+    mmap: np.memmap
+    # each field's GGUF value type, and for an array its items' type
+    field_types: dict[str, tuple[int, int | None]]
+
+    def data(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's bytes as numpy: float types in their dtype, shaped [.., rows, cols];
+        block types uint8 [.., rows, row_bytes]."""
+        qtype = tensor_qtype(info)
+        elems, nbytes = BLOCK[qtype]
+        dims = list(info.shape)
+        count = int(np.prod(dims)) // elems * nbytes
+        raw = self.mmap[info.offset : info.offset + count]
+        if qtype == QType.F32:
+            return raw.view(np.float32).reshape(dims[::-1])
+        if qtype == QType.F16:
+            return raw.view(np.float16).reshape(dims[::-1])
+        rows = dims[::-1][:-1]
+        return raw.reshape(*rows, dims[0] // elems * nbytes)
+
+
+class _Cursor:
+    def __init__(self, buf, pos: int = 0) -> None:
+        self.buf, self.pos = buf, pos
+
+    def scalar(self, fmt: str):
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        value = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return value
+
+    def skip_strings(self, count: int) -> None:
+        for _ in range(count):
+            (n,) = struct.unpack_from("<Q", self.buf, self.pos)
+            self.pos += 8 + n
+
+    def value(self, vtype: int, arrays: bool):
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            item, count = self.scalar("<I"), self.scalar("<Q")
+            if item == _STRING:
+                if not arrays:
+                    self.skip_strings(count)
+                    return None
+                return [self.string() for _ in range(count)]
+            if item == _ARRAY:  # nested arrays: never in the files we read; walk them
+                return [self.value(_ARRAY, arrays) for _ in range(count)]
+            fmt = _SCALARS[item]
+            size = struct.calcsize(fmt)
+            if not arrays and count > 64:
+                self.pos += size * count
+                return None
+            values = np.frombuffer(self.buf, dtype=np.dtype(fmt), count=count, offset=self.pos)
+            self.pos += size * count
+            return values.tolist()
+        return self.scalar(_SCALARS[vtype])
+
+
+def read_gguf(path: str | Path, arrays: bool = False) -> GGUFFile:
+    """Parse a GGUF file's header: metadata (long arrays, the vocabulary among them, are
+    skipped unless `arrays`: gguf's own reader builds a numpy view per token, seconds for a
+    large vocabulary) and the tensor table; the tensors stay in the memory map."""
+    path = Path(path)
     try:
-        return GGUFReader(str(path), "c")
-    except Exception as exc:  # the reader raises ValueError / struct errors on a bad file
+        mm = np.memmap(path, dtype=np.uint8, mode="c")
+        cur = _Cursor(mm)
+        if bytes(mm[:4]) != b"GGUF":
+            raise ValueError("no GGUF magic")
+        version = cur.scalar("<4xI")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported (2 and later are)")
+        n_tensors, n_fields = cur.scalar("<Q"), cur.scalar("<Q")
+        fields, types = {}, {}
+        for _ in range(n_fields):
+            key = cur.string()
+            vtype = cur.scalar("<I")
+            item = cur.scalar("<I") if vtype == _ARRAY else None
+            cur.pos -= 4 if vtype == _ARRAY else 0
+            types[key] = (vtype, item)
+            fields[key] = cur.value(vtype, arrays)
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = tuple(cur.scalar("<Q") for _ in range(cur.scalar("<I")))
+            infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
+        align = int(fields.get("general.alignment") or DEFAULT_ALIGNMENT)
+        start = -(-cur.pos // align) * align
+    except (ValueError, struct.error, KeyError, OSError) as exc:
         raise GGUFWeightError(f"cannot read {path}: not a valid GGUF file ({exc})") from exc
+    tensors = [GGUFTensorInfo(n, d, t, start + o) for n, d, t, o in infos]
+    return GGUFFile(path, fields, tensors, mm, types)
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def architecture(reader) -> str:
-    arch = _field(reader, "general.architecture")
+def architecture(file: GGUFFile) -> str:
+    arch = file.fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFWeightError(
             f"GGUF architecture {arch!r} is not supported; supported: "
@@ -132,16 +237,15 @@ def tensor_qtype(tensor) -> QType:
         ) from None
 
 
-def read_tensor(tensor) -> QuantizedTensor | torch.Tensor:
-    """One GGUF tensor as it is stored: a QuantizedTensor [rows, cols] (stacked: [n, rows, cols]
-    comes back as a list-like 3-D view, see `_experts`), or a float torch tensor; both views of
-    the memory map."""
+def read_tensor(file: GGUFFile, tensor: GGUFTensorInfo) -> QuantizedTensor | torch.Tensor:
+    """One 2-D GGUF tensor as it is stored, a view of the memory map: a QuantizedTensor
+    [rows, cols], or a float torch tensor (any rank)."""
     qtype = tensor_qtype(tensor)
-    data = torch.from_numpy(np.asarray(tensor.data))
+    data = torch.from_numpy(file.data(tensor))
     if qtype in FLOAT_TYPES:
-        if qtype == QType.BF16:  # numpy has no bf16: the reader gives the raw bytes
-            data = data.contiguous().view(torch.uint8).view(torch.bfloat16)
-        return data.reshape([int(n) for n in reversed(tensor.shape)])
+        if qtype == QType.BF16:  # numpy has no bf16: raw bytes, two per element
+            data = data.view(torch.bfloat16)
+        return data
     dims = [int(n) for n in tensor.shape]
     if len(dims) != 2:
         raise GGUFWeightError(
@@ -151,21 +255,19 @@ def read_tensor(tensor) -> QuantizedTensor | torch.Tensor:
     return QuantizedTensor(qtype, (dims[1], dims[0]), data)
 
 
-def _experts(tensor) -> Iterator[QuantizedTensor | torch.Tensor]:
+def _experts(file: GGUFFile, tensor: GGUFTensorInfo) -> Iterator[QuantizedTensor | torch.Tensor]:
     """The slices of a stacked [experts, rows, cols] tensor, one per expert."""
     qtype = tensor_qtype(tensor)
     dims = [int(n) for n in tensor.shape]  # GGUF order: cols, rows, experts
     if len(dims) != 3:
         raise GGUFWeightError(f"GGUF expert tensor {tensor.name!r} is not 3-D: {dims}")
     cols, rows, experts = dims
-    data = torch.from_numpy(np.asarray(tensor.data))
+    data = torch.from_numpy(file.data(tensor))
     if qtype in FLOAT_TYPES:
         if qtype == QType.BF16:
-            data = data.contiguous().view(torch.uint8).view(torch.bfloat16)
-        data = data.reshape(experts, rows, cols)
+            data = data.view(torch.bfloat16)
         yield from data
         return
-    data = data.reshape(experts, rows, -1)
     for e in range(experts):
         yield QuantizedTensor(qtype, (rows, cols), data[e])
 
@@ -189,8 +291,8 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | Path, hf_config: Any = None) -> None:
         self.path = Path(path)
-        self.reader = open_gguf(self.path)
-        self.arch = architecture(self.reader)
+        self.file = read_gguf(self.path)
+        self.arch = architecture(self.file)
         self.hf_config = hf_config
         arch_names = getattr(hf_config, "architectures", None) or []
         self.mixtral = bool(arch_names) and arch_names[0] == "MixtralForCausalLM"
@@ -202,7 +304,7 @@ class GGUFCheckpoint:
             self.num_kv_heads = self.num_heads
 
     def _count(self, key: str, config_field: str) -> int | None:
-        value = _field(self.reader, f"{self.arch}.{key}")
+        value = self.file.fields.get(f"{self.arch}.{key}")
         if isinstance(value, list):  # per-layer counts: all equal for the families we run
             value = max(value)
         if value is None and self.hf_config is not None:
@@ -227,20 +329,20 @@ class GGUFCheckpoint:
 
     def tensors(self) -> Iterator[tuple[str, QuantizedTensor | torch.Tensor]]:
         """(our name, tensor) for every tensor the model may load, in file order."""
-        for tensor in self.reader.tensors:
+        for tensor in self.file.tensors:
             name = tensor.name
             m = _BLOCK_NAME.match(name)
             if m is not None and m.group(2) in self.experts:
                 layer, part = m.group(1), m.group(2)
                 moe = "block_sparse_moe" if self.mixtral else "mlp"
-                for e, t in enumerate(_experts(tensor)):
+                for e, t in enumerate(_experts(self.file, tensor)):
                     yield f"model.layers.{layer}.{moe}.experts.{e}.{self.experts[part]}.weight", t
                 continue
             hf_name = self.hf_name(name)
             if hf_name is None:
                 logger.debug("GGUF tensor %s is recomputed from the config: skipped", name)
                 continue
-            yield hf_name, self._fixed(name, read_tensor(tensor))
+            yield hf_name, self._fixed(name, read_tensor(self.file, tensor))
 
     def _fixed(self, name: str, t: QuantizedTensor | torch.Tensor) -> Any:
         """The arch's fixes of llama.cpp's conversion."""
