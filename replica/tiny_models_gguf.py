@@ -274,12 +274,16 @@ def build_tiny_gguf(
     qtypes: dict[str, str] | None = None,
     default_qtype: str = "Q8_0",
     seed: int = 0,
-    tokenizer_gguf: str | Path | None = None,
+    tokenizer_gguf: str | Path | None | bool = None,
+    drop: tuple[str, ...] = (),
     **overrides: Any,
 ) -> Path:
     """Write a random tiny `arch` model as GGUF at `path`. qtypes: GGUF tensor name patterns
     (fnmatch, first match wins) -> GGML type name (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, F16,
-    F32); other 2-D tensors take default_qtype, 1-D ones (norms, biases) F32."""
+    F32, or any other type gguf can quantize to); other 2-D tensors take default_qtype, 1-D
+    ones (norms, biases) F32. tokenizer_gguf: the GGUF whose tokenizer metadata is copied
+    (None: the installed SmolLM2's; False: none, which transformers then reads in
+    milliseconds instead of seconds). drop: names of tensors to leave out."""
     import gguf
 
     from replica.default_model import find_gguf_file
@@ -320,11 +324,14 @@ def build_tiny_gguf(
         writer.add_uint32(f"{prefix}.attention.sliding_window", fields["sliding_window"])
     writer.add_uint32("general.file_type", 7)  # mostly Q8_0; per tensor below
     writer.add_uint32("general.quantization_version", 2)
-    _copy_tokenizer(writer, Path(tokenizer_gguf) if tokenizer_gguf else find_gguf_file())
+    if tokenizer_gguf is not False:
+        _copy_tokenizer(writer, Path(tokenizer_gguf) if tokenizer_gguf else find_gguf_file())
     patterns = list((qtypes or {}).items())
     for hf_name, param in model.state_dict().items():
         name = _gguf_name(hf_name, arch)
         if name is None or (name == "output.weight" and fields["tie_word_embeddings"]):
+            continue
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in drop):
             continue
         w = param.detach().float().numpy()
         if arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
