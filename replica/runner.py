@@ -175,8 +175,12 @@ class ModelRunner:
         )
 
     def _make_decode_graphs(self):
-        """CUDA graphs of decode steps (cuda_graphs.py): CUDA, one rank, flex attention."""
+        """CUDA graphs of decode steps (cuda_graphs.py): CUDA, one rank, flex attention, no
+        quantized weights (their kernels are not known to be capturable)."""
         config = self.config
+        if self.device.type == "cuda" and config.cuda_graphs and self.num_quantized_weights:
+            logger.info("quantized weights: decode steps run without CUDA graphs")
+            return None
         if not (
             self.device.type == "cuda"
             and config.cuda_graphs

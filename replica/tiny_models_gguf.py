@@ -1,4 +1,4 @@
-"""Tiny random GGUF checkpoints (llama, qwen2, qwen3, gemma3 architectures) with a chosen block
+"""Tiny random GGUF checkpoints (llama, qwen2, qwen3, qwen3moe, gemma3 architectures) with a chosen block
 format per tensor, written the way llama.cpp's converter writes them (query/key rows permuted
 for llama, Gemma norms stored as 1 + w, hyperparameters in the metadata), with the real SmolLM2
 tokenizer's metadata (vocabulary 49152) copied from the installed default model's GGUF so that
@@ -59,12 +59,27 @@ TINY_GGUF_FIELDS: dict[str, dict[str, Any]] = {
         sliding_window=16,
         tie_word_embeddings=True,
     ),
+    # transformers reads neither head_dim nor the experts' width from a qwen3moe GGUF: its
+    # defaults, 128 and 768 (three 256-blocks: the experts' down_proj can be a K-quant)
+    "qwen3moe": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        intermediate_size=256,
+        moe_intermediate_size=768,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
 }
 _HF_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 # HF module of a decoder layer -> GGUF part (blk.N.<part>)
 _PARTS = {
@@ -79,6 +94,7 @@ _PARTS = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # the experts' router
 }
 _GEMMA_PARTS = {
     "post_attention_layernorm": "post_attention_norm",
@@ -322,26 +338,41 @@ def build_tiny_gguf(
     writer.add_uint32(f"{prefix}.vocab_size", fields["vocab_size"])
     if arch == "gemma3":
         writer.add_uint32(f"{prefix}.attention.sliding_window", fields["sliding_window"])
+    if arch == "qwen3moe":
+        writer.add_uint32(f"{prefix}.expert_count", fields["num_experts"])
+        writer.add_uint32(f"{prefix}.expert_used_count", fields["num_experts_per_tok"])
+        writer.add_uint32(f"{prefix}.expert_feed_forward_length", fields["moe_intermediate_size"])
     writer.add_uint32("general.file_type", 7)  # mostly Q8_0; per tensor below
     writer.add_uint32("general.quantization_version", 2)
     if tokenizer_gguf is not False:
         _copy_tokenizer(writer, Path(tokenizer_gguf) if tokenizer_gguf else find_gguf_file())
     patterns = list((qtypes or {}).items())
+    tensors = []
     for hf_name, param in model.state_dict().items():
-        name = _gguf_name(hf_name, arch)
+        w = param.detach().float().numpy()
+        if hf_name.endswith(".mlp.experts.gate_up_proj"):  # [experts, 2 * inter, hidden]
+            layer = hf_name.split(".")[2]
+            inter = w.shape[1] // 2
+            tensors.append((f"blk.{layer}.ffn_gate_exps.weight", w[:, :inter]))
+            tensors.append((f"blk.{layer}.ffn_up_exps.weight", w[:, inter:]))
+        elif hf_name.endswith(".mlp.experts.down_proj"):  # [experts, hidden, inter]
+            tensors.append((f"blk.{hf_name.split('.')[2]}.ffn_down_exps.weight", w))
+        else:
+            tensors.append((_gguf_name(hf_name, arch), w))
+    for name, w in tensors:
         if name is None or (name == "output.weight" and fields["tie_word_embeddings"]):
             continue
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in drop):
             continue
-        w = param.detach().float().numpy()
         if arch == "llama" and name.endswith((".attn_q.weight", ".attn_k.weight")):
             w = _permute(w, heads if ".attn_q." in name else kv_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w + 1.0
         qtype = next((q for pat, q in patterns if fnmatch.fnmatchcase(name, pat)), None)
-        qtype = qtype or (default_qtype if w.ndim == 2 else "F32")
-        data, ggml = quantize(w, qtype)
-        writer.add_tensor(name, data, raw_dtype=ggml)
+        qtype = qtype or (default_qtype if w.ndim >= 2 else "F32")
+        # stacked experts: each expert's rows quantized as rows of one [experts * rows] matrix
+        data, ggml = quantize(w.reshape(-1, w.shape[-1]), qtype)
+        writer.add_tensor(name, data.reshape(*w.shape[:-1], data.shape[-1]), raw_dtype=ggml)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -354,6 +385,7 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

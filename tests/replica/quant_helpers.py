@@ -49,13 +49,23 @@ GEMMA3_QTYPES = {  # norms stored as 1 + w
     "blk.*.ffn_down.weight": "Q6_K",
     "blk.0.attn_v.weight": "Q4_1",
 }
+QWEN3MOE_QTYPES = {  # stacked experts of two types, a quantized router (read as float)
+    "blk.*.ffn_gate_exps.weight": "Q4_0",
+    "blk.*.ffn_up_exps.weight": "Q8_0",
+    "blk.0.ffn_down_exps.weight": "Q6_K",
+    "blk.1.ffn_down_exps.weight": "Q4_K",
+    "blk.0.ffn_gate_inp.weight": "Q8_0",
+    "blk.1.ffn_gate_inp.weight": "F32",
+    "blk.*.attn_output.weight": "Q4_1",
+}
 QTYPES = {
     "llama": LLAMA_QTYPES,
     "qwen2": QWEN2_QTYPES,
     "qwen3": QWEN3_QTYPES,
+    "qwen3moe": QWEN3MOE_QTYPES,
     "gemma3": GEMMA3_QTYPES,
 }
-SEEDS = {"llama": 21, "qwen2": 22, "qwen3": 23, "gemma3": 24}
+SEEDS = {"llama": 21, "qwen2": 22, "qwen3": 23, "gemma3": 24, "qwen3moe": 25}
 
 
 @functools.cache

@@ -122,11 +122,12 @@ def test_unpermute_undoes_llama_cpp_permutation_on_quantized_rows():
     assert torch.equal(back.dequantize(), quantize_q8_0(w).dequantize())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"])
 def test_every_weight_matches_transformers_reading_of_the_gguf(arch):
     """Our model's weights (de-quantized) equal transformers' de-quantized ones tensor for
-    tensor: the name maps, llama's query/key un-permutation on quantized rows and Gemma's norm
-    offset (checked through our 1 + w, which transformers adds in its forward)."""
+    tensor: the name maps, llama's query/key un-permutation on quantized rows, Gemma's norm
+    offset (checked through our 1 + w, which transformers adds in its forward) and Qwen3-MoE's
+    stacked experts (split per expert, quantized as they are; its Q8_0 router read as float)."""
     sidecar = tiny_gguf_dir(arch)
     ours = load_model(sidecar)
     theirs = dict(hf_gguf_model(sidecar).named_parameters())
@@ -134,6 +135,10 @@ def test_every_weight_matches_transformers_reading_of_the_gguf(arch):
     checked = 0
     for name, param in theirs.items():
         if name == "lm_head.weight" and ours.tie_word_embeddings:
+            continue
+        if ".mlp.experts." in name:  # transformers stacks them: [experts, rows, cols]
+            _check_experts(ours, name, param)
+            checked += 1
             continue
         module_name, _, kind = name.rpartition(".")
         mine, start = _our_part(ours, module_name, kind)
@@ -145,6 +150,13 @@ def test_every_weight_matches_transformers_reading_of_the_gguf(arch):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
         checked += 1
     assert checked == len(theirs)  # named_parameters lists a tied lm_head once
+
+
+def _check_experts(model, name: str, stacked: torch.Tensor) -> None:
+    block = model.get_submodule(name.split(".experts.")[0])
+    for e, expert in enumerate(block.experts):
+        ours = expert.gate_up_proj if name.endswith("gate_up_proj") else expert.down_proj
+        torch.testing.assert_close(full_weight(ours.weight), stacked[e].float(), rtol=0, atol=1e-6)
 
 
 def _our_part(model, module_name: str, kind: str):
