@@ -1,4 +1,4 @@
-"""Tiny random GGUF checkpoints (llama, qwen2, qwen3, qwen3moe, gemma3 architectures) with a chosen block
+"""Tiny random GGUF checkpoints (llama, qwen2, qwen3, qwen3moe, phi3, gemma3 architectures) with a chosen block
 format per tensor, written the way llama.cpp's converter writes them (query/key rows permuted
 for llama, Gemma norms stored as 1 + w, hyperparameters in the metadata), with the real SmolLM2
 tokenizer's metadata (vocabulary 49152) copied from the installed default model's GGUF so that
@@ -59,6 +59,15 @@ TINY_GGUF_FIELDS: dict[str, dict[str, Any]] = {
         sliding_window=16,
         tie_word_embeddings=True,
     ),
+    # q, k, v and gate, up stored fused (attn_qkv, ffn_up)
+    "phi3": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    ),
     # transformers reads neither head_dim nor the experts' width from a qwen3moe GGUF: its
     # defaults, 128 and 768 (three 256-blocks: the experts' down_proj can be a K-quant)
     "qwen3moe": dict(
@@ -80,6 +89,7 @@ _HF_CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 # HF module of a decoder layer -> GGUF part (blk.N.<part>)
 _PARTS = {
@@ -95,6 +105,8 @@ _PARTS = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",  # the experts' router
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
 }
 _GEMMA_PARTS = {
     "post_attention_layernorm": "post_attention_norm",
@@ -315,7 +327,7 @@ def build_tiny_gguf(
         **TINY_GGUF_FIELDS[arch],
         **overrides,
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "phi3"):
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     model = _hf_model(arch, seed, fields)
     heads, kv_heads = fields["num_attention_heads"], fields["num_key_value_heads"]
@@ -386,6 +398,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

@@ -58,14 +58,20 @@ QWEN3MOE_QTYPES = {  # stacked experts of two types, a quantized router (read as
     "blk.1.ffn_gate_inp.weight": "F32",
     "blk.*.attn_output.weight": "Q4_1",
 }
+PHI3_QTYPES = {  # fused QKV and gate_up, split by rows into our parts
+    "blk.0.attn_qkv.weight": "Q4_1",
+    "blk.*.ffn_down.weight": "Q5_K",
+    "output.weight": "Q4_0",
+}
 QTYPES = {
     "llama": LLAMA_QTYPES,
     "qwen2": QWEN2_QTYPES,
     "qwen3": QWEN3_QTYPES,
     "qwen3moe": QWEN3MOE_QTYPES,
     "gemma3": GEMMA3_QTYPES,
+    "phi3": PHI3_QTYPES,
 }
-SEEDS = {"llama": 21, "qwen2": 22, "qwen3": 23, "gemma3": 24, "qwen3moe": 25}
+SEEDS = {"llama": 21, "qwen2": 22, "qwen3": 23, "gemma3": 24, "qwen3moe": 25, "phi3": 26}
 
 
 @functools.cache

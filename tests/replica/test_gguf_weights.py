@@ -122,7 +122,7 @@ def test_unpermute_undoes_llama_cpp_permutation_on_quantized_rows():
     assert torch.equal(back.dequantize(), quantize_q8_0(w).dequantize())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "phi3"])
 def test_every_weight_matches_transformers_reading_of_the_gguf(arch):
     """Our model's weights (de-quantized) equal transformers' de-quantized ones tensor for
     tensor: the name maps, llama's query/key un-permutation on quantized rows, Gemma's norm

@@ -84,10 +84,11 @@ def test_gguf_preemption_keeps_outputs_identical(llama_gguf, run_generation):
     assert run.outputs == hf_expected(llama_gguf, prompts, [16] * len(prompts))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3", "qwen3moe", "phi3"])
 def test_other_gguf_architectures_match_transformers(arch, run_generation):
     """Qwen2 (QKV biases, untied), Qwen3 (q/k norms, K-quant o_proj), Gemma 3 (1 + w norms,
-    sliding window), Qwen3-MoE (quantized experts, a Q8_0 router)."""
+    sliding window), Qwen3-MoE (quantized experts, a Q8_0 router), Phi-3 (fused qkv and
+    gate_up tensors, split by rows)."""
     sidecar = tiny_gguf_dir(arch)
     prompts = prompts_of(1, [3, 30, 11, 22])  # gemma3's window (16) is shorter than some
     max_tokens = [10, 8, 12, 9]
