@@ -348,3 +348,20 @@ def test_gemma_norm_stored_quantized_is_refused(tmp_path):
     q = QuantizedTensor(QType.Q8_0, (1, 32), torch.zeros(1, 34, dtype=torch.uint8))
     with pytest.raises(GGUFWeightError, match="blk.0.attn_norm.weight.*Q8_0.*1 \\+ w"):
         checkpoint._fixed("blk.0.attn_norm.weight", q)
+
+
+# -- the tiny builder's tokenizer -----------------------------------------------------------------
+def test_tiny_gguf_carries_the_smollm2_tokenizer_transformers_reads(tmp_path):
+    """The tiny file's tokenizer metadata is the installed SmolLM2 GGUF's: transformers builds
+    the tokenizer from it (vocabulary 49152, chat template) and the model beside it."""
+    from transformers import AutoTokenizer
+
+    from replica.tiny_models_gguf import build_tiny_gguf
+
+    path = build_tiny_gguf(tmp_path / "tok.gguf", "llama", seed=9, num_hidden_layers=1)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert len(tokenizer) == 49152 and tokenizer.chat_template
+    text = "Prefix caching hashes full blocks of tokens, 12 345!"
+    ids = tokenizer(text)["input_ids"]
+    assert 1 < len(ids) < len(text) and tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer.eos_token == "<|im_end|>"
