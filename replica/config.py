@@ -48,19 +48,21 @@ class EngineConfig(BaseModel):
         default=0, ge=0, description="Cap on tokens one prefill takes per step (0 = no cap)."
     )
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none", "int8"] = Field(
         default="none",
-        description="int8: quantize the checkpoint's float linear weights to Q8_0 (int8 in "
-        "groups of 32, one fp16 scale each) as they load; none: keep them as the checkpoint "
-        "has them. A GGUF checkpoint's weights stay in their own quantized types either way.",
+        description="'int8': quantize the float checkpoint's linear weights (the LM head too, "
+        "and a tied embedding) to int8 per group of 32 (GGML's Q8_0) as they load; layers "
+        "whose in-features are not whole groups of 32 stay float. A GGUF checkpoint's "
+        "quantized tensors are served as they are either way; with 'int8' its float linear "
+        "tensors become Q8_0 too.",
     )
     quant_activations: Literal["auto", "int8", "fp32"] = Field(
         default="auto",
-        description="With quantized weights (a GGUF checkpoint or quantization=int8): the "
-        "activations meet them as int8 (quantized per block, integer dot products, as "
-        "llama.cpp) or fp32; auto: the kernels' choice for the CPU and weight type.",
+        description="How quantized matmuls take their activations: 'int8' rounds them to int8 "
+        "per group of 32 (integer dot products, faster), 'fp32' uses them as they are (closest "
+        "to the float model). auto: int8.",
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     pack_cpu_weights: bool = Field(
@@ -220,6 +222,9 @@ class EngineConfig(BaseModel):
         from replica.default_model import DEFAULT_MODEL_NAME
 
         return DEFAULT_MODEL_NAME
+
+    def resolved_quant_activations(self) -> str:
+        return "int8" if self.quant_activations == "auto" else self.quant_activations
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -229,6 +229,7 @@ class LLMServer:
             "scheduling_policy": self.config.scheduling_policy,
             "replica_id": self.replica_id,
             "startup_s": self.startup_s,
+            "weight_bytes": info.weight_bytes,
         }
 
     def routing_stats(self) -> RoutingStats:

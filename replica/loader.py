@@ -1,12 +1,15 @@
 """Load a Hugging Face model directory (config.json + safetensors, single file or sharded with
-an index) into our model; every parameter copies its own shard, read lazily with get_slice."""
+an index) into our model; every parameter copies its own shard, read lazily with get_slice.
+A directory whose gguf.json names a GGUF file (replica/quant/gguf_meta.py) loads that file's
+tensors instead, quantized ones kept in their blocks (replica/quant/weights.py); with
+quantization="int8" float weights are quantized to Q8_0 as they load."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +19,14 @@ from torch import nn
 
 from replica.layers.linear import TensorParallel, WeightShapeError, loaded_shape, narrow_loaded
 from replica.models.registry import resolve_model_class
+from replica.quant.formats import BLOCK, QuantFormatError, QuantizedTensor
+from replica.quant.weights import (
+    QuantizedWeight,
+    WeightPlan,
+    building,
+    finalize_weights,
+    named_quantized_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -192,13 +203,21 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    hf_config: Any, tp: TensorParallel, device: torch.device | str, dtype: torch.dtype
+    hf_config: Any,
+    tp: TensorParallel,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    plan: WeightPlan | None = None,
 ) -> nn.Module:
-    """The model with uninitialised parameters of this rank's shard shapes."""
+    """The model with uninitialised parameters of this rank's shard shapes; with a plan, the
+    weights it takes are empty QuantizedWeights instead (replica/quant/weights.py)."""
     cls = resolve_model_class(getattr(hf_config, "architectures", None))
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), _default_dtype(dtype), building(plan):
         model = cls(hf_config, tp)
     return model.eval()
+
+
+QUANTIZATIONS = ("none", "int8")
 
 
 def load_model(
@@ -207,14 +226,67 @@ def load_model(
     tp: TensorParallel | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
 ) -> nn.Module:
-    """Build the model for `model_dir` and load this rank's weights into it."""
+    """Build the model for `model_dir` and load this rank's weights into it: from its
+    safetensors, or from the GGUF file its gguf.json names (quantized tensors stay quantized).
+    quantization="int8": every float linear weight (the LM head too, and a tied embedding)
+    whose in-features are whole groups of 32 is quantized to Q8_0 as it loads; a GGUF's
+    quantized tensors stay as they are."""
+    from replica.quant.gguf_meta import gguf_file_of
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: expected one of {QUANTIZATIONS}")
     path = check_model_dir(model_dir)
     hf_config = hf_config if hf_config is not None else load_hf_config(path)
-    files = safetensors_files(path)
-    model = build_model(hf_config, tp or TensorParallel(), device, dtype)
-    load_weights(model, files)
+    gguf_file = gguf_file_of(path)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    int8 = quantization == "int8"
+    plan = WeightPlan(gguf_file is not None, int8, tied) if gguf_file or int8 else None
+    tp = tp or TensorParallel()
+    if gguf_file is None:
+        files = safetensors_files(path)
+        model = build_model(hf_config, tp, device, dtype, plan)
+        load_weights(model, files)
+    else:
+        if not gguf_file.is_file():
+            raise CheckpointError(f"{path / 'gguf.json'} names {gguf_file}, which does not exist")
+        model = build_model(hf_config, tp, device, dtype, plan)
+        load_gguf_weights(model, gguf_file)
+    if plan is not None:
+        finalize_weights(model)
+        _log_quantized(model, gguf_file, quantization)
     return model
+
+
+def _log_quantized(model: nn.Module, gguf_file: Path | None, quantization: str) -> None:
+    types: dict[str, int] = {}
+    for _, weight in named_quantized_weights(model):
+        for name in weight.qtypes:
+            types[name] = types.get(name, 0) + 1
+    logger.info(
+        "weights from %s%s: %d quantized weights, segments by type %s",
+        gguf_file.name if gguf_file else "safetensors",
+        " with quantization=int8" if quantization == "int8" else "",
+        sum(1 for _ in named_quantized_weights(model)),
+        dict(sorted(types.items())),
+    )
+
+
+def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
+    """Copy each tensor of a GGUF file into its parameter or quantized weight."""
+    from replica.quant.gguf_weights import GGUFCheckpoint, GGUFWeightError
+
+    try:
+        checkpoint = GGUFCheckpoint(gguf_file, getattr(model, "hf_config", None))
+        opened = ((name, _ready(t), gguf_file.name) for name, t in checkpoint.tensors())
+        _load_tensors(model, opened, gguf_file.parent)
+    except GGUFWeightError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+def _ready(tensor: Any) -> Callable[[], Any]:
+    return lambda: tensor
 
 
 def _checkpoint_parts(model: nn.Module, hf_name: str, loaded: Any) -> list[tuple[str, Any]]:
@@ -248,11 +320,20 @@ def _to_model_name(model: nn.Module, hf_name: str) -> tuple[str, Any]:
     return hf_name, None
 
 
+def named_weights(model: nn.Module) -> dict[str, Any]:
+    """Every parameter and quantized weight by name (each once: a tied LM head's weight is the
+    embedding's)."""
+    params: dict[str, Any] = dict(model.named_parameters())
+    for name, weight in named_quantized_weights(model):
+        params.setdefault(name, weight)
+    return params
+
+
 def _expected_hf_names(model: nn.Module) -> set[str]:
     names = set()
     mapping = getattr(model, "stacked_params_mapping", ())
     # named_parameters drops duplicates, so a tied lm_head is not expected on its own
-    for name, _ in model.named_parameters():
+    for name in named_weights(model):
         parts = {
             name.replace(f".{fused}.", f".{part}.")
             for fused, part, _ in mapping
@@ -266,13 +347,13 @@ def _expected_hf_names(model: nn.Module) -> set[str]:
 
 def load_weights(model: nn.Module, files: list[Path]) -> None:
     """Copy each checkpoint tensor into its parameter (each parameter takes its own shard)."""
+    _load_tensors(model, _safetensors_tensors(files), files[0].parent)
+
+
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], Any], str]]:
+    """(name, opener of its lazy slice, file) of every tensor of the files."""
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())
-    tied = bool(getattr(model, "tie_word_embeddings", False))
-    expected = _expected_hf_names(model)
-    loaded: set[str] = set()
-    unexpected: list[str] = []
     for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -282,33 +363,70 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
             ) from exc
         with handle as f:
             for hf_name in f.keys():
-                if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                yield hf_name, (lambda f=f, n=hf_name: f.get_slice(n)), str(file)
+
+
+class _Dequantized:
+    """A quantized checkpoint tensor read as float, for a parameter that stays float (a norm,
+    a router): the lazy-slice protocol of linear.py's loaders."""
+
+    def __init__(self, tensor: QuantizedTensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return self.tensor.get_shape()
+
+    def __getitem__(self, index) -> torch.Tensor:
+        from replica.quant import kernels
+
+        rows = self.tensor[index[:1] if isinstance(index, tuple) else index]
+        out = kernels.dequantize(rows)
+        if isinstance(index, tuple) and len(index) > 1:
+            out = out[(slice(None), *index[1:])]
+        return out
+
+
+def _load_tensors(
+    model: nn.Module, tensors: Iterable[tuple[str, Callable[[], Any], str]], where: Path
+) -> None:
+    """Copy each (name, opener, source) tensor into its parameter; raise on what is missing."""
+    params = named_weights(model)
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    expected = _expected_hf_names(model)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for hf_name, open_tensor, source in tensors:
+        if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+            continue
+        label = Path(source).name
+        try:
+            for part_name, tensor in _checkpoint_parts(model, hf_name, open_tensor()):
+                name, shard_id = _to_model_name(model, part_name)
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(part_name)
                     continue
+                if isinstance(param, QuantizedWeight):
+                    param.name = name
+                elif isinstance(tensor, QuantizedTensor):
+                    tensor = _Dequantized(tensor)
                 try:
-                    for part_name, tensor in _checkpoint_parts(
-                        model, hf_name, f.get_slice(hf_name)
-                    ):
-                        name, shard_id = _to_model_name(model, part_name)
-                        param = params.get(name)
-                        if param is None:
-                            unexpected.append(part_name)
-                            continue
-                        if shard_id is None:
-                            param.weight_loader(param, tensor)
-                        else:
-                            param.weight_loader(param, tensor, shard_id)
-                        loaded.add(part_name)
-                except WeightShapeError as exc:
-                    raise CheckpointError(
-                        f"{file.name}: tensor {hf_name!r} has shape {list(exc.got)} but the model "
-                        f"expects {list(exc.expected)}"
-                    ) from exc
-                except CheckpointError:
-                    raise
-                except Exception as exc:
-                    raise CheckpointError(
-                        f"cannot read tensor {hf_name!r} from {file}: {exc}"
-                    ) from exc
+                    if shard_id is None:
+                        param.weight_loader(param, tensor)
+                    else:
+                        param.weight_loader(param, tensor, shard_id)
+                except QuantFormatError as exc:
+                    raise CheckpointError(_quant_error(model, part_name, tensor, exc)) from exc
+                loaded.add(part_name)
+        except WeightShapeError as exc:
+            raise CheckpointError(
+                f"{label}: tensor {hf_name!r} has shape {list(exc.got)} but the model "
+                f"expects {list(exc.expected)}"
+            ) from exc
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tensor {hf_name!r} from {source}: {exc}") from exc
     if unexpected:
         logger.warning(
             "ignoring %d checkpoint tensors the model does not use, e.g. %s",
@@ -319,5 +437,23 @@ def load_weights(model: nn.Module, files: list[Path]) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise CheckpointError(
-            f"checkpoint in {files[0].parent} lacks {len(missing)} tensors the model needs: {shown}"
+            f"checkpoint in {where} lacks {len(missing)} tensors the model needs: {shown}"
         )
+
+
+def _quant_error(model: nn.Module, name: str, tensor: Any, exc: QuantFormatError) -> str:
+    """What went wrong loading a quantized tensor; a tensor-parallel shard that would cut its
+    blocks is said as such."""
+    tp = getattr(model, "tp", None)
+    if isinstance(tensor, QuantizedTensor) and tp is not None and tp.size > 1:
+        elems = BLOCK[tensor.qtype][0]
+        cols = tensor.shape[1]
+        if cols % tp.size == 0 and (cols // tp.size) % elems:
+            return (
+                f"cannot shard {name!r} ({tensor.qtype.name}, {list(tensor.shape)}) across "
+                f"tensor_parallel_size={tp.size}: each rank would hold {cols // tp.size} of its "
+                f"{cols} input columns, which cuts its {tensor.qtype.name} blocks of {elems} "
+                f"columns (a shard must be whole blocks; {cols // elems} blocks do not split "
+                f"{tp.size} ways)"
+            )
+    return f"cannot load {name!r}: {exc}"

@@ -38,6 +38,7 @@ from replica.layers.sampler import Sampler
 from replica.loader import load_hf_config, load_model
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
 from replica.models.windows import all_layers_window
+from replica.quant.weights import set_activations, weight_bytes
 from replica.runner_protocol import RunnerOutput
 from replica.scheduler import ScheduledRequest, SchedulerOutput
 from replica.spec_decode import verify_greedy_drafts
@@ -116,7 +117,11 @@ class ModelRunner:
         # the longest context this engine serves: LongRoPE picks its factors by it (rotary.py)
         self.hf_config.max_model_len = self.max_model_len
         started = self._phase("config", started)
-        self.model = load_model(model_dir, self.hf_config, self.tp, self.device, self.dtype)
+        self.model = load_model(
+            model_dir, self.hf_config, self.tp, self.device, self.dtype, config.quantization
+        )
+        self.quant_activations = config.resolved_quant_activations()
+        self.num_quantized_weights = set_activations(self.model, self.quant_activations)
         started = self._phase("weights", started)
         self.num_packed_layers = 0
         # the instruction-set level (the CPU's, capped by config.cpu_isa or STEPSERVE_CPU_ISA)
@@ -129,6 +134,9 @@ class ModelRunner:
         with self._isa_scope:
             self._choose_kernels(config)  # packs weights for oneDNN, builds native kernels
         started = self._phase("kernels", started)
+        # resident bytes of the weights as they are served (quantized blocks, float parameters,
+        # oneDNN's packed copies instead of the row-major ones they replaced)
+        self.weight_bytes = weight_bytes(self.model)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.step_times = StepTimes()  # of the latest execute()
         self.sampler = Sampler()
@@ -144,12 +152,18 @@ class ModelRunner:
             self.decode_graphs.capture_all()
             self._phase("cuda_graphs", started)
         logger.info(
-            "model %s on %s (%s, %d linear layers packed for oneDNN, %s attention, "
+            "model %s on %s (%s, weights %.1f MiB: %.1f MiB in %d quantized weights with %s "
+            "activations, %.1f MiB float; %d linear layers packed for oneDNN, %s attention, "
             "%d modules on fused C ops), tp rank %d/%d: %d KV blocks of %d tokens, "
             "max_model_len %d",
             Path(model_dir).name,
             self.device,
             self.dtype,
+            self.weight_bytes["total_bytes"] / 2**20,
+            self.weight_bytes["quantized_bytes"] / 2**20,
+            self.num_quantized_weights,
+            self.quant_activations,
+            self.weight_bytes["float_bytes"] / 2**20,
             self.num_packed_layers,
             self.attn_backend.name,
             self.num_fused_modules,
@@ -161,8 +175,12 @@ class ModelRunner:
         )
 
     def _make_decode_graphs(self):
-        """CUDA graphs of decode steps (cuda_graphs.py): CUDA, one rank, flex attention."""
+        """CUDA graphs of decode steps (cuda_graphs.py): CUDA, one rank, flex attention, no
+        quantized weights (their kernels are not known to be capturable)."""
         config = self.config
+        if self.device.type == "cuda" and config.cuda_graphs and self.num_quantized_weights:
+            logger.info("quantized weights: decode steps run without CUDA graphs")
+            return None
         if not (
             self.device.type == "cuda"
             and config.cuda_graphs

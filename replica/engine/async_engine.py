@@ -35,6 +35,7 @@ class AsyncEngine(StreamingEngine):
             vocab_size=engine.vocab_size,
             num_kv_blocks=engine.num_kv_blocks,
             startup_s=engine.startup_s,
+            weight_bytes=engine.weight_bytes,
             num_threads=0,
             device=engine.config.resolved_device(),
         )

@@ -116,6 +116,9 @@ class Engine:
         runner_s = time.perf_counter() - tokenized
         self.startup_s = {"tokenizer": round(tokenized - started, 3), **phases}
         self.startup_s["runner_other"] = round(max(0.0, runner_s - sum(phases.values())), 3)
+        # resident bytes of the weights (rank 0's under tensor parallelism): total, quantized
+        # blocks, float parameters; empty for a runner that does not count them
+        self.weight_bytes: dict[str, int] = dict(getattr(self.runner, "weight_bytes", None) or {})
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = load_eos_token_ids(self.model_dir, eos_token_id)
         self.scheduler = Scheduler(

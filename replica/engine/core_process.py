@@ -282,6 +282,7 @@ def ready_message(engine: Engine, config: EngineConfig, prestarted: bool) -> Rea
         vocab_size=engine.vocab_size,
         num_kv_blocks=engine.num_kv_blocks,
         startup_s=engine.startup_s,
+        weight_bytes=engine.weight_bytes,
         num_threads=torch.get_num_threads(),
         device=config.resolved_device(),
         prestarted=prestarted,

@@ -112,6 +112,8 @@ class EngineInfo(msgspec.Struct):
     device: str
     thread_cpus: str = ""  # pinned or not (core_process.pin_compute_threads)
     prestarted: bool = False  # a core `stepserve serve` started before Ray (engine/prestart.py)
+    # resident bytes of rank 0's weights (quant/weights.py weight_bytes: total, quantized, float)
+    weight_bytes: dict[str, int] = {}
 
 
 class Pickled(msgspec.Struct, array_like=True):

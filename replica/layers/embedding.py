@@ -10,9 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from replica.layers.linear import PackableLinear, TensorParallel, check_shape, narrow_loaded
+from replica.quant.weights import QuantizedWeight, new_weight
 
 
 class VocabParallelEmbedding(nn.Module):
+    """The weight may be quantized (replica/quant/weights.py): a lookup then de-quantizes only
+    the rows it selects, and the LM head multiplies by the blocks as they are."""
+
+    weight_kind = "embedding"  # which weights a quantized build makes quantized
+
     def __init__(
         self,
         vocab_size: int,
@@ -32,10 +38,9 @@ class VocabParallelEmbedding(nn.Module):
         if shared_weight is not None:  # tied embeddings: same shape and sharding, no copy
             self.weight = shared_weight
             return
-        self.weight = nn.Parameter(
-            torch.empty(self.vocab_per_rank, hidden_size), requires_grad=False
+        self.weight = new_weight(
+            (self.vocab_per_rank, hidden_size), self.weight_loader, self.weight_kind
         )
-        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
         check_shape((self.vocab_size, self.hidden_size), loaded)
@@ -44,12 +49,17 @@ class VocabParallelEmbedding(nn.Module):
         if n:
             param.data.narrow(0, 0, n).copy_(narrow_loaded(loaded, 0, self.vocab_start, n))
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.lookup(ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
@@ -58,6 +68,8 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
     """logits = h W^T over this rank's vocabulary slice, gathered to the full vocabulary.
     With tied embeddings it is given the embedding's weight (same sharding); packing then keeps
     the row-major weight for the embedding lookup."""
+
+    weight_kind = "lm_head"
 
     @property
     def release_after_packing(self) -> bool:

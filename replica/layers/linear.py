@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replica.quant.weights import QuantizedWeight, new_weight
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -122,6 +124,8 @@ class PackableLinear(nn.Module):
 
     def pack_weights(self) -> bool:
         weight = self.weight
+        if isinstance(weight, QuantizedWeight):  # quantized blocks: the quantized kernels
+            return False
         if self.packed_weight is not None or not onednn_available(weight):
             return False
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -137,6 +141,8 @@ class PackableLinear(nn.Module):
                 x = F.pad(x, (0, 0, 0, MIN_PACKED_ROWS - rows))
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
             return out[:rows] if padded else out
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.matmul(x, bias)
         return F.linear(x, self.weight, bias)
 
 
@@ -156,6 +162,12 @@ def _param(shape: tuple[int, ...], loader) -> nn.Parameter:
     return p
 
 
+def _weight(shape: tuple[int, int], loader) -> nn.Parameter | QuantizedWeight:
+    """A linear layer's weight: a Parameter, or a QuantizedWeight when the model is built for
+    quantized weights (replica/quant/weights.py; its loader calls are the same)."""
+    return new_weight(shape, loader, "linear")
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(
@@ -173,7 +185,7 @@ class ColumnParallelLinear(PackableLinear):
         self.input_size = input_size
         self.output_size = output_size
         self.output_size_per_rank = divide(output_size, tp.size, "output size")
-        self.weight = _param((self.output_size_per_rank, input_size), self.weight_loader)
+        self.weight = _weight((self.output_size_per_rank, input_size), self.weight_loader)
         self.bias = _param((self.output_size_per_rank,), self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any) -> None:
@@ -234,7 +246,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.input_size = hidden_size
         self.output_size_per_rank = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         self.output_size = self.output_size_per_rank * tp.size
-        self.weight = _param((self.output_size_per_rank, hidden_size), self.weight_loader)
+        self.weight = _weight((self.output_size_per_rank, hidden_size), self.weight_loader)
         self.bias = _param((self.output_size_per_rank,), self.weight_loader) if bias else None
 
     @property
@@ -277,7 +289,7 @@ class RowParallelLinear(PackableLinear):
         self.input_size = input_size
         self.output_size = output_size
         self.input_size_per_rank = divide(input_size, tp.size, "input size")
-        self.weight = _param((output_size, self.input_size_per_rank), self.weight_loader)
+        self.weight = _weight((output_size, self.input_size_per_rank), self.weight_loader)
         # the bias is added once, after the reduction, so it is not counted tp times
         self.bias = _param((output_size,), default_weight_loader) if bias else None
 

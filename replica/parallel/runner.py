@@ -239,6 +239,11 @@ class TensorParallelRunner:
         return self.runner.num_kv_blocks
 
     @property
+    def weight_bytes(self) -> dict[str, int]:
+        """Rank 0's resident weight bytes (every rank holds its own shard of about as many)."""
+        return self.runner.weight_bytes
+
+    @property
     def startup_s(self) -> dict[str, float]:
         """Not timed by phase: the ranks build their engines in their own processes."""
         return {}
