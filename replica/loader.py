@@ -233,13 +233,16 @@ def load_model(
     quantization="int8": every float linear weight (the LM head too, and a tied embedding)
     whose in-features are whole groups of 32 is quantized to Q8_0 as it loads; a GGUF's
     quantized tensors stay as they are."""
-    from replica.quant.gguf_meta import gguf_file_of
+    from replica.quant.gguf_meta import GGUFError, gguf_file_of
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}: expected one of {QUANTIZATIONS}")
     path = check_model_dir(model_dir)
     hf_config = hf_config if hf_config is not None else load_hf_config(path)
-    gguf_file = gguf_file_of(path)
+    try:
+        gguf_file = gguf_file_of(path)
+    except GGUFError as exc:
+        raise CheckpointError(str(exc)) from None
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     int8 = quantization == "int8"
     plan = WeightPlan(gguf_file is not None, int8, tied) if gguf_file or int8 else None

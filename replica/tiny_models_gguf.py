@@ -418,5 +418,8 @@ def write_sidecar(gguf_path: str | Path, out_dir: str | Path) -> Path:
     eos = raw.get("eos_token_id", 2)
     generation = {"bos_token_id": raw.get("bos_token_id"), "eos_token_id": eos}
     (out / "generation_config.json").write_text(json.dumps(generation))
-    (out / "gguf.json").write_text(json.dumps({"gguf_file": str(gguf_path)}))
+    from replica.quant.gguf_meta import SIDECAR_RECORD, file_stamp
+
+    record = {"gguf_file": str(Path(gguf_path).resolve())} | file_stamp(Path(gguf_path).stat())
+    (out / SIDECAR_RECORD).write_text(json.dumps(record))
     return out

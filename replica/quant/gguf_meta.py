@@ -234,7 +234,7 @@ def _gguf_in(directory: Path) -> Path | None:
     )
 
 
-def _stamp(stat: os.stat_result) -> dict[str, Any]:
+def file_stamp(stat: os.stat_result) -> dict[str, Any]:
     return {"size": stat.st_size, "mtime": stat.st_mtime}
 
 
@@ -242,7 +242,7 @@ def sidecar_path(gguf: str | Path, stat: os.stat_result | None = None) -> Path:
     """Where the metadata directory of this file, as it is now, lives: cache_root()/gguf/
     <stem>-<hash of its absolute path, size and mtime> (a changed file gets a new one)."""
     gguf = Path(os.path.abspath(Path(gguf).expanduser()))
-    stamp = _stamp(gguf.stat() if stat is None else stat)
+    stamp = file_stamp(gguf.stat() if stat is None else stat)
     key = f"{gguf}\0{stamp['size']}\0{stamp['mtime']!r}".encode()
     return cache_root() / SIDECAR_DIRNAME / f"{gguf.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
 
@@ -262,7 +262,7 @@ def sidecar_dir(gguf: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         template = _write_metadata(gguf, arch, tmp)
-        record = {"gguf_file": str(gguf), **_stamp(stat), "architecture": arch}
+        record = {"gguf_file": str(gguf), **file_stamp(stat), "architecture": arch}
         record["chat_template"] = template
         (tmp / SIDECAR_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
@@ -300,7 +300,7 @@ def gguf_file_of(model_dir: str | Path) -> Path | None:
         raise GGUFError(
             f"{model_dir} holds the metadata of {gguf}, which no longer exists"
         ) from None
-    if _stamp(stat) != stamp:
+    if file_stamp(stat) != stamp:
         raise GGUFError(
             f"{gguf} has changed since its config and tokenizer were read into {model_dir}; "
             f"start again with --model {gguf} to read them anew"

@@ -17,6 +17,7 @@ from replica.layers.linear import TensorParallel
 from replica.loader import CheckpointError, load_model
 from replica.quant import kernels
 from replica.quant.formats import QType, QuantizedTensor
+from replica.quant.gguf_meta import file_stamp
 from replica.quant.weights import QuantizedWeight, WeightPlan, set_activations, weight_bytes
 from replica.tiny_models_gguf import _permute, quantize
 from tests.replica.quant_helpers import gguf_path, hf_gguf_model, tiny_gguf_dir
@@ -313,11 +314,11 @@ def test_a_shard_that_would_split_a_block_names_layer_block_and_width(
 
 
 def test_unsupported_tensor_type_names_tensor_type_and_the_supported_ones(tmp_path):
-    sidecar = _gguf_variant(tmp_path, "q5", qtypes={"blk.1.ffn_up.weight": "Q5_0"})
+    sidecar = _gguf_variant(tmp_path, "mxfp4", qtypes={"blk.1.ffn_up.weight": "MXFP4"})
     with pytest.raises(CheckpointError) as err:
         load_model(sidecar)
     message = str(err.value)
-    assert "blk.1.ffn_up.weight" in message and "Q5_0" in message
+    assert "blk.1.ffn_up.weight" in message and "MXFP4" in message
     assert "supported" in message and "Q4_K" in message and "Q8_0" in message
 
 
@@ -333,11 +334,12 @@ def test_a_file_that_is_not_gguf_or_is_missing_is_refused(tmp_path, llama_dir):
     (sidecar / "config.json").write_text((llama_dir / "config.json").read_text())
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"NOTGGUF" + bytes(100))
-    (sidecar / "gguf.json").write_text(json.dumps({"gguf_file": str(junk)}))
+    record = {"gguf_file": str(junk)} | file_stamp(junk.stat())
+    (sidecar / "gguf.json").write_text(json.dumps(record))
     with pytest.raises(CheckpointError, match="not a valid GGUF file"):
         load_model(sidecar)
-    (sidecar / "gguf.json").write_text(json.dumps({"gguf_file": str(tmp_path / "none.gguf")}))
-    with pytest.raises(CheckpointError, match="does not exist"):
+    junk.unlink()
+    with pytest.raises(CheckpointError, match="no longer exists"):
         load_model(sidecar)
 
 
