@@ -109,6 +109,11 @@ class ModelRunner:
             # a TP worker selects its GPU with torch.cuda.set_device before building the runner
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = config.resolved_dtype(self.device.type)
+        if config.quantization != "none" and self.device.type != "cpu":
+            raise ValueError(
+                f"quantization={config.quantization!r} runs on CPU only (the quantized kernels "
+                f"are CPU kernels), not on {self.device.type}; serve the float checkpoint there"
+            )
         self.tp = TensorParallel(tp_rank, tp_size, tp_group)
         self.block_size = config.block_size
         self.hf_config = load_hf_config(model_dir)

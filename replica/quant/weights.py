@@ -44,6 +44,19 @@ WEIGHT_KINDS = ("linear", "embedding", "lm_head")
 Segment = tuple[int, "QuantizedTensor | torch.Tensor"]
 
 
+_dequantized_on: set[str] = set()
+
+
+def _log_dequantized_once(device: torch.device) -> None:
+    if device.type not in _dequantized_on:
+        _dequantized_on.add(device.type)
+        logger.warning(
+            "quantized GGUF tensors are de-quantized to the model's dtype on %s: the quantized "
+            "kernels run on CPU only",
+            device.type,
+        )
+
+
 class QuantizedWeight:
     """This rank's [rows, cols] weight as segments of whole rows; duck-types what the layers'
     weight_loaders use of a parameter (`shape`, `data.narrow(0, ..).copy_(..)`, `data.zero_()`,
@@ -87,7 +100,12 @@ class QuantizedWeight:
                 f"{self.name or 'weight'}: rows [{offset}, {offset + rows}) of a [{self.shape[0]}, "
                 f"{cols}] weight cannot take a tensor of shape {list(got)}"
             )
-        if isinstance(src, QuantizedTensor) and src.qtype in FLOAT_TYPES:
+        if isinstance(src, QuantizedTensor) and (
+            src.qtype in FLOAT_TYPES or self.device.type != "cpu"
+        ):
+            # the quantized kernels are CPU kernels: elsewhere the blocks load de-quantized
+            if src.qtype not in FLOAT_TYPES:
+                _log_dequantized_once(self.device)
             src = src.dequantize()
         if isinstance(src, QuantizedTensor):
             segment = QuantizedTensor(src.qtype, src.shape, _owned(src.data, self.device))
