@@ -33,6 +33,9 @@ SOURCES = {
     "paged_prefill.c": (),
     "fused_ops.c": ("-ffp-contract=off",),
     "threads.c": (),
+    # without fast-math or contraction: its de-quantizer then rounds every product and sum as
+    # gguf's numpy reference does (bitwise equal); its fast paths are intrinsics
+    "quant_gemm.c": ("-fno-fast-math", "-ffp-contract=off"),
 }
 HEADERS = ("kv_elements.h",)  # included by the sources: part of the build's cache key
 # -march comes from the instruction-set level (cpu_isa.march_flags): the AVX-512 paths compile
@@ -155,6 +158,17 @@ def _declare(lib: ctypes.CDLL) -> None:
         "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32, i32]),
         "stepserve_rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]),
         "stepserve_set_thread_cpus": (ctypes.c_int, [ptr, i32, i32, i32]),
+        # qtype, w, ldw, n, k, x, ldx, m, y, ldy, bias, int8, num_threads
+        "stepserve_quant_matmul": (
+            ctypes.c_int,
+            [i32, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, i32, i32],
+        ),
+        # qtype, w, ldw, n, k, ids, nrows, out, ldo, num_threads
+        "stepserve_quant_dequantize": (
+            ctypes.c_int,
+            [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, i32],
+        ),
+        "stepserve_quant_isa": (ctypes.c_int, []),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -1,0 +1,866 @@
+/* Matrix products with weights kept in GGML's quantized block formats (what a GGUF file holds,
+ * and what `--quantization int8` makes: Q8_0), for the CPU.
+ *
+ *   y[m, j] = sum_k x[m, k] W[j, k] (+ bias[j])
+ *
+ * W: N rows, each K elements as K / block blocks back to back (row stride in bytes: a caller may
+ * pass a column slice of whole blocks). x: fp32 [M, K] with a row stride; y: fp32 with a row
+ * stride (a caller may write a column slice of a wider output).
+ *
+ * Two modes:
+ *  - int8 activations: each x row is quantized to int8 per block of 32 (Q4_0, Q4_1, Q8_0: an
+ *    fp32 scale amax / 127 and the block's sum of int8 values) or per super-block of 256 (the
+ *    K-quants: one scale and the sums of each 16), and the products are integer dot products
+ *    (AVX512-VNNI vpdpbusd / vpdpwssd at the avx512_bf16 level, maddubs + madd at avx2 and
+ *    avx512, scalar at portable), scaled to fp32 once per block.
+ *  - fp32 activations: each weight block is de-quantized to fp32 (exactly as the reference
+ *    de-quantizer rounds) and multiplied with fp32 x (the parity mode).
+ * For M > 1 each weight block is unpacked once and applied to up to MT rows of x; rows of W are
+ * split over the OpenMP pool (torch's), contiguous ranges per thread (each streams its part).
+ *
+ * Block-32 int8 kernels work on groups of 8 blocks: 8 integer dot products reduced to one vector
+ * of 8 block sums, the 8 weight scales gathered in one instruction, so the fp32 work is a few
+ * vector ops per 8 blocks instead of several per block.
+ *
+ * Built without -ffast-math and without contraction: `stepserve_quant_dequantize` then returns
+ * exactly what gguf's numpy de-quantizer does (same products and sums, each rounded).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QG_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QG_VNNI 1
+#endif
+#endif
+
+#define AI static inline __attribute__((always_inline))
+
+/* GGML type ids */
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+
+#define QK 32   /* elements of a Q4_0 / Q4_1 / Q8_0 block */
+#define QKK 256 /* elements of a K-quant super-block */
+#define MT 4    /* rows of x one pass over a weight row serves */
+#define ROWS_PER_TASK 8
+/* below this many weight bytes (times rows of x) one thread does the product: waking the pool
+ * costs more than it saves */
+#define PARALLEL_BYTES (48 * 1024)
+
+static int block_elems(int t) { return (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? QKK : QK; }
+
+static int block_bytes(int t) {
+    switch (t) {
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q8_0: return 34;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef QG_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else {
+        const float f = (float)man * 5.9604644775390625e-08f; /* man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* round to nearest, ties to even (as cvtps2dq and torch.round), for |v| < 2^22 */
+static inline int32_t round_even(float v) {
+    union {
+        float f;
+        int32_t i;
+    } u;
+    u.f = v + 12582912.0f;
+    return u.i - 0x4B400000;
+}
+
+/* the 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (12 packed bytes) */
+static inline void kscale(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* ---- de-quantization of one block, exactly as gguf's numpy reference rounds ---------------- */
+
+static void dq_q4_0(const uint8_t *b, float *y) {
+    const float d = f16(b);
+    const uint8_t *qs = b + 2;
+#ifdef QG_AVX2
+    const __m256 dv = _mm256_set1_ps(d);
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0F);
+    const __m128i e8 = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), e8);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), e8);
+    _mm256_storeu_ps(y, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo))));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(
+                                                  _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)))));
+    _mm256_storeu_ps(y + 16, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi))));
+    _mm256_storeu_ps(y + 24, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(
+                                                   _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))));
+#else
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)((qs[i] & 0x0F) - 8);
+        y[i + 16] = d * (float)((qs[i] >> 4) - 8);
+    }
+#endif
+}
+
+static void dq_q4_1(const uint8_t *b, float *y) {
+    const float d = f16(b), m = f16(b + 2);
+    const uint8_t *qs = b + 4;
+#ifdef QG_AVX2
+    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+#define QG_Q41_STORE(off, src)                                                                    \
+    _mm256_storeu_ps(y + (off), _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(                \
+                                                                    _mm256_cvtepu8_epi32(src))),   \
+                                              mv))
+    QG_Q41_STORE(0, lo);
+    QG_Q41_STORE(8, _mm_srli_si128(lo, 8));
+    QG_Q41_STORE(16, hi);
+    QG_Q41_STORE(24, _mm_srli_si128(hi, 8));
+#undef QG_Q41_STORE
+#else
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)(qs[i] & 0x0F) + m;
+        y[i + 16] = d * (float)(qs[i] >> 4) + m;
+    }
+#endif
+}
+
+static void dq_q8_0(const uint8_t *b, float *y) {
+    const float d = f16(b);
+    const int8_t *qs = (const int8_t *)(b + 2);
+#ifdef QG_AVX2
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int i = 0; i < 32; i += 8) {
+        const __m128i q = _mm_loadl_epi64((const __m128i *)(qs + i));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+    }
+#else
+    for (int i = 0; i < 32; i++) y[i] = d * (float)qs[i];
+#endif
+}
+
+static void dq_q4_k(const uint8_t *b, float *y) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *sc = b + 4, *qs = b + 16;
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        kscale(sc, j, &s, &m);
+        const float ds = d * (float)s, dm = dmin * (float)m;
+        const uint8_t *q = qs + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        for (int l = 0; l < 32; l++) y[32 * j + l] = ds * (float)((q[l] >> shift) & 0x0F) - dm;
+    }
+}
+
+static void dq_q5_k(const uint8_t *b, float *y) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + 48;
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        kscale(sc, j, &s, &m);
+        const float ds = d * (float)s, dm = dmin * (float)m;
+        const uint8_t *q = qs + 32 * (j / 2);
+        const int shift = 4 * (j & 1);
+        for (int l = 0; l < 32; l++) {
+            const int v = ((q[l] >> shift) & 0x0F) | (((qh[l] >> j) & 1) << 4);
+            y[32 * j + l] = ds * (float)v - dm;
+        }
+    }
+}
+
+static void dq_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16(b + 208);
+    for (int n = 0; n < 2; n++) {
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *l4 = ql + 64 * n + 32 * (g & 1);
+            const int shift = 4 * (g >> 1);
+            for (int h = 0; h < 2; h++) {
+                const float ds = d * (float)sc[8 * n + 2 * g + h];
+                for (int l = 16 * h; l < 16 * h + 16; l++) {
+                    const int v = ((l4[l] >> shift) & 0x0F) | (((qh[32 * n + l] >> (2 * g)) & 3) << 4);
+                    y[128 * n + 32 * g + l] = ds * (float)(v - 32);
+                }
+            }
+        }
+    }
+}
+
+/* de-quantize `nblk` consecutive blocks of type t starting at b into y */
+static inline void dq_blocks(int t, const uint8_t *b, int nblk, float *y) {
+    const int bb = block_bytes(t), be = block_elems(t);
+    for (int i = 0; i < nblk; i++, b += bb, y += be) {
+        switch (t) {
+        case T_Q4_0: dq_q4_0(b, y); break;
+        case T_Q4_1: dq_q4_1(b, y); break;
+        case T_Q8_0: dq_q8_0(b, y); break;
+        case T_Q4_K: dq_q4_k(b, y); break;
+        case T_Q5_K: dq_q5_k(b, y); break;
+        case T_Q6_K: dq_q6_k(b, y); break;
+        }
+    }
+}
+
+/* ---- horizontal sums ------------------------------------------------------------------------ */
+#ifdef QG_AVX2
+AI float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AI int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* the sums of 8 vectors of 8 int32, lane i = sum of p[i] */
+AI __m256i reduce8(const __m256i *p) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+#endif
+
+/* ---- fp32 activations: de-quantize a chunk of blocks, multiply with fp32 x ------------------ */
+
+#define CHUNK 256 /* elements de-quantized at a time */
+
+/* sums[r] = W row (wrow, k elements) . x row r, for R rows of x (R constant at each call site) */
+AI void row_f32(int t, const uint8_t *wrow, int64_t k, const float *x, int64_t ldx, int R,
+                float *sums) {
+    float buf[CHUNK] __attribute__((aligned(64)));
+    const int bb = block_bytes(t), be = block_elems(t);
+#ifdef QG_AVX2
+    __m256 acc[MT][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#else
+    float acc[MT][8];
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < 8; l++) acc[r][l] = 0.0f;
+#endif
+    for (int64_t c = 0; c < k; c += CHUNK) {
+        const int len = (int)(k - c < CHUNK ? k - c : CHUNK);
+        dq_blocks(t, wrow + c / be * bb, len / be, buf);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * ldx + c;
+#ifdef QG_AVX2
+            __m256 a0 = acc[r][0], a1 = acc[r][1];
+            for (int i = 0; i < len; i += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_load_ps(buf + i), _mm256_loadu_ps(xr + i), a0);
+                a1 = _mm256_fmadd_ps(_mm256_load_ps(buf + i + 8), _mm256_loadu_ps(xr + i + 8), a1);
+            }
+            acc[r][0] = a0;
+            acc[r][1] = a1;
+#else
+            for (int i = 0; i < len; i += 8)
+                for (int l = 0; l < 8; l++) acc[r][l] += buf[i + l] * xr[i + l];
+#endif
+        }
+    }
+    for (int r = 0; r < R; r++) {
+#ifdef QG_AVX2
+        sums[r] = hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1]));
+#else
+        float s = 0.0f;
+        for (int l = 0; l < 8; l++) s += acc[r][l];
+        sums[r] = s;
+#endif
+    }
+}
+
+/* ---- int8 activations ----------------------------------------------------------------------- */
+
+/* x rows quantized for the int8 kernels: q [M, K]; per block of 32: d (scale), s (d * sum q),
+ * si (sum q); per super-block of 256: d and bs (sums of each 16, int16) */
+typedef struct {
+    int8_t *q;
+    float *d;
+    float *s;
+    int32_t *si;
+    int16_t *bs;
+    int64_t nb; /* blocks (or super-blocks) per row */
+} xquant;
+
+#ifdef QG_AVX2
+/* 32 int32 (4 vectors) -> 32 int8 in element order */
+AI __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd),
+                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+AI float amax32(const float *x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x)),
+                             _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8)));
+    m = _mm256_max_ps(m, _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 16)),
+                                       _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 24))));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* quantize 32 values with inverse scale id into q; returns the 4 int32 vectors' sum vector and
+ * the sums of the two halves of 16 */
+AI __m256i quant32(const float *x, float id, int8_t *q, int32_t *half_sums) {
+    const __m256 iv = _mm256_set1_ps(id);
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), iv));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), iv));
+    const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), iv));
+    const __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), iv));
+    _mm256_storeu_si256((__m256i *)q, pack32(a, b, c, d));
+    if (half_sums) {
+        half_sums[0] = hsum_epi32(_mm256_add_epi32(a, b));
+        half_sums[1] = hsum_epi32(_mm256_add_epi32(c, d));
+    }
+    return _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
+}
+#endif
+
+/* one x row (k elements) per block of 32 */
+static void quantize_row_b32(const float *x, int64_t k, int8_t *q, float *ds, float *ss,
+                             int32_t *si) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        int8_t *qb = q + b * QK;
+#ifdef QG_AVX2
+        const float amax = amax32(xb);
+#else
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+#endif
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t sum;
+#ifdef QG_AVX2
+        sum = hsum_epi32(quant32(xb, id, qb, NULL));
+#else
+        sum = 0;
+        for (int i = 0; i < QK; i++) {
+            qb[i] = (int8_t)round_even(xb[i] * id);
+            sum += qb[i];
+        }
+#endif
+        ds[b] = d;
+        si[b] = sum;
+        ss[b] = d * (float)sum;
+    }
+}
+
+/* one x row per super-block of 256: one scale, the sums of each 16 */
+static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *ds, int16_t *bs) {
+    for (int64_t b = 0; b < k / QKK; b++) {
+        const float *xb = x + b * QKK;
+        int8_t *qb = q + b * QKK;
+        float amax = 0.0f;
+#ifdef QG_AVX2
+        for (int i = 0; i < QKK; i += QK) amax = fmaxf(amax, amax32(xb + i));
+#else
+        for (int i = 0; i < QKK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+#endif
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+#ifdef QG_AVX2
+        for (int i = 0; i < QKK; i += QK) {
+            int32_t h[2];
+            quant32(xb + i, id, qb + i, h);
+            bs[b * 16 + i / 16] = (int16_t)h[0];
+            bs[b * 16 + i / 16 + 1] = (int16_t)h[1];
+        }
+#else
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int i = 16 * g; i < 16 * g + 16; i++) {
+                qb[i] = (int8_t)round_even(xb[i] * id);
+                sum += qb[i];
+            }
+            bs[b * 16 + g] = (int16_t)sum;
+        }
+#endif
+        ds[b] = d;
+    }
+}
+
+#ifdef QG_AVX2
+/* u8 x s8 products summed per 4 into 8 int32 lanes (u8 <= 63: no int16 saturation) */
+AI __m256i dot_us(__m256i u, __m256i s) {
+#ifdef QG_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones */
+AI __m256i unpack_nibbles(const uint8_t *qs) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                            _mm256_set1_epi8(0x0F));
+}
+
+/* a block-32 weight block as the dot products take it: the nibbles (Q4_0, Q4_1), the int8
+ * values offset by 128 (Q8_0 with VNNI: u8), or the int8 values (Q8_0: sign trick) */
+AI __m256i prep_b32(int t, const uint8_t *b) {
+    if (t == T_Q8_0) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
+#ifdef QG_VNNI
+        return _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+#else
+        return w;
+#endif
+    }
+    return unpack_nibbles(b + (t == T_Q4_1 ? 4 : 2));
+}
+
+AI __m256i dot_b32(int t, __m256i w, const int8_t *xq) {
+    (void)t;
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+#ifndef QG_VNNI
+    if (t == T_Q8_0)
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                                 _mm256_set1_epi16(1));
+#endif
+    return dot_us(w, x);
+}
+
+/* the integer sum of a block (or 8 blocks' sums) less what the weight's offset adds:
+ * Q4_0 nibbles are q + 8, Q8_0 with VNNI q + 128 */
+AI __m256i offset8(int t, __m256i s, const int32_t *si) {
+    const __m256i sv = _mm256_loadu_si256((const __m256i *)si);
+    if (t == T_Q4_0) return _mm256_sub_epi32(s, _mm256_slli_epi32(sv, 3));
+#ifdef QG_VNNI
+    if (t == T_Q8_0) return _mm256_sub_epi32(s, _mm256_slli_epi32(sv, 7));
+#endif
+    return s;
+}
+
+AI int32_t offset1(int t, int32_t s, int32_t si) {
+    if (t == T_Q4_0) return s - 8 * si;
+#ifdef QG_VNNI
+    if (t == T_Q8_0) return s - 128 * si;
+#endif
+    return s;
+}
+
+/* the fp16 scales (and Q4_1's mins) of 8 consecutive blocks from b */
+AI __m256 gather_scales(int t, const uint8_t *b, __m256 *mins) {
+    const int bb = block_bytes(t);
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                           _mm256_set1_epi32(bb));
+    const __m256i v = _mm256_i32gather_epi32((const int *)b, idx, 1);
+    /* per 128-bit lane: the low halves of the 4 dwords, then the high halves */
+    const __m256i ctl = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0,
+                                         1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, ctl), 0xD8);
+    if (mins) *mins = _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
+}
+
+/* sums[r] = W row . x row r (int8), block-32 types, R rows of x */
+AI void row_i8_b32(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R, float *sums) {
+    const int bb = block_bytes(t);
+    const int64_t nb = xq->nb;
+    __m256 acc[MT];
+    float tail[MT];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        tail[r] = 0.0f;
+    }
+    int64_t g = 0;
+    for (; g + 8 <= nb; g += 8) {
+        const uint8_t *b = wrow + g * bb;
+        __m256i w[8];
+        for (int i = 0; i < 8; i++) w[i] = prep_b32(t, b + i * bb);
+        __m256 mins;
+        const __m256 dw = gather_scales(t, b, t == T_Q4_1 ? &mins : NULL);
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (r0 + r) * nb + g;
+            const int8_t *x = xq->q + row * QK;
+            __m256i p[8];
+            for (int i = 0; i < 8; i++) p[i] = dot_b32(t, w[i], x + i * QK);
+            const __m256i s = offset8(t, reduce8(p), xq->si + row);
+            const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(xq->d + row));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[r]);
+            if (t == T_Q4_1) acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xq->s + row), acc[r]);
+        }
+    }
+    for (; g < nb; g++) {
+        const uint8_t *b = wrow + g * bb;
+        const __m256i w = prep_b32(t, b);
+        const float dw = f16(b), mw = t == T_Q4_1 ? f16(b + 2) : 0.0f;
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (r0 + r) * nb + g;
+            const int32_t s = offset1(t, hsum_epi32(dot_b32(t, w, xq->q + row * QK)), xq->si[row]);
+            tail[r] += dw * xq->d[row] * (float)s;
+            if (t == T_Q4_1) tail[r] += mw * xq->s[row];
+        }
+    }
+    for (int r = 0; r < R; r++) sums[r] = hsum_ps(acc[r]) + tail[r];
+}
+
+AI __m256i set2_epi16(int lo, int hi) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+}
+
+/* acc += (u8 x s8 pair sums) * int16 scales, into int32 */
+AI __m256i dot_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale) {
+    const __m256i p = _mm256_maddubs_epi16(u, s);
+#ifdef QG_VNNI
+    return _mm256_dpwssd_epi32(acc, p, scale);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, scale));
+#endif
+}
+
+/* sums[r] = W row . x row r (int8 per 256), K-quants, R rows of x */
+AI void row_i8_k(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R, float *sums) {
+    const int bb = block_bytes(t);
+    const int64_t nb = xq->nb;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[MT];
+    float tail[MT];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        tail[r] = 0.0f;
+    }
+    for (int64_t sb = 0; sb < nb; sb++) {
+        const uint8_t *b = wrow + sb * bb;
+        __m256i w[8], sc[8];
+        float d, dmin = 0.0f;
+        int mn[8];
+        if (t == T_Q6_K) {
+            d = f16(b + 208);
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *s8 = (const int8_t *)(b + 192);
+            for (int n = 0; n < 2; n++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
+                const __m256i m30 = _mm256_set1_epi8(0x30);
+                w[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                               _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+                w[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                               _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+                w[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                               _mm256_and_si256(h, m30));
+                w[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                               _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+                for (int g = 0; g < 4; g++)
+                    sc[4 * n + g] = set2_epi16(s8[8 * n + 2 * g], s8[8 * n + 2 * g + 1]);
+            }
+        } else {
+            d = f16(b);
+            dmin = f16(b + 2);
+            const uint8_t *qs = b + (t == T_Q5_K ? 48 : 16);
+            __m256i h = _mm256_setzero_si256();
+            if (t == T_Q5_K) h = _mm256_loadu_si256((const __m256i *)(b + 16));
+            for (int j = 0; j < 8; j++) {
+                int s;
+                kscale(b + 4, j, &s, &mn[j]);
+                sc[j] = _mm256_set1_epi16((short)s);
+            }
+            for (int c = 0; c < 4; c++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                w[2 * c] = _mm256_and_si256(q, m4);
+                w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                if (t == T_Q5_K) { /* bit j of qh[l] is bit 4 of element l of sub-block j */
+                    const __m256i b1 = _mm256_set1_epi8(1);
+                    const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), b1);
+                    const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), b1);
+                    w[2 * c] = _mm256_or_si256(w[2 * c], _mm256_slli_epi16(h0, 4));
+                    w[2 * c + 1] = _mm256_or_si256(w[2 * c + 1], _mm256_slli_epi16(h1, 4));
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (r0 + r) * nb + sb;
+            const int8_t *x = xq->q + row * QKK;
+            const int16_t *bs = xq->bs + row * 16;
+            __m256i isum = _mm256_setzero_si256();
+            for (int i = 0; i < 8; i++)
+                isum = dot_scaled(isum, w[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i)), sc[i]);
+            const float dx = xq->d[row];
+            if (t == T_Q6_K) { /* the values are q + 32: less 32 * sum(scale * bsum) */
+                const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+                const __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), s16);
+                isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(corr, 5));
+            } else {
+                int32_t msum = 0;
+                for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+                tail[r] -= dmin * dx * (float)msum;
+            }
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) sums[r] = hsum_ps(acc[r]) + tail[r];
+}
+
+#else /* portable: scalar */
+
+AI void row_i8_b32(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R, float *sums) {
+    const int bb = block_bytes(t);
+    const int64_t nb = xq->nb;
+    for (int r = 0; r < R; r++) sums[r] = 0.0f;
+    for (int64_t g = 0; g < nb; g++) {
+        const uint8_t *b = wrow + g * bb;
+        int8_t w[QK];
+        float dw = f16(b), mw = 0.0f;
+        if (t == T_Q8_0) {
+            memcpy(w, b + 2, QK);
+        } else {
+            const uint8_t *qs = b + (t == T_Q4_1 ? 4 : 2);
+            const int off = t == T_Q4_0 ? 8 : 0;
+            for (int i = 0; i < 16; i++) {
+                w[i] = (int8_t)((qs[i] & 0x0F) - off);
+                w[i + 16] = (int8_t)((qs[i] >> 4) - off);
+            }
+            if (t == T_Q4_1) mw = f16(b + 2);
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (r0 + r) * nb + g;
+            const int8_t *x = xq->q + row * QK;
+            int32_t s = 0;
+            for (int i = 0; i < QK; i++) s += w[i] * x[i];
+            sums[r] += dw * xq->d[row] * (float)s + mw * xq->s[row];
+        }
+    }
+}
+
+AI void row_i8_k(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R, float *sums) {
+    const int bb = block_bytes(t);
+    const int64_t nb = xq->nb;
+    for (int r = 0; r < R; r++) sums[r] = 0.0f;
+    for (int64_t sb = 0; sb < nb; sb++) {
+        const uint8_t *b = wrow + sb * bb;
+        int8_t w[QKK];
+        int sc[16], mn[8] = {0}, per; /* scales per `per` elements */
+        float d, dmin = 0.0f;
+        if (t == T_Q6_K) {
+            const uint8_t *ql = b, *qh = b + 128;
+            d = f16(b + 208);
+            per = 16;
+            for (int i = 0; i < 16; i++) sc[i] = ((const int8_t *)(b + 192))[i];
+            for (int n = 0; n < 2; n++)
+                for (int g = 0; g < 4; g++)
+                    for (int l = 0; l < 32; l++) {
+                        const uint8_t lq = ql[64 * n + 32 * (g & 1) + l];
+                        const int v = ((lq >> (4 * (g >> 1))) & 0x0F) | (((qh[32 * n + l] >> (2 * g)) & 3) << 4);
+                        w[128 * n + 32 * g + l] = (int8_t)(v - 32);
+                    }
+        } else {
+            const uint8_t *qs = b + (t == T_Q5_K ? 48 : 16), *qh = b + 16;
+            d = f16(b);
+            dmin = f16(b + 2);
+            per = 32;
+            for (int j = 0; j < 8; j++) {
+                kscale(b + 4, j, &sc[j], &mn[j]);
+                for (int l = 0; l < 32; l++) {
+                    int v = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 0x0F;
+                    if (t == T_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+                    w[32 * j + l] = (int8_t)v;
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (r0 + r) * nb + sb;
+            const int8_t *x = xq->q + row * QKK;
+            const int16_t *bs = xq->bs + row * 16;
+            int32_t isum = 0, msum = 0;
+            for (int g = 0; g < QKK / per; g++) {
+                int32_t s = 0;
+                for (int i = g * per; i < g * per + per; i++) s += w[i] * x[i];
+                isum += sc[g] * s;
+            }
+            for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+            sums[r] += d * xq->d[row] * (float)isum - dmin * xq->d[row] * (float)msum;
+        }
+    }
+}
+#endif
+
+/* ---- the product ---------------------------------------------------------------------------- */
+
+static int is_k(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+
+/* the R (constant) products of one weight row with x rows r0.. */
+AI void row_any(int t, int int8, const uint8_t *wrow, int64_t k, const float *x, int64_t ldx,
+                const xquant *xq, int64_t r0, int R, float *sums) {
+    if (!int8) row_f32(t, wrow, k, x + r0 * ldx, ldx, R, sums);
+    else if (is_k(t)) row_i8_k(t, wrow, xq, r0, R, sums);
+    else row_i8_b32(t, wrow, xq, r0, R, sums);
+}
+
+/* rows [j0, j1) of W against all m rows of x, for one type (constant at each call) */
+AI void rows_typed(int t, int int8, const uint8_t *w, int64_t ldw, int64_t j0, int64_t j1,
+                   int64_t k, const float *x, int64_t ldx, int64_t m, const xquant *xq, float *y,
+                   int64_t ldy, const float *bias) {
+    for (int64_t j = j0; j < j1; j++) {
+        const uint8_t *wrow = w + j * ldw;
+        const float bj = bias ? bias[j] : 0.0f;
+        int64_t r = 0;
+        float sums[MT];
+        for (; r + MT <= m; r += MT) {
+            row_any(t, int8, wrow, k, x, ldx, xq, r, MT, sums);
+            for (int i = 0; i < MT; i++) y[(r + i) * ldy + j] = sums[i] + bj;
+        }
+        switch (m - r) {
+        case 3: row_any(t, int8, wrow, k, x, ldx, xq, r, 3, sums); break;
+        case 2: row_any(t, int8, wrow, k, x, ldx, xq, r, 2, sums); break;
+        case 1: row_any(t, int8, wrow, k, x, ldx, xq, r, 1, sums); break;
+        default: break;
+        }
+        for (int64_t i = r; i < m; i++) y[i * ldy + j] = sums[i - r] + bj;
+    }
+}
+
+#define QG_TYPE_CASES(int8)                                                                      \
+    case T_Q4_0: rows_typed(T_Q4_0, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
+    case T_Q4_1: rows_typed(T_Q4_1, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
+    case T_Q8_0: rows_typed(T_Q8_0, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
+    case T_Q4_K: rows_typed(T_Q4_K, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
+    case T_Q5_K: rows_typed(T_Q5_K, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
+    case T_Q6_K: rows_typed(T_Q6_K, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
+
+static void rows(int t, int int8, const uint8_t *w, int64_t ldw, int64_t j0, int64_t j1, int64_t k,
+                 const float *x, int64_t ldx, int64_t m, const xquant *xq, float *y, int64_t ldy,
+                 const float *bias) {
+    if (int8) {
+        switch (t) { QG_TYPE_CASES(1) }
+    } else {
+        switch (t) { QG_TYPE_CASES(0) }
+    }
+}
+
+static void quantize_x(int t, const float *x, int64_t ldx, int64_t r, int64_t k, xquant *xq) {
+    const int64_t nb = xq->nb;
+    if (is_k(t)) quantize_row_k(x + r * ldx, k, xq->q + r * k, xq->d + r * nb, xq->bs + r * nb * 16);
+    else quantize_row_b32(x + r * ldx, k, xq->q + r * k, xq->d + r * nb, xq->s + r * nb, xq->si + r * nb);
+}
+
+static int threads_for(int64_t bytes, int64_t units, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+    if (bytes < PARALLEL_BYTES) return 1;
+    return units < num_threads ? (int)(units > 0 ? units : 1) : num_threads;
+}
+
+/* Which SIMD path this build has: 0 scalar, 1 AVX2 (maddubs), 2 AVX-512 build of the AVX2 path,
+ * 3 AVX512-VNNI. */
+int stepserve_quant_isa(void) {
+#if defined(QG_VNNI)
+    return 3;
+#elif defined(QG_AVX2) && defined(__AVX512BW__)
+    return 2;
+#elif defined(QG_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y[m, j] = x[m, :] . W[j, :] (+ bias[j]) for W of n rows (row stride ldw bytes) and k columns of
+ * type qtype; x fp32 [m, k] (row stride ldx), y fp32 (row stride ldy). int8: quantize x and
+ * take integer products, else de-quantize W in registers. Returns 0, -1 for a type or shape it
+ * does not take, -2 when its scratch cannot be allocated. */
+int stepserve_quant_matmul(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
+                           const float *x, int64_t ldx, int64_t m, float *y, int64_t ldy,
+                           const float *bias, int int8, int num_threads) {
+    const int bb = block_bytes(qtype);
+    if (!bb || k % block_elems(qtype) || n < 0 || m < 0) return -1;
+    if (n == 0 || m == 0) return 0;
+    xquant xq = {0};
+    void *scratch = NULL;
+    if (int8) {
+        const int64_t nb = k / block_elems(qtype);
+        const size_t qbytes = ((size_t)(m * k) + 63) / 64 * 64;
+        const size_t per = is_k(qtype) ? sizeof(float) + 16 * sizeof(int16_t)
+                                       : 2 * sizeof(float) + sizeof(int32_t);
+        scratch = aligned_alloc(64, qbytes + ((size_t)(m * nb) * per + 63) / 64 * 64);
+        if (!scratch) return -2;
+        xq.nb = nb;
+        xq.q = (int8_t *)scratch;
+        xq.d = (float *)((char *)scratch + qbytes);
+        if (is_k(qtype)) {
+            xq.bs = (int16_t *)(xq.d + m * nb);
+        } else {
+            xq.s = xq.d + m * nb;
+            xq.si = (int32_t *)(xq.s + m * nb);
+        }
+    }
+    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    const int nt = threads_for(n * ldw * (m < 8 ? m : 8), tasks, num_threads);
+    const xquant *xqp = &xq;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        if (int8) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) quantize_x(qtype, x, ldx, r, k, &xq);
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t j0 = task * ROWS_PER_TASK;
+            const int64_t j1 = j0 + ROWS_PER_TASK < n ? j0 + ROWS_PER_TASK : n;
+            rows(qtype, int8, w, ldw, j0, j1, k, x, ldx, m, xqp, y, ldy, bias);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* out[i, :] = W[ids[i], :] de-quantized (ids NULL: rows 0..nrows-1), out row stride ldo floats.
+ * Exactly gguf's reference values. Returns 0, -1 for a type or shape it does not take, -3 for a
+ * row id out of [0, n). */
+int stepserve_quant_dequantize(int qtype, const uint8_t *w, int64_t ldw, int64_t n, int64_t k,
+                               const int64_t *ids, int64_t nrows, float *out, int64_t ldo,
+                               int num_threads) {
+    const int bb = block_bytes(qtype);
+    if (!bb || k % block_elems(qtype)) return -1;
+    if (ids)
+        for (int64_t i = 0; i < nrows; i++)
+            if (ids[i] < 0 || ids[i] >= n) return -3;
+    const int64_t nblk = k / block_elems(qtype);
+    const int nt = threads_for(nrows * ldw, nrows, num_threads);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t i = 0; i < nrows; i++) {
+        const int64_t j = ids ? ids[i] : i;
+        dq_blocks(qtype, w + j * ldw, (int)nblk, out + i * ldo);
+    }
+    return 0;
+}
