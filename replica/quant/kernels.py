@@ -141,6 +141,20 @@ def quant_matmul_out(
         if bias is not None:
             out += bias
         return out
+    _kernel(lib, x, w, out, bias, activations == "int8")
+    return out
+
+
+def _kernel(
+    lib,
+    x: torch.Tensor,
+    w: QuantizedTensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    int8: bool,
+) -> None:
+    """The native kernel for any M (checked inputs: quant_matmul_out)."""
+    (n, k), m = w.shape, x.shape[0]
     data, ldw = _weight_ptr(w)
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
@@ -148,11 +162,9 @@ def quant_matmul_out(
         lib.stepserve_quant_matmul(
             int(w.qtype), data.data_ptr(), ldw, n, k, x.data_ptr(), x.stride(0) if m > 1 else k,
             m, out.data_ptr(), out.stride(0) if m > 1 else n,
-            None if bias is None else bias.data_ptr(), activations == "int8",
-            torch.get_num_threads(),
+            None if bias is None else bias.data_ptr(), int8, torch.get_num_threads(),
         )
     )  # fmt: skip
-    return out
 
 
 def quant_matmul(
@@ -173,7 +185,9 @@ def quant_matmul(
     lib = _library()
     if lib is None or x.device.type != "cpu":
         _fallback("no native library" if lib is None else f"x on {x.device}")
-        ref = F.linear(x.float(), w.dequantize().to(x.device), None if bias is None else bias.float())
+        ref = F.linear(
+            x.float(), w.dequantize().to(x.device), None if bias is None else bias.float()
+        )
         return ref.to(x.dtype)
     x2 = x.reshape(-1, k)
     if x2.dtype != torch.float32:

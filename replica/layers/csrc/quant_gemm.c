@@ -251,13 +251,6 @@ AI int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* the sums of 8 vectors of 8 int32, lane i = sum of p[i] */
-AI __m256i reduce8(const __m256i *p) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
-                            _mm256_permute2x128_si256(a, b, 0x31));
-}
 #endif
 
 /* ---- fp32 activations: de-quantize a chunk of blocks, multiply with fp32 x ------------------ */
@@ -318,7 +311,18 @@ typedef struct {
     int32_t *si;
     int16_t *bs;
     int64_t nb; /* blocks (or super-blocks) per row */
+    int64_t qk; /* bytes of q per row */
 } xquant;
+
+/* Q4_0 / Q4_1 x rows on the SIMD paths are laid out per pair of blocks A, B as the unpacked
+ * nibbles of the two blocks come out of one 32-byte load: [A 0-15, B 0-15, A 16-31, B 16-31]
+ * (a last odd block: B zero), so one pair takes two dot products and gives one vector, lanes
+ * 0-3 block A, 4-7 block B */
+#ifdef QG_AVX2
+#define PAIRED(t) ((t) == T_Q4_0 || (t) == T_Q4_1)
+#else
+#define PAIRED(t) 0
+#endif
 
 #ifdef QG_AVX2
 /* 32 int32 (4 vectors) -> 32 int8 in element order */
@@ -357,12 +361,12 @@ AI __m256i quant32(const float *x, float id, int8_t *q, int32_t *half_sums) {
 }
 #endif
 
-/* one x row (k elements) per block of 32 */
+/* one x row (k elements) per block of 32; paired: the layout above */
 static void quantize_row_b32(const float *x, int64_t k, int8_t *q, float *ds, float *ss,
-                             int32_t *si) {
-    for (int64_t b = 0; b < k / QK; b++) {
+                             int32_t *si, int paired) {
+    const int64_t nb = k / QK;
+    for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
-        int8_t *qb = q + b * QK;
 #ifdef QG_AVX2
         const float amax = amax32(xb);
 #else
@@ -372,8 +376,21 @@ static void quantize_row_b32(const float *x, int64_t k, int8_t *q, float *ds, fl
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         int32_t sum;
 #ifdef QG_AVX2
+        int8_t tmp[QK];
+        int8_t *qb = paired ? tmp : q + b * QK;
         sum = hsum_epi32(quant32(xb, id, qb, NULL));
+        if (paired) {
+            int8_t *pair = q + (b / 2) * 2 * QK + (b & 1) * 16;
+            memcpy(pair, tmp, 16);
+            memcpy(pair + 32, tmp + 16, 16);
+            if ((b & 1) == 0 && b == nb - 1) { /* a last odd block: its partner is zero */
+                memset(pair + 16, 0, 16);
+                memset(pair + 48, 0, 16);
+            }
+        }
 #else
+        (void)paired;
+        int8_t *qb = q + b * QK;
         sum = 0;
         for (int i = 0; i < QK; i++) {
             qb[i] = (int8_t)round_even(xb[i] * id);
@@ -436,104 +453,187 @@ AI __m256i unpack_nibbles(const uint8_t *qs) {
                             _mm256_set1_epi8(0x0F));
 }
 
-/* a block-32 weight block as the dot products take it: the nibbles (Q4_0, Q4_1), the int8
- * values offset by 128 (Q8_0 with VNNI: u8), or the int8 values (Q8_0: sign trick) */
-AI __m256i prep_b32(int t, const uint8_t *b) {
-    if (t == T_Q8_0) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
+/* lane i of the result: the sum of p[i] (8 vectors of 8 int32) */
+AI __m256i sum2(__m256i a, __m256i b) { /* [a0+a2, b0+b2, a1+a3, b1+b3 | same, upper] */
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+
+AI __m256i sum2q(__m256i a, __m256i b) { /* [a0+a2, a1+a3, b0+b2, b1+b3 | same, upper] */
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+}
+
+AI __m256i reduce8(const __m256i *p) {
+    const __m256i a = sum2q(sum2(p[0], p[1]), sum2(p[2], p[3]));
+    const __m256i b = sum2q(sum2(p[4], p[5]), sum2(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* 4 pair vectors (lanes 0-3 block 2i, 4-7 block 2i+1) -> the 8 block sums in order */
+AI __m256i reduce_pairs(const __m256i *p) {
+    const __m256i s = sum2q(sum2(p[0], p[1]), sum2(p[2], p[3])); /* blocks 0 2 4 6 | 1 3 5 7 */
+    return _mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* the nibbles of a pair of Q4 blocks (A at a, B at a + bb; B absent: zero) as [A lo, B lo] and
+ * [A hi, B hi] */
+AI void unpack_pair(const uint8_t *a, int bb, int has_b, __m256i *lo, __m256i *hi) {
+    const __m128i qa = _mm_loadu_si128((const __m128i *)a);
+    const __m256i v = has_b ? _mm256_inserti128_si256(_mm256_castsi128_si256(qa),
+                                                      _mm_loadu_si128((const __m128i *)(a + bb)), 1)
+                            : _mm256_zextsi128_si256(qa);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+
+/* the dot products of an unpacked pair with x laid out paired (64 bytes) */
+AI __m256i dot_pair(__m256i lo, __m256i hi, const int8_t *x) {
+    const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32));
 #ifdef QG_VNNI
-        return _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
+#else /* pairs of products of nibbles and int8 stay within int16 (2 * 2 * 15 * 127) */
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
+/* a Q8_0 block as the dot product takes it: offset by 128 (VNNI: u8 x s8), else as is */
+AI __m256i prep_q8(const uint8_t *b) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
+#ifdef QG_VNNI
+    return _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
 #else
-        return w;
+    return w;
 #endif
-    }
-    return unpack_nibbles(b + (t == T_Q4_1 ? 4 : 2));
 }
 
-AI __m256i dot_b32(int t, __m256i w, const int8_t *xq) {
-    (void)t;
+AI __m256i dot_q8(__m256i w, const int8_t *xq) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-#ifndef QG_VNNI
-    if (t == T_Q8_0)
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
-                                 _mm256_set1_epi16(1));
+#ifdef QG_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                             _mm256_set1_epi16(1));
 #endif
-    return dot_us(w, x);
 }
 
-/* the integer sum of a block (or 8 blocks' sums) less what the weight's offset adds:
- * Q4_0 nibbles are q + 8, Q8_0 with VNNI q + 128 */
-AI __m256i offset8(int t, __m256i s, const int32_t *si) {
-    const __m256i sv = _mm256_loadu_si256((const __m256i *)si);
-    if (t == T_Q4_0) return _mm256_sub_epi32(s, _mm256_slli_epi32(sv, 3));
+/* the 8 block sums less what the weight's offset adds: Q4_0 nibbles are q + 8, Q8_0 with VNNI
+ * q + 128 */
+AI __m256i unoffset(int t, __m256i s, __m256i si) {
+    if (t == T_Q4_0) return _mm256_sub_epi32(s, _mm256_slli_epi32(si, 3));
 #ifdef QG_VNNI
-    if (t == T_Q8_0) return _mm256_sub_epi32(s, _mm256_slli_epi32(sv, 7));
+    if (t == T_Q8_0) return _mm256_sub_epi32(s, _mm256_slli_epi32(si, 7));
 #endif
     return s;
 }
 
-AI int32_t offset1(int t, int32_t s, int32_t si) {
-    if (t == T_Q4_0) return s - 8 * si;
-#ifdef QG_VNNI
-    if (t == T_Q8_0) return s - 128 * si;
-#endif
-    return s;
+AI uint32_t load32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
 }
 
-/* the fp16 scales (and Q4_1's mins) of 8 consecutive blocks from b */
-AI __m256 gather_scales(int t, const uint8_t *b, __m256 *mins) {
+/* the fp16 scales (and Q4_1's mins: the upper halves) of n (<= 8) consecutive blocks from b;
+ * absent ones 0 */
+AI __m256 block_scales(int t, const uint8_t *b, int n, __m256 *mins) {
     const int bb = block_bytes(t);
-    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                           _mm256_set1_epi32(bb));
-    const __m256i v = _mm256_i32gather_epi32((const int *)b, idx, 1);
+    uint32_t v[8];
+    for (int i = 0; i < 8; i++) v[i] = i < n ? load32(b + i * bb) : 0;
+    const __m256i g = _mm256_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4],
+                                        (int)v[5], (int)v[6], (int)v[7]);
     /* per 128-bit lane: the low halves of the 4 dwords, then the high halves */
     const __m256i ctl = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0,
                                          1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    const __m256i p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, ctl), 0xD8);
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(g, ctl), 0xD8);
     if (mins) *mins = _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1));
     return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
 }
 
-/* sums[r] = W row . x row r (int8), block-32 types, R rows of x */
-AI void row_i8_b32(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R, float *sums) {
+/* acc[i][r] += the products of n (<= 8) blocks from block g of weight rows b + i * ldw (i < RW)
+ * with x rows r0 + r (r < R); Q4_1's mins go to accm */
+AI void group_b32(int t, const uint8_t *b, int64_t ldw, int RW, const xquant *xq, int64_t r0,
+                  int64_t g, int n, int R, __m256 acc[2][MT], __m256 accm[2][MT]) {
     const int bb = block_bytes(t);
     const int64_t nb = xq->nb;
-    __m256 acc[MT];
-    float tail[MT];
+    __m256i w[2][8], w2[2][4];
+    __m256 dw[2], mins[2];
+    for (int i = 0; i < RW; i++) {
+        const uint8_t *bi = b + i * ldw;
+        if (PAIRED(t)) {
+            const int qs = t == T_Q4_1 ? 4 : 2;
+            for (int q = 0; q < 4; q++) {
+                w[i][q] = w2[i][q] = _mm256_setzero_si256();
+                if (2 * q < n) unpack_pair(bi + 2 * q * bb + qs, bb, 2 * q + 1 < n, &w[i][q], &w2[i][q]);
+            }
+        } else {
+            for (int q = 0; q < 8; q++) w[i][q] = q < n ? prep_q8(bi + q * bb) : _mm256_setzero_si256();
+        }
+        mins[i] = _mm256_setzero_ps();
+        dw[i] = block_scales(t, bi, n, t == T_Q4_1 ? &mins[i] : NULL);
+    }
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        tail[r] = 0.0f;
+        const int64_t row = (r0 + r) * nb + g;
+        const int8_t *x = xq->q + (r0 + r) * xq->qk + g * QK;
+        __m256 dx, sx = _mm256_setzero_ps();
+        __m256i si = _mm256_setzero_si256();
+        if (n == 8) {
+            dx = _mm256_loadu_ps(xq->d + row);
+            if (t == T_Q4_1) sx = _mm256_loadu_ps(xq->s + row);
+            else si = _mm256_loadu_si256((const __m256i *)(xq->si + row));
+        } else { /* beyond the row's blocks: zeros */
+            dx = _mm256_maskload_ps(xq->d + row, mask);
+            if (t == T_Q4_1) sx = _mm256_maskload_ps(xq->s + row, mask);
+            else si = _mm256_maskload_epi32((const int *)(xq->si + row), mask);
+        }
+        for (int i = 0; i < RW; i++) {
+            __m256i p[8], s;
+            if (PAIRED(t)) {
+                for (int q = 0; q < 4; q++)
+                    p[q] = 2 * q < n ? dot_pair(w[i][q], w2[i][q], x + 2 * q * QK) : _mm256_setzero_si256();
+                s = reduce_pairs(p);
+            } else {
+                for (int q = 0; q < 8; q++)
+                    p[q] = q < n ? dot_q8(w[i][q], x + q * QK) : _mm256_setzero_si256();
+                s = reduce8(p);
+            }
+            s = unoffset(t, s, si);
+            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[i], dx), acc[i][r]);
+            if (t == T_Q4_1) accm[i][r] = _mm256_fmadd_ps(mins[i], sx, accm[i][r]);
+        }
     }
+}
+
+/* y[r * ldy + i] = W row i . x row r0 + r (+ bias[i]) for RW weight rows from wrow and R rows of
+ * x (int8), block-32 types: groups of 8 blocks, the last one partial */
+AI void row_i8_b32(int t, const uint8_t *wrow, int64_t ldw, int RW, const xquant *xq, int64_t r0,
+                   int R, float *y, int64_t ldy, const float *bias) {
+    const int bb = block_bytes(t);
+    const int64_t nb = xq->nb;
+    __m256 acc[2][MT], accm[2][MT];
+    for (int i = 0; i < RW; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = accm[i][r] = _mm256_setzero_ps();
     int64_t g = 0;
-    for (; g + 8 <= nb; g += 8) {
-        const uint8_t *b = wrow + g * bb;
-        __m256i w[8];
-        for (int i = 0; i < 8; i++) w[i] = prep_b32(t, b + i * bb);
-        __m256 mins;
-        const __m256 dw = gather_scales(t, b, t == T_Q4_1 ? &mins : NULL);
-        for (int r = 0; r < R; r++) {
-            const int64_t row = (r0 + r) * nb + g;
-            const int8_t *x = xq->q + row * QK;
-            __m256i p[8];
-            for (int i = 0; i < 8; i++) p[i] = dot_b32(t, w[i], x + i * QK);
-            const __m256i s = offset8(t, reduce8(p), xq->si + row);
-            const __m256 dd = _mm256_mul_ps(dw, _mm256_loadu_ps(xq->d + row));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[r]);
-            if (t == T_Q4_1) acc[r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xq->s + row), acc[r]);
-        }
+    for (; g + 8 <= nb; g += 8) group_b32(t, wrow + g * bb, ldw, RW, xq, r0, g, 8, R, acc, accm);
+    /* the last group's size is a constant in each case: its masks and loads fold */
+    const uint8_t *b = wrow + g * bb;
+    switch (nb - g) {
+    case 1: group_b32(t, b, ldw, RW, xq, r0, g, 1, R, acc, accm); break;
+    case 2: group_b32(t, b, ldw, RW, xq, r0, g, 2, R, acc, accm); break;
+    case 3: group_b32(t, b, ldw, RW, xq, r0, g, 3, R, acc, accm); break;
+    case 4: group_b32(t, b, ldw, RW, xq, r0, g, 4, R, acc, accm); break;
+    case 5: group_b32(t, b, ldw, RW, xq, r0, g, 5, R, acc, accm); break;
+    case 6: group_b32(t, b, ldw, RW, xq, r0, g, 6, R, acc, accm); break;
+    case 7: group_b32(t, b, ldw, RW, xq, r0, g, 7, R, acc, accm); break;
+    default: break;
     }
-    for (; g < nb; g++) {
-        const uint8_t *b = wrow + g * bb;
-        const __m256i w = prep_b32(t, b);
-        const float dw = f16(b), mw = t == T_Q4_1 ? f16(b + 2) : 0.0f;
+    for (int i = 0; i < RW; i++)
         for (int r = 0; r < R; r++) {
-            const int64_t row = (r0 + r) * nb + g;
-            const int32_t s = offset1(t, hsum_epi32(dot_b32(t, w, xq->q + row * QK)), xq->si[row]);
-            tail[r] += dw * xq->d[row] * (float)s;
-            if (t == T_Q4_1) tail[r] += mw * xq->s[row];
+            const __m256 a = t == T_Q4_1 ? _mm256_add_ps(acc[i][r], accm[i][r]) : acc[i][r];
+            y[r * ldy + i] = hsum_ps(a) + (bias ? bias[i] : 0.0f);
         }
-    }
-    for (int r = 0; r < R; r++) sums[r] = hsum_ps(acc[r]) + tail[r];
 }
 
 AI __m256i set2_epi16(int lo, int hi) {
@@ -635,7 +735,7 @@ AI void row_i8_k(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R
 
 #else /* portable: scalar */
 
-AI void row_i8_b32(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R, float *sums) {
+AI void row1_i8_b32(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R, float *sums) {
     const int bb = block_bytes(t);
     const int64_t nb = xq->nb;
     for (int r = 0; r < R; r++) sums[r] = 0.0f;
@@ -661,6 +761,15 @@ AI void row_i8_b32(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int
             for (int i = 0; i < QK; i++) s += w[i] * x[i];
             sums[r] += dw * xq->d[row] * (float)s + mw * xq->s[row];
         }
+    }
+}
+
+AI void row_i8_b32(int t, const uint8_t *wrow, int64_t ldw, int RW, const xquant *xq, int64_t r0,
+                   int R, float *y, int64_t ldy, const float *bias) {
+    for (int i = 0; i < RW; i++) {
+        float sums[MT];
+        row1_i8_b32(t, wrow + i * ldw, xq, r0, R, sums);
+        for (int r = 0; r < R; r++) y[r * ldy + i] = sums[r] + (bias ? bias[i] : 0.0f);
     }
 }
 
@@ -720,35 +829,45 @@ AI void row_i8_k(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R
 
 static int is_k(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 
-/* the R (constant) products of one weight row with x rows r0.. */
-AI void row_any(int t, int int8, const uint8_t *wrow, int64_t k, const float *x, int64_t ldx,
-                const xquant *xq, int64_t r0, int R, float *sums) {
-    if (!int8) row_f32(t, wrow, k, x + r0 * ldx, ldx, R, sums);
-    else if (is_k(t)) row_i8_k(t, wrow, xq, r0, R, sums);
-    else row_i8_b32(t, wrow, xq, r0, R, sums);
+/* y[r * ldy + i] = W row i . x row r0 + r (+ bias[i]) for RW (constant) weight rows from wrow
+ * and R (constant) rows of x */
+AI void row_any(int t, int int8, const uint8_t *wrow, int64_t ldw, int RW, int64_t k,
+                const float *x, int64_t ldx, const xquant *xq, int64_t r0, int R, float *y,
+                int64_t ldy, const float *bias) {
+    if (int8 && !is_k(t)) {
+        row_i8_b32(t, wrow, ldw, RW, xq, r0, R, y, ldy, bias);
+        return;
+    }
+    for (int i = 0; i < RW; i++) {
+        float sums[MT];
+        if (!int8) row_f32(t, wrow + i * ldw, k, x + r0 * ldx, ldx, R, sums);
+        else row_i8_k(t, wrow + i * ldw, xq, r0, R, sums);
+        for (int r = 0; r < R; r++) y[r * ldy + i] = sums[r] + (bias ? bias[i] : 0.0f);
+    }
 }
 
-/* rows [j0, j1) of W against all m rows of x, for one type (constant at each call) */
+/* rows [j0, j1) of W against all m rows of x, for one type (constant at each call): MT rows of x
+ * per pass over a weight row, the last 1-3 rows of x two weight rows at a time */
 AI void rows_typed(int t, int int8, const uint8_t *w, int64_t ldw, int64_t j0, int64_t j1,
                    int64_t k, const float *x, int64_t ldx, int64_t m, const xquant *xq, float *y,
                    int64_t ldy, const float *bias) {
-    for (int64_t j = j0; j < j1; j++) {
-        const uint8_t *wrow = w + j * ldw;
-        const float bj = bias ? bias[j] : 0.0f;
-        int64_t r = 0;
-        float sums[MT];
-        for (; r + MT <= m; r += MT) {
-            row_any(t, int8, wrow, k, x, ldx, xq, r, MT, sums);
-            for (int i = 0; i < MT; i++) y[(r + i) * ldy + j] = sums[i] + bj;
-        }
-        switch (m - r) {
-        case 3: row_any(t, int8, wrow, k, x, ldx, xq, r, 3, sums); break;
-        case 2: row_any(t, int8, wrow, k, x, ldx, xq, r, 2, sums); break;
-        case 1: row_any(t, int8, wrow, k, x, ldx, xq, r, 1, sums); break;
-        default: break;
-        }
-        for (int64_t i = r; i < m; i++) y[i * ldy + j] = sums[i - r] + bj;
+    const int64_t full = m / MT * MT;
+    for (int64_t j = j0; j < j1; j++)
+        for (int64_t r = 0; r < full; r += MT)
+            row_any(t, int8, w + j * ldw, ldw, 1, k, x, ldx, xq, r, MT, y + r * ldy + j, ldy,
+                    bias ? bias + j : NULL);
+    if (full == m) return;
+    float *yr = y + full * ldy;
+    int64_t j = j0;
+#define QG_REST(RW)                                                                              \
+    switch (m - full) {                                                                          \
+    case 3: row_any(t, int8, w + j * ldw, ldw, RW, k, x, ldx, xq, full, 3, yr + j, ldy, bias ? bias + j : NULL); break; \
+    case 2: row_any(t, int8, w + j * ldw, ldw, RW, k, x, ldx, xq, full, 2, yr + j, ldy, bias ? bias + j : NULL); break; \
+    default: row_any(t, int8, w + j * ldw, ldw, RW, k, x, ldx, xq, full, 1, yr + j, ldy, bias ? bias + j : NULL); break; \
     }
+    for (; j + 2 <= j1; j += 2) QG_REST(2)
+    if (j < j1) QG_REST(1)
+#undef QG_REST
 }
 
 #define QG_TYPE_CASES(int8)                                                                      \
@@ -771,8 +890,10 @@ static void rows(int t, int int8, const uint8_t *w, int64_t ldw, int64_t j0, int
 
 static void quantize_x(int t, const float *x, int64_t ldx, int64_t r, int64_t k, xquant *xq) {
     const int64_t nb = xq->nb;
-    if (is_k(t)) quantize_row_k(x + r * ldx, k, xq->q + r * k, xq->d + r * nb, xq->bs + r * nb * 16);
-    else quantize_row_b32(x + r * ldx, k, xq->q + r * k, xq->d + r * nb, xq->s + r * nb, xq->si + r * nb);
+    if (is_k(t)) quantize_row_k(x + r * ldx, k, xq->q + r * xq->qk, xq->d + r * nb, xq->bs + r * nb * 16);
+    else
+        quantize_row_b32(x + r * ldx, k, xq->q + r * xq->qk, xq->d + r * nb, xq->s + r * nb,
+                         xq->si + r * nb, PAIRED(t));
 }
 
 static int threads_for(int64_t bytes, int64_t units, int num_threads) {
@@ -809,12 +930,14 @@ int stepserve_quant_matmul(int qtype, const uint8_t *w, int64_t ldw, int64_t n, 
     void *scratch = NULL;
     if (int8) {
         const int64_t nb = k / block_elems(qtype);
-        const size_t qbytes = ((size_t)(m * k) + 63) / 64 * 64;
+        const int64_t qk = PAIRED(qtype) ? (nb + 1) / 2 * 2 * QK : k;
+        const size_t qbytes = ((size_t)(m * qk) + 63) / 64 * 64;
         const size_t per = is_k(qtype) ? sizeof(float) + 16 * sizeof(int16_t)
                                        : 2 * sizeof(float) + sizeof(int32_t);
         scratch = aligned_alloc(64, qbytes + ((size_t)(m * nb) * per + 63) / 64 * 64);
         if (!scratch) return -2;
         xq.nb = nb;
+        xq.qk = qk;
         xq.q = (int8_t *)scratch;
         xq.d = (float *)((char *)scratch + qbytes);
         if (is_k(qtype)) {
