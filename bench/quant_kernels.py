@@ -47,7 +47,9 @@ def random_weight(qtype: QType, n: int, k: int, gen: torch.Generator) -> Quantiz
     nb = k // elems
     data = torch.randint(0, 256, (n, nb, nbytes), dtype=torch.uint8, generator=gen)
     scale = (torch.rand(n, nb, 1, generator=gen) * 0.01 + 1e-3).half().view(torch.uint8)
-    at = {QType.Q6_K: [208]}.get(qtype, [0, 2] if qtype in (QType.Q4_1, QType.Q4_K, QType.Q5_K) else [0])
+    at = {QType.Q6_K: [208]}.get(
+        qtype, [0, 2] if qtype in (QType.Q4_1, QType.Q4_K, QType.Q5_K) else [0]
+    )
     for off in at:
         data[:, :, off : off + 2] = scale
     return QuantizedTensor(qtype, (n, k), data.reshape(n, -1))
@@ -73,7 +75,9 @@ def bench_shape(n, k, qtypes, ms, stream_mb, repeats, gen, lib):
     rows = []
     # fp32 packed baseline
     fp32_bytes = n * k * 4
-    w32 = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(copies_for(fp32_bytes, stream_mb))]
+    w32 = [
+        torch.randn(n, k, generator=gen) * 0.02 for _ in range(copies_for(fp32_bytes, stream_mb))
+    ]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in w32]
     del w32
     for qtype in qtypes:
@@ -86,18 +90,28 @@ def bench_shape(n, k, qtypes, ms, stream_mb, repeats, gen, lib):
             calls = max(len(ws), 20)
             t = {
                 "q-int8": best_time(
-                    lambda i: kernels._kernel(lib, x, ws[i % len(ws)], out, None, True), calls, repeats
+                    lambda i, x=x, ws=ws, out=out: kernels._kernel(
+                        lib, x, ws[i % len(ws)], out, None, True
+                    ),
+                    calls,
+                    repeats,
                 ),
                 "q-fp32": best_time(
-                    lambda i: kernels._kernel(lib, x, ws[i % len(ws)], out, None, False), calls, repeats
+                    lambda i, x=x, ws=ws, out=out: kernels._kernel(
+                        lib, x, ws[i % len(ws)], out, None, False
+                    ),
+                    calls,
+                    repeats,
                 ),
                 "dq-gemm": best_time(
-                    lambda i: kernels._dequant_gemm(lib, x, ws[i % len(ws)], out),
+                    lambda i, x=x, ws=ws, out=out: kernels._dequant_gemm(
+                        lib, x, ws[i % len(ws)], out
+                    ),
                     max(len(ws), 5),
                     repeats,
                 ),
                 "fp32": best_time(
-                    lambda i: torch.ops.mkldnn._linear_pointwise(
+                    lambda i, xp=xp: torch.ops.mkldnn._linear_pointwise(
                         xp, packed[i % len(packed)], None, "none", [], ""
                     ),
                     max(len(packed), 20),
