@@ -24,6 +24,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from replica.layers import cpu_kernels
 from replica.quant.formats import FLOAT_TYPES, QuantFormatError, QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,6 @@ _scratch = threading.local()  # the reused fp32 tile of the de-quantize + GEMM p
 
 
 def _library():
-    from replica.layers import cpu_kernels
-
     return cpu_kernels.native_library()
 
 
@@ -175,9 +174,38 @@ def quant_matmul(
 ) -> torch.Tensor:
     """y = x W^T (+ bias) for x [..., K] fp32 or bf16 (y: x's dtype, [..., N]); activations
     "int8" (quantized per block, integer products) or "fp32" (de-quantized weights)."""
+    n, k = w.shape
+    # decode's case in as few steps as Python allows (a call of a small model's linear layer
+    # takes a few microseconds of kernel): 2-D contiguous fp32 x below the crossover
+    lib = _library()
+    data = w.data
+    if (
+        lib is not None
+        and x.dtype is torch.float32
+        and x.dim() == 2
+        and x.shape[1] == k
+        and x.shape[0] < CROSSOVER_M.get(activations, 0)
+        and w.qtype not in FLOAT_TYPES
+        and x.is_contiguous()
+        and data.is_contiguous()
+        and x.device.type == "cpu"
+        and (
+            bias is None
+            or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.numel() == n)
+        )
+    ):
+        m = x.shape[0]
+        out = torch.empty(m, n)
+        _check(
+            lib.stepserve_quant_matmul(
+                w.qtype, data.data_ptr(), data.shape[1], n, k, x.data_ptr(), k, m,
+                out.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                activations == "int8", torch.get_num_threads(),
+            )
+        )  # fmt: skip
+        return out
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-    n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
     if w.qtype in FLOAT_TYPES:
@@ -190,6 +218,8 @@ def quant_matmul(
         )
         return ref.to(x.dtype)
     x2 = x.reshape(-1, k)
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have {n} elements, got {list(bias.shape)}")
     if x2.dtype != torch.float32:
         x2 = x2.float()
     if x2.stride(-1) != 1:

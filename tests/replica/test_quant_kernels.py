@@ -256,3 +256,24 @@ def test_the_library_compiles_at_every_level():
         assert cpu_kernels._build(compiler, level).exists()
     for level in cpu_isa.runnable_levels():
         assert cpu_kernels.native_library(level).stepserve_quant_isa() == PATH.get(level, 0)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q4_K], ids=lambda t: t.name)
+def test_any_thread_count_gives_the_same_bits(qtype, monkeypatch):
+    """Each output is one thread's sum in a fixed order: the thread count (and whether each
+    thread quantizes x for itself: M <= 4) does not change a bit."""
+    monkeypatch.setattr(kernels, "CROSSOVER_M", KERNEL_ONLY)
+    elems = BLOCK[qtype][0]
+    w = make_weight(qtype, 300, 3 * elems, seed=5)  # big enough to run in parallel
+    saved = torch.get_num_threads()
+    try:
+        for m in (1, 3, 9):
+            x = torch.randn(m, 3 * elems)
+            for act in kernels.ACTIVATIONS:
+                results = []
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    results.append(kernels.quant_matmul(x, w, activations=act))
+                assert all(torch.equal(results[0], r) for r in results[1:]), (m, act)
+    finally:
+        torch.set_num_threads(saved)

@@ -50,6 +50,7 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14
 #define QKK 256 /* elements of a K-quant super-block */
 #define MT 4    /* rows of x one pass over a weight row serves */
 #define ROWS_PER_TASK 8
+#define PRIVATE_X_ROWS 4 /* up to this many rows of x each thread quantizes for itself */
 /* below this many weight bytes (times rows of x) one thread does the product: waking the pool
  * costs more than it saves */
 #define PARALLEL_BYTES (48 * 1024)
@@ -926,42 +927,51 @@ int stepserve_quant_matmul(int qtype, const uint8_t *w, int64_t ldw, int64_t n, 
     const int bb = block_bytes(qtype);
     if (!bb || k % block_elems(qtype) || n < 0 || m < 0) return -1;
     if (n == 0 || m == 0) return 0;
-    xquant xq = {0};
-    void *scratch = NULL;
-    if (int8) {
-        const int64_t nb = k / block_elems(qtype);
-        const int64_t qk = PAIRED(qtype) ? (nb + 1) / 2 * 2 * QK : k;
-        const size_t qbytes = ((size_t)(m * qk) + 63) / 64 * 64;
-        const size_t per = is_k(qtype) ? sizeof(float) + 16 * sizeof(int16_t)
-                                       : 2 * sizeof(float) + sizeof(int32_t);
-        scratch = aligned_alloc(64, qbytes + ((size_t)(m * nb) * per + 63) / 64 * 64);
-        if (!scratch) return -2;
-        xq.nb = nb;
-        xq.qk = qk;
-        xq.q = (int8_t *)scratch;
-        xq.d = (float *)((char *)scratch + qbytes);
-        if (is_k(qtype)) {
-            xq.bs = (int16_t *)(xq.d + m * nb);
-        } else {
-            xq.s = xq.d + m * nb;
-            xq.si = (int32_t *)(xq.s + m * nb);
-        }
-    }
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int nt = threads_for(n * ldw * (m < 8 ? m : 8), tasks, num_threads);
-    const xquant *xqp = &xq;
+    /* few rows of x: every thread quantizes them into its own copy (no barrier between the
+     * quantization and the products); more: the threads share the work and one copy */
+    const int private_x = int8 && m <= PRIVATE_X_ROWS;
+    const int copies = private_x ? nt : 1;
+    const int64_t nb = k / block_elems(qtype);
+    const int64_t qk = PAIRED(qtype) ? (nb + 1) / 2 * 2 * QK : k;
+    const size_t qbytes = ((size_t)(m * qk) + 63) / 64 * 64;
+    const size_t per = is_k(qtype) ? sizeof(float) + 16 * sizeof(int16_t)
+                                   : 2 * sizeof(float) + sizeof(int32_t);
+    const size_t copy_bytes = qbytes + ((size_t)(m * nb) * per + 63) / 64 * 64;
+    void *scratch = NULL;
+    if (int8 && !(scratch = aligned_alloc(64, copy_bytes * copies))) return -2;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
+        int tid = 0, team = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        team = omp_get_num_threads();
+#endif
+        xquant xq = {0};
         if (int8) {
+            char *base = (char *)scratch + (private_x ? (size_t)tid * copy_bytes : 0);
+            xq.nb = nb;
+            xq.qk = qk;
+            xq.q = (int8_t *)base;
+            xq.d = (float *)(base + qbytes);
+            if (is_k(qtype)) {
+                xq.bs = (int16_t *)(xq.d + m * nb);
+            } else {
+                xq.s = xq.d + m * nb;
+                xq.si = (int32_t *)(xq.s + m * nb);
+            }
+            if (private_x) {
+                for (int64_t r = 0; r < m; r++) quantize_x(qtype, x, ldx, r, k, &xq);
+            } else {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; r++) quantize_x(qtype, x, ldx, r, k, &xq);
+                for (int64_t r = 0; r < m; r++) quantize_x(qtype, x, ldx, r, k, &xq);
+            }
         }
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; task++) {
-            const int64_t j0 = task * ROWS_PER_TASK;
-            const int64_t j1 = j0 + ROWS_PER_TASK < n ? j0 + ROWS_PER_TASK : n;
-            rows(qtype, int8, w, ldw, j0, j1, k, x, ldx, m, xqp, y, ldy, bias);
-        }
+        /* contiguous ranges of rows, one per thread: each streams its own part of W */
+        const int64_t t0 = tasks * tid / team, t1 = tasks * (tid + 1) / team;
+        const int64_t j0 = t0 * ROWS_PER_TASK, j1 = t1 * ROWS_PER_TASK < n ? t1 * ROWS_PER_TASK : n;
+        if (j0 < j1) rows(qtype, int8, w, ldw, j0, j1, k, x, ldx, m, &xq, y, ldy, bias);
     }
     free(scratch);
     return 0;
