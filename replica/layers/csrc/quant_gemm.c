@@ -112,7 +112,7 @@ static inline void kscale(const uint8_t *s, int j, int *sc, int *mn) {
 
 /* ---- de-quantization of one block, exactly as gguf's numpy reference rounds ---------------- */
 
-static void dq_q4_0(const uint8_t *b, float *y) {
+AI void dq_q4_0(const uint8_t *b, float *y) {
     const float d = f16(b);
     const uint8_t *qs = b + 2;
 #ifdef QG_AVX2
@@ -135,7 +135,7 @@ static void dq_q4_0(const uint8_t *b, float *y) {
 #endif
 }
 
-static void dq_q4_1(const uint8_t *b, float *y) {
+AI void dq_q4_1(const uint8_t *b, float *y) {
     const float d = f16(b), m = f16(b + 2);
     const uint8_t *qs = b + 4;
 #ifdef QG_AVX2
@@ -159,7 +159,7 @@ static void dq_q4_1(const uint8_t *b, float *y) {
 #endif
 }
 
-static void dq_q8_0(const uint8_t *b, float *y) {
+AI void dq_q8_0(const uint8_t *b, float *y) {
     const float d = f16(b);
     const int8_t *qs = (const int8_t *)(b + 2);
 #ifdef QG_AVX2
@@ -173,9 +173,42 @@ static void dq_q8_0(const uint8_t *b, float *y) {
 #endif
 }
 
+#ifdef QG_AVX2
+/* y[0..32) = ds * v - dm for 32 u8 values v (each product and difference rounded, as gguf) */
+AI void store32_affine(__m256i v, float ds, float dm, float *y) {
+    const __m256 dsv = _mm256_set1_ps(ds), dmv = _mm256_set1_ps(dm);
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++) {
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+        _mm256_storeu_ps(y + 8 * i, _mm256_sub_ps(_mm256_mul_ps(dsv, f), dmv));
+    }
+}
+
+/* y[0..16) = ds * v for 16 int8 values v */
+AI void store16_scaled(__m128i v, float ds, float *y) {
+    const __m256 dsv = _mm256_set1_ps(ds);
+    _mm256_storeu_ps(y, _mm256_mul_ps(dsv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(dsv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                   _mm_srli_si128(v, 8)))));
+}
+#endif
+
 static void dq_q4_k(const uint8_t *b, float *y) {
     const float d = f16(b), dmin = f16(b + 2);
     const uint8_t *sc = b + 4, *qs = b + 16;
+#ifdef QG_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        for (int h = 0; h < 2; h++) {
+            int s, m;
+            kscale(sc, 2 * c + h, &s, &m);
+            const __m256i v = _mm256_and_si256(h ? _mm256_srli_epi16(q, 4) : q, m4);
+            store32_affine(v, d * (float)s, dmin * (float)m, y + 64 * c + 32 * h);
+        }
+    }
+#else
     for (int j = 0; j < 8; j++) {
         int s, m;
         kscale(sc, j, &s, &m);
@@ -184,11 +217,28 @@ static void dq_q4_k(const uint8_t *b, float *y) {
         const int shift = 4 * (j & 1);
         for (int l = 0; l < 32; l++) y[32 * j + l] = ds * (float)((q[l] >> shift) & 0x0F) - dm;
     }
+#endif
 }
 
 static void dq_q5_k(const uint8_t *b, float *y) {
     const float d = f16(b), dmin = f16(b + 2);
     const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + 48;
+#ifdef QG_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        for (int i = 0; i < 2; i++) {
+            const int j = 2 * c + i;
+            int s, m;
+            kscale(sc, j, &s, &m);
+            const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, j), one);
+            const __m256i v = _mm256_or_si256(_mm256_and_si256(i ? _mm256_srli_epi16(q, 4) : q, m4),
+                                              _mm256_slli_epi16(hb, 4));
+            store32_affine(v, d * (float)s, dmin * (float)m, y + 32 * j);
+        }
+    }
+#else
     for (int j = 0; j < 8; j++) {
         int s, m;
         kscale(sc, j, &s, &m);
@@ -200,12 +250,32 @@ static void dq_q5_k(const uint8_t *b, float *y) {
             y[32 * j + l] = ds * (float)v - dm;
         }
     }
+#endif
 }
 
 static void dq_q6_k(const uint8_t *b, float *y) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = f16(b + 208);
+#ifdef QG_AVX2
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), e32 = _mm256_set1_epi8(32);
+    for (int n = 0; n < 2; n++) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + 32 * n));
+        for (int g = 0; g < 4; g++) {
+            const __m256i l = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32 * (g & 1)));
+            const __m256i lo = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(l, 4) : l, m4);
+            __m256i hb = h;
+            if (g == 1) hb = _mm256_srli_epi16(h, 2);
+            if (g == 2) hb = _mm256_srli_epi16(h, 4);
+            if (g == 3) hb = _mm256_srli_epi16(h, 6);
+            hb = _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4);
+            const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lo, hb), e32);
+            float *yo = y + 128 * n + 32 * g;
+            store16_scaled(_mm256_castsi256_si128(v), d * (float)sc[8 * n + 2 * g], yo);
+            store16_scaled(_mm256_extracti128_si256(v, 1), d * (float)sc[8 * n + 2 * g + 1], yo + 16);
+        }
+    }
+#else
     for (int n = 0; n < 2; n++) {
         for (int g = 0; g < 4; g++) {
             const uint8_t *l4 = ql + 64 * n + 32 * (g & 1);
@@ -219,10 +289,11 @@ static void dq_q6_k(const uint8_t *b, float *y) {
             }
         }
     }
+#endif
 }
 
 /* de-quantize `nblk` consecutive blocks of type t starting at b into y */
-static inline void dq_blocks(int t, const uint8_t *b, int nblk, float *y) {
+AI void dq_blocks(int t, const uint8_t *b, int nblk, float *y) {
     const int bb = block_bytes(t), be = block_elems(t);
     for (int i = 0; i < nblk; i++, b += bb, y += be) {
         switch (t) {
@@ -264,8 +335,9 @@ AI void row_f32(int t, const uint8_t *wrow, int64_t k, const float *x, int64_t l
     float buf[CHUNK] __attribute__((aligned(64)));
     const int bb = block_bytes(t), be = block_elems(t);
 #ifdef QG_AVX2
-    __m256 acc[MT][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    /* four independent sums per row of x: the FMA latency, not its throughput, bounds one */
+    __m256 acc[MT][4];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
 #else
     float acc[MT][8];
     for (int r = 0; r < R; r++)
@@ -277,13 +349,17 @@ AI void row_f32(int t, const uint8_t *wrow, int64_t k, const float *x, int64_t l
         for (int r = 0; r < R; r++) {
             const float *xr = x + r * ldx + c;
 #ifdef QG_AVX2
-            __m256 a0 = acc[r][0], a1 = acc[r][1];
-            for (int i = 0; i < len; i += 16) {
+            __m256 a0 = acc[r][0], a1 = acc[r][1], a2 = acc[r][2], a3 = acc[r][3];
+            for (int i = 0; i < len; i += 32) {
                 a0 = _mm256_fmadd_ps(_mm256_load_ps(buf + i), _mm256_loadu_ps(xr + i), a0);
                 a1 = _mm256_fmadd_ps(_mm256_load_ps(buf + i + 8), _mm256_loadu_ps(xr + i + 8), a1);
+                a2 = _mm256_fmadd_ps(_mm256_load_ps(buf + i + 16), _mm256_loadu_ps(xr + i + 16), a2);
+                a3 = _mm256_fmadd_ps(_mm256_load_ps(buf + i + 24), _mm256_loadu_ps(xr + i + 24), a3);
             }
             acc[r][0] = a0;
             acc[r][1] = a1;
+            acc[r][2] = a2;
+            acc[r][3] = a3;
 #else
             for (int i = 0; i < len; i += 8)
                 for (int l = 0; l < 8; l++) acc[r][l] += buf[i + l] * xr[i + l];
@@ -292,7 +368,8 @@ AI void row_f32(int t, const uint8_t *wrow, int64_t k, const float *x, int64_t l
     }
     for (int r = 0; r < R; r++) {
 #ifdef QG_AVX2
-        sums[r] = hsum_ps(_mm256_add_ps(acc[r][0], acc[r][1]));
+        sums[r] = hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                        _mm256_add_ps(acc[r][2], acc[r][3])));
 #else
         float s = 0.0f;
         for (int l = 0; l < 8; l++) s += acc[r][l];
