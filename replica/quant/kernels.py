@@ -25,15 +25,19 @@ import torch
 import torch.nn.functional as F
 
 from replica.layers import cpu_kernels
-from replica.quant.formats import FLOAT_TYPES, QuantFormatError, QuantizedTensor
+from replica.quant.formats import FLOAT_TYPES, QType, QuantFormatError, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
 ACTIVATIONS = ("int8", "fp32")
 # From this many rows of x, de-quantizing the weight to fp32 (in tiles) and multiplying with
-# torch's GEMM beats the quantized kernels (2 threads, AMD EPYC Zen 4: docs/perf-quant.md, where
-# bench/quant_kernels.py measures it).
-CROSSOVER_M = {"int8": 64, "fp32": 16}
+# torch's GEMM beats the quantized kernels (2 threads, AMD EPYC Zen 4, measured on SmolLM2-135M
+# shapes: docs/perf-quant.md, bench/quant_kernels.py --ms ...). int8: Q4_1/Q8_0's kernel is
+# 1.1-1.9x faster up to 256 rows and even at 512; the K-quants' kernel even at 64, behind from
+# 256. fp32: the de-quantizing kernel is ahead at 4 rows, even at 16, 2-3x behind at 64.
+CROSSOVER_M = {"int8": 512, "fp32": 16}
+CROSSOVER_M_KQUANTS = {"int8": 128, "fp32": 16}
+KQUANTS = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
 # the fp32 tile of a de-quantized weight (bytes): big enough for torch's GEMM to run at speed,
 # small enough to stay in the caches between the de-quantizer and the GEMM
 TILE_BYTES = 4 << 20
@@ -54,6 +58,11 @@ def _library():
 def native_available() -> bool:
     """Whether the native quantized kernels run here (else the reference path)."""
     return _library() is not None
+
+
+def crossover_m(qtype: QType, activations: str) -> int:
+    """From how many rows of x the de-quantize + GEMM path takes over from the kernel."""
+    return (CROSSOVER_M_KQUANTS if qtype in KQUANTS else CROSSOVER_M)[activations]
 
 
 def _fallback(reason: str) -> None:
@@ -135,7 +144,7 @@ def quant_matmul_out(
     m = x.shape[0]
     if out.dtype != torch.float32 or tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1):
         raise ValueError(f"out must be fp32 [{m}, {n}] with unit stride in its rows")
-    if m >= CROSSOVER_M[activations] and out.is_contiguous():
+    if m >= crossover_m(w.qtype, activations) and out.is_contiguous():
         _dequant_gemm(lib, x, w, out)
         if bias is not None:
             out += bias
@@ -184,7 +193,8 @@ def quant_matmul(
         and x.dtype is torch.float32
         and x.dim() == 2
         and x.shape[1] == k
-        and x.shape[0] < CROSSOVER_M.get(activations, 0)
+        and x.shape[0]
+        < (CROSSOVER_M_KQUANTS if w.qtype in KQUANTS else CROSSOVER_M).get(activations, 0)
         and w.qtype not in FLOAT_TYPES
         and x.is_contiguous()
         and data.is_contiguous()

@@ -44,6 +44,13 @@ CASES = [
 ]
 # the kernel's own path at every M (not the de-quantize + GEMM path of large M)
 KERNEL_ONLY = {"int8": 1 << 30, "fp32": 1 << 30}
+
+
+def kernel_only(monkeypatch):
+    monkeypatch.setattr(kernels, "CROSSOVER_M", KERNEL_ONLY)
+    monkeypatch.setattr(kernels, "CROSSOVER_M_KQUANTS", KERNEL_ONLY)
+
+
 PATH = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 
 
@@ -120,7 +127,7 @@ def cases():
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 def test_every_type_level_and_mode_against_the_references(qtype, cases, monkeypatch):
-    monkeypatch.setattr(kernels, "CROSSOVER_M", KERNEL_ONLY)
+    kernel_only(monkeypatch)
     for level in cpu_isa.runnable_levels():
         with cpu_isa.use_level(level):
             assert cpu_kernels.native_library().stepserve_quant_isa() == PATH.get(level, 0)
@@ -155,7 +162,7 @@ def test_dequantize_equals_gguf_bitwise(qtype, cases, cpu_isa_level):
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q6_K], ids=lambda t: t.name)
 def test_strided_output_column_slices_bias_and_bf16(qtype, cpu_isa_level, monkeypatch):
-    monkeypatch.setattr(kernels, "CROSSOVER_M", KERNEL_ONLY)
+    kernel_only(monkeypatch)
     elems = BLOCK[qtype][0]
     k = 4 * elems
     w = make_weight(qtype, 37, k, seed=7)
@@ -202,12 +209,11 @@ def test_large_m_takes_the_dequantize_gemm_path(qtype, monkeypatch):
     k = 256
     w = make_weight(qtype, 130, k, seed=11)
     wf = w.dequantize()
-    x = torch.randn(kernels.CROSSOVER_M["int8"] + 3, k)
     bias = torch.randn(130)
-    ref = product(x, wf) + bias
     for act in kernels.ACTIVATIONS:
+        x = torch.randn(kernels.crossover_m(qtype, act) + 3, k)
         y = kernels.quant_matmul(x, w, bias, activations=act)
-        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(y, product(x, wf) + bias, rtol=1e-5, atol=1e-4)
 
 
 def test_reference_fallback_without_the_native_library(monkeypatch, caplog):
@@ -262,7 +268,7 @@ def test_the_library_compiles_at_every_level():
 def test_any_thread_count_gives_the_same_bits(qtype, monkeypatch):
     """Each output is one thread's sum in a fixed order: the thread count (and whether each
     thread quantizes x for itself: M <= 4) does not change a bit."""
-    monkeypatch.setattr(kernels, "CROSSOVER_M", KERNEL_ONLY)
+    kernel_only(monkeypatch)
     elems = BLOCK[qtype][0]
     w = make_weight(qtype, 300, 3 * elems, seed=5)  # big enough to run in parallel
     saved = torch.get_num_threads()
