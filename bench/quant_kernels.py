@@ -13,8 +13,11 @@ the weights come from memory as in a real forward (a model's weights do not fit 
 not from the caches; the figure is the best of --repeats timed passes. GB/s counts the weight's
 own bytes (quantized bytes for q-*, fp32 bytes for fp32).
 
+With --model: the linear layers of one SmolLM2-135M (Q4_1 GGUF) decode step instead, through
+quant_matmul as the engine calls it (30 layers of distinct weights, the Q8_0 lm_head).
+
 Run: .venv/bin/python bench/quant_kernels.py [--threads 2] [--levels avx512_bf16,avx2]
-     [--types Q4_1,Q8_0] [--ms 1,4,16,64,256]
+     [--types Q4_1,Q8_0] [--ms 1,4,16,64,256] [--model]
 """
 
 from __future__ import annotations
@@ -128,6 +131,55 @@ def bench_shape(n, k, qtypes, ms, stream_mb, repeats, gen, lib):
     return rows
 
 
+def model_step(repeats: int, gen: torch.Generator) -> None:
+    """The linear layers of one SmolLM2-135M decode step (30 layers, Q4_1, and the 49152-row
+    Q8_0 lm_head), one row of x: q/k/v/o/gate/up/down as 7 calls per layer, merged qkv and gate_up
+    as 4, in int8 and fp32 activations; and the same layers in fp32 packed for oneDNN."""
+    layers = []
+    for _ in range(30):
+        q, k, v, o = (random_weight(QType.Q4_1, n, 576, gen) for n in (576, 192, 192, 576))
+        gate, up = (random_weight(QType.Q4_1, 1536, 576, gen) for _ in range(2))
+        down = random_weight(QType.Q4_1, 576, 1536, gen)
+        cat = lambda *ws: QuantizedTensor(  # noqa: E731
+            QType.Q4_1,
+            (sum(w.shape[0] for w in ws), ws[0].shape[1]),
+            torch.cat([w.data for w in ws]),
+        )
+        layers.append(((q, k, v, o, gate, up, down), (cat(q, k, v), o, cat(gate, up), down)))
+    head = random_weight(QType.Q8_0, 49152, 576, gen)
+    x576, x1536 = torch.randn(1, 576, generator=gen), torch.randn(1, 1536, generator=gen)
+
+    def step(which: int, act: str) -> None:
+        for ws in layers:
+            for w in ws[which]:
+                kernels.quant_matmul(x1536 if w.shape[1] == 1536 else x576, w, activations=act)
+        kernels.quant_matmul(x576, head, activations=act)
+
+    results = {}
+    for which, name in ((0, "7 calls/layer"), (1, "4 calls/layer (merged qkv, gate_up)")):
+        for act in kernels.ACTIVATIONS:
+            results[f"{act}, {name}"] = best_time(lambda i, w=which, a=act: step(w, a), 10, repeats)
+    packed = []
+    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]:
+        packed.append(
+            torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=gen) * 0.02)
+        )
+    xp576, xp1536 = (
+        torch.nn.functional.pad(x576, (0, 0, 0, 3)),
+        torch.nn.functional.pad(x1536, (0, 0, 0, 3)),
+    )
+
+    def fp32_step(i: int) -> None:
+        for w in packed:
+            x = xp1536 if w.size(1) == 1536 else xp576
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    results["fp32 oneDNN packed, 4 calls/layer"] = best_time(fp32_step, 5, repeats)
+    print("SmolLM2-135M decode step, linear layers only (1 row of x):")
+    for name, sec in results.items():
+        print(f"  {name:<48} {sec * 1e3:7.2f} ms  ({1 / sec:6.0f} steps/s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -137,6 +189,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=None, help="e.g. 576x576,49152x576 (default: all)")
     parser.add_argument("--stream-mb", type=float, default=96.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", action="store_true", help="only the SmolLM2-135M decode step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     levels = args.levels.split(",") if args.levels else [cpu_isa.detected_level()]
@@ -153,6 +206,9 @@ def main() -> None:
         with cpu_isa.use_level(level):
             lib = cpu_kernels.native_library()
             print(f"== level {level} (kernel path {lib.stepserve_quant_isa()})")
+            if args.model:
+                model_step(args.repeats, gen)
+                continue
             for n, k in shapes:
                 types = [QType.Q8_0] if (n, k) == LM_HEAD else qtypes
                 bench_shape(n, k, types, ms, args.stream_mb, args.repeats, gen, lib)

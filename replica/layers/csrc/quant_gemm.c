@@ -392,12 +392,13 @@ typedef struct {
     int64_t qk; /* bytes of q per row */
 } xquant;
 
-/* Q4_0 / Q4_1 x rows on the SIMD paths are laid out per pair of blocks A, B as the unpacked
- * nibbles of the two blocks come out of one 32-byte load: [A 0-15, B 0-15, A 16-31, B 16-31]
- * (a last odd block: B zero), so one pair takes two dot products and gives one vector, lanes
- * 0-3 block A, 4-7 block B */
+/* x rows of the block-32 types on the SIMD paths are laid out per pair of blocks A, B as the
+ * unpacked nibbles of two Q4 blocks come out of one 32-byte load: [A 0-15, B 0-15, A 16-31,
+ * B 16-31] (a last odd block: B zero); Q8_0 blocks are loaded the same way. A pair then takes two
+ * dot products and gives one vector, lanes 0-3 block A, 4-7 block B: half the reduction of one
+ * vector per block. */
 #ifdef QG_AVX2
-#define PAIRED(t) ((t) == T_Q4_0 || (t) == T_Q4_1)
+#define PAIRED(t) ((t) == T_Q4_0 || (t) == T_Q4_1 || (t) == T_Q8_0)
 #else
 #define PAIRED(t) 0
 #endif
@@ -531,7 +532,6 @@ AI __m256i unpack_nibbles(const uint8_t *qs) {
                             _mm256_set1_epi8(0x0F));
 }
 
-/* lane i of the result: the sum of p[i] (8 vectors of 8 int32) */
 AI __m256i sum2(__m256i a, __m256i b) { /* [a0+a2, b0+b2, a1+a3, b1+b3 | same, upper] */
     return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
 }
@@ -540,12 +540,6 @@ AI __m256i sum2q(__m256i a, __m256i b) { /* [a0+a2, a1+a3, b0+b2, b1+b3 | same, 
     return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
 }
 
-AI __m256i reduce8(const __m256i *p) {
-    const __m256i a = sum2q(sum2(p[0], p[1]), sum2(p[2], p[3]));
-    const __m256i b = sum2q(sum2(p[4], p[5]), sum2(p[6], p[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
-                            _mm256_permute2x128_si256(a, b, 0x31));
-}
 
 /* 4 pair vectors (lanes 0-3 block 2i, 4-7 block 2i+1) -> the 8 block sums in order */
 AI __m256i reduce_pairs(const __m256i *p) {
@@ -553,47 +547,49 @@ AI __m256i reduce_pairs(const __m256i *p) {
     return _mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* the nibbles of a pair of Q4 blocks (A at a, B at a + bb; B absent: zero) as [A lo, B lo] and
- * [A hi, B hi] */
-AI void unpack_pair(const uint8_t *a, int bb, int has_b, __m256i *lo, __m256i *hi) {
+/* two 16-byte halves (A at a, B at a + bb; B absent: zero) in one vector */
+AI __m256i load_pair(const uint8_t *a, int bb, int has_b) {
     const __m128i qa = _mm_loadu_si128((const __m128i *)a);
-    const __m256i v = has_b ? _mm256_inserti128_si256(_mm256_castsi128_si256(qa),
-                                                      _mm_loadu_si128((const __m128i *)(a + bb)), 1)
-                            : _mm256_zextsi128_si256(qa);
+    return has_b ? _mm256_inserti128_si256(_mm256_castsi128_si256(qa),
+                                           _mm_loadu_si128((const __m128i *)(a + bb)), 1)
+                 : _mm256_zextsi128_si256(qa);
+}
+
+/* a pair of blocks from the one at b (the next absent: zero) as the dot products take them:
+ * elements 0-15 of both in lo, 16-31 in hi. Q4: the nibbles; Q8_0: the int8 values, offset by
+ * 128 with VNNI (u8 x s8) */
+AI void prep_pair(int t, const uint8_t *b, int bb, int has_b, __m256i *lo, __m256i *hi) {
+    if (t == T_Q8_0) {
+        *lo = load_pair(b + 2, bb, has_b);
+        *hi = load_pair(b + 18, bb, has_b);
+#ifdef QG_VNNI
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        *lo = _mm256_xor_si256(*lo, flip);
+        *hi = _mm256_xor_si256(*hi, flip);
+#endif
+        return;
+    }
+    const __m256i v = load_pair(b + (t == T_Q4_1 ? 4 : 2), bb, has_b);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     *lo = _mm256_and_si256(v, m4);
     *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
 }
 
-/* the dot products of an unpacked pair with x laid out paired (64 bytes) */
-AI __m256i dot_pair(__m256i lo, __m256i hi, const int8_t *x) {
+/* the dot products of a prepared pair with x laid out paired (64 bytes) */
+AI __m256i dot_pair(int t, __m256i lo, __m256i hi, const int8_t *x) {
     const __m256i xl = _mm256_loadu_si256((const __m256i *)x);
     const __m256i xh = _mm256_loadu_si256((const __m256i *)(x + 32));
 #ifdef QG_VNNI
+    (void)t;
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
-#else /* pairs of products of nibbles and int8 stay within int16 (2 * 2 * 15 * 127) */
-    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)),
-                             _mm256_set1_epi16(1));
-#endif
-}
-
-/* a Q8_0 block as the dot product takes it: offset by 128 (VNNI: u8 x s8), else as is */
-AI __m256i prep_q8(const uint8_t *b) {
-    const __m256i w = _mm256_loadu_si256((const __m256i *)(b + 2));
-#ifdef QG_VNNI
-    return _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
 #else
-    return w;
-#endif
-}
-
-AI __m256i dot_q8(__m256i w, const int8_t *xq) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-#ifdef QG_VNNI
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
-                             _mm256_set1_epi16(1));
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (t == T_Q8_0) /* |w| x sign-adjusted x: pairs of products can reach 2 * 128 * 127 */
+        return _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(lo, lo), _mm256_sign_epi8(xl, lo)), ones),
+            _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(hi, hi), _mm256_sign_epi8(xh, hi)), ones));
+    /* nibbles: two pairs of products stay within int16 (2 * 2 * 15 * 127) */
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
 #endif
 }
 
@@ -635,18 +631,13 @@ AI void group_b32(int t, const uint8_t *b, int64_t ldw, int RW, const xquant *xq
                   int64_t g, int n, int R, __m256 acc[2][MT], __m256 accm[2][MT]) {
     const int bb = block_bytes(t);
     const int64_t nb = xq->nb;
-    __m256i w[2][8], w2[2][4];
+    __m256i w[2][4], w2[2][4];
     __m256 dw[2], mins[2];
     for (int i = 0; i < RW; i++) {
         const uint8_t *bi = b + i * ldw;
-        if (PAIRED(t)) {
-            const int qs = t == T_Q4_1 ? 4 : 2;
-            for (int q = 0; q < 4; q++) {
-                w[i][q] = w2[i][q] = _mm256_setzero_si256();
-                if (2 * q < n) unpack_pair(bi + 2 * q * bb + qs, bb, 2 * q + 1 < n, &w[i][q], &w2[i][q]);
-            }
-        } else {
-            for (int q = 0; q < 8; q++) w[i][q] = q < n ? prep_q8(bi + q * bb) : _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            w[i][q] = w2[i][q] = _mm256_setzero_si256();
+            if (2 * q < n) prep_pair(t, bi + 2 * q * bb, bb, 2 * q + 1 < n, &w[i][q], &w2[i][q]);
         }
         mins[i] = _mm256_setzero_ps();
         dw[i] = block_scales(t, bi, n, t == T_Q4_1 ? &mins[i] : NULL);
@@ -667,17 +658,10 @@ AI void group_b32(int t, const uint8_t *b, int64_t ldw, int RW, const xquant *xq
             else si = _mm256_maskload_epi32((const int *)(xq->si + row), mask);
         }
         for (int i = 0; i < RW; i++) {
-            __m256i p[8], s;
-            if (PAIRED(t)) {
-                for (int q = 0; q < 4; q++)
-                    p[q] = 2 * q < n ? dot_pair(w[i][q], w2[i][q], x + 2 * q * QK) : _mm256_setzero_si256();
-                s = reduce_pairs(p);
-            } else {
-                for (int q = 0; q < 8; q++)
-                    p[q] = q < n ? dot_q8(w[i][q], x + q * QK) : _mm256_setzero_si256();
-                s = reduce8(p);
-            }
-            s = unoffset(t, s, si);
+            __m256i p[4];
+            for (int q = 0; q < 4; q++)
+                p[q] = 2 * q < n ? dot_pair(t, w[i][q], w2[i][q], x + 2 * q * QK) : _mm256_setzero_si256();
+            const __m256i s = unoffset(t, reduce_pairs(p), si);
             acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[i], dx), acc[i][r]);
             if (t == T_Q4_1) accm[i][r] = _mm256_fmadd_ps(mins[i], sx, accm[i][r]);
         }
