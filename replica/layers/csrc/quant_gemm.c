@@ -698,8 +698,14 @@ AI void row_i8_b32(int t, const uint8_t *wrow, int64_t ldw, int RW, const xquant
         }
 }
 
-AI __m256i set2_epi16(int lo, int hi) {
-    return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+/* 8 int16 scales [s0..s7] as dwords [s0 s0, s1 s1, ..., s7 s7]: permutevar8x32 then gives any
+ * scale in every int16 lane of a half, in one instruction */
+AI __m256i dword_pairs(__m128i s16) {
+    return _mm256_set_m128i(_mm_unpackhi_epi16(s16, s16), _mm_unpacklo_epi16(s16, s16));
+}
+
+AI __m256i pick(__m256i pairs, int lo, int hi) { /* int16 lanes 0-7: scale lo, 8-15: scale hi */
+    return _mm256_permutevar8x32_epi32(pairs, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi));
 }
 
 /* acc += (u8 x s8 pair sums) * int16 scales, into int32 */
@@ -712,26 +718,35 @@ AI __m256i dot_scaled(__m256i acc, __m256i u, __m256i s, __m256i scale) {
 #endif
 }
 
+/* the 8 six-bit scales and mins of a Q4_K / Q5_K super-block (12 packed bytes), as bytes:
+ * four at a time in 32-bit words */
+AI void kscales8(const uint8_t *p, __m128i *sc, __m128i *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, p, 4);
+    memcpy(&b, p + 4, 4);
+    memcpy(&c, p + 8, 4);
+    const uint32_t sc_lo = a & 0x3F3F3F3Fu, mn_lo = b & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+    const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+    *sc = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)sc_hi << 32 | sc_lo)));
+    *mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((int64_t)((uint64_t)mn_hi << 32 | mn_lo)));
+}
+
 /* sums[r] = W row . x row r (int8 per 256), K-quants, R rows of x */
 AI void row_i8_k(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R, float *sums) {
     const int bb = block_bytes(t);
     const int64_t nb = xq->nb;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256 acc[MT];
-    float tail[MT];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        tail[r] = 0.0f;
-    }
+    __m256 acc[MT], accm[MT];
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nb; sb++) {
         const uint8_t *b = wrow + sb * bb;
-        __m256i w[8], sc[8];
+        __m256i w[8], sc[8], mpairs = _mm256_setzero_si256(), s16 = _mm256_setzero_si256();
         float d, dmin = 0.0f;
-        int mn[8];
         if (t == T_Q6_K) {
             d = f16(b + 208);
             const uint8_t *ql = b, *qh = b + 128;
-            const int8_t *s8 = (const int8_t *)(b + 192);
+            s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
             for (int n = 0; n < 2; n++) {
                 const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n));
                 const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * n + 32));
@@ -745,20 +760,22 @@ AI void row_i8_k(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R
                                                _mm256_and_si256(h, m30));
                 w[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                                _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-                for (int g = 0; g < 4; g++)
-                    sc[4 * n + g] = set2_epi16(s8[8 * n + 2 * g], s8[8 * n + 2 * g + 1]);
+                /* the scales of this half's 8 groups of 16 */
+                const __m256i pairs = dword_pairs(n ? _mm256_extracti128_si256(s16, 1)
+                                                    : _mm256_castsi256_si128(s16));
+                for (int g = 0; g < 4; g++) sc[4 * n + g] = pick(pairs, 2 * g, 2 * g + 1);
             }
         } else {
             d = f16(b);
             dmin = f16(b + 2);
             const uint8_t *qs = b + (t == T_Q5_K ? 48 : 16);
+            __m128i sc8, mn8;
+            kscales8(b + 4, &sc8, &mn8);
+            const __m256i pairs = dword_pairs(sc8);
+            for (int j = 0; j < 8; j++) sc[j] = pick(pairs, j, j);
+            mpairs = dword_pairs(mn8); /* mins, twice each: against the sums of each 16 of x */
             __m256i h = _mm256_setzero_si256();
             if (t == T_Q5_K) h = _mm256_loadu_si256((const __m256i *)(b + 16));
-            for (int j = 0; j < 8; j++) {
-                int s;
-                kscale(b + 4, j, &s, &mn[j]);
-                sc[j] = _mm256_set1_epi16((short)s);
-            }
             for (int c = 0; c < 4; c++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
                 w[2 * c] = _mm256_and_si256(q, m4);
@@ -775,24 +792,21 @@ AI void row_i8_k(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, int R
         for (int r = 0; r < R; r++) {
             const int64_t row = (r0 + r) * nb + sb;
             const int8_t *x = xq->q + row * QKK;
-            const int16_t *bs = xq->bs + row * 16;
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(xq->bs + row * 16));
             __m256i isum = _mm256_setzero_si256();
             for (int i = 0; i < 8; i++)
                 isum = dot_scaled(isum, w[i], _mm256_loadu_si256((const __m256i *)(x + 32 * i)), sc[i]);
             const float dx = xq->d[row];
             if (t == T_Q6_K) { /* the values are q + 32: less 32 * sum(scale * bsum) */
-                const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-                const __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bs), s16);
-                isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(corr, 5));
-            } else {
-                int32_t msum = 0;
-                for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-                tail[r] -= dmin * dx * (float)msum;
+                isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(bs, s16), 5));
+            } else { /* the mins: dmin * sum(min_j * sum of x over sub-block j) */
+                accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mpairs)),
+                                          _mm256_set1_ps(dmin * dx), accm[r]);
             }
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) sums[r] = hsum_ps(acc[r]) + tail[r];
+    for (int r = 0; r < R; r++) sums[r] = hsum_ps(_mm256_sub_ps(acc[r], accm[r]));
 }
 
 #else /* portable: scalar */
