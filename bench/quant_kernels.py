@@ -6,7 +6,9 @@ SmolLM2-135M, against an fp32 weight packed for oneDNN (PackableLinear's path) i
     q-fp32   the kernel, fp32 activations (parity)
     dq-gemm  the weight de-quantized to fp32 in tiles + torch's GEMM (the large-M path)
     fp32     oneDNN-packed fp32 weight (_linear_pointwise), the engine's float path
-  and the ratios fp32 / q-int8 time (above 1: the quantized kernel is faster).
+  and the ratios of the times (fp32 / q-int8 above 1: the quantized kernel is faster than the
+  float engine's linear; dq-gemm / q-* above 1: the kernel is ahead of the large-M path, where
+  kernels.CROSSOVER_M switches).
 
 Each configuration cycles through distinct copies of its weight totalling --stream-mb, so that
 the weights come from memory as in a real forward (a model's weights do not fit the caches),
@@ -126,7 +128,10 @@ def bench_shape(n, k, qtypes, ms, stream_mb, repeats, gen, lib):
             for name, sec in t.items():
                 gbs = (fp32_bytes if name == "fp32" else qbytes) / sec / 1e9
                 line += f" {name} {sec * 1e6:8.1f}us {gbs:5.1f}GB/s |"
-            line += f" fp32/q-int8 {t['fp32'] / t['q-int8']:.2f}x fp32/q-fp32 {t['fp32'] / t['q-fp32']:.2f}x"
+            line += (
+                f" fp32/q-int8 {t['fp32'] / t['q-int8']:.2f}x fp32/q-fp32 {t['fp32'] / t['q-fp32']:.2f}x"
+                f" dq-gemm/q-int8 {t['dq-gemm'] / t['q-int8']:.2f}x dq-gemm/q-fp32 {t['dq-gemm'] / t['q-fp32']:.2f}x"
+            )
             print(line, flush=True)
     return rows
 
