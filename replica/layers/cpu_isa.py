@@ -4,7 +4,8 @@ Levels, lowest first (each includes the ones before it):
   portable     x86-64 baseline (SSE2): runs on any x86-64 CPU
   avx2         x86-64-v3: AVX2, FMA, F16C (Haswell / Zen and later)
   avx512       x86-64-v4: AVX-512 F/BW/VL/DQ/CD (Skylake-SP / Zen 4 and later)
-  avx512_bf16  avx512 plus AVX512_BF16 (Cooper Lake / Sapphire Rapids / Zen 4)
+  avx512_bf16  avx512 plus AVX512_BF16 and AVX512_VNNI (Cooper Lake / Sapphire Rapids / Zen 4;
+               every CPU with AVX512_BF16 has VNNI: the quantized kernels' vpdpbusd path)
 
 The level in use is the CPU's own, capped by `STEPSERVE_CPU_ISA` (one of the names above, or
 `auto`; read once per process) so that every path can be run on a host that has a higher one: the native kernels are
@@ -33,14 +34,14 @@ _LEVEL_FLAGS = {
     "portable": frozenset(),
     "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi2"}),
     "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
-    "avx512_bf16": frozenset({"avx512_bf16"}),
+    "avx512_bf16": frozenset({"avx512_bf16", "avx512_vnni"}),
 }
 # compiler flags per level; -mtune=native keeps the scheduling model of this CPU
 _MARCH = {
     "portable": ("-march=x86-64", "-mtune=generic"),
     "avx2": ("-march=x86-64-v3", "-mtune=native"),
     "avx512": ("-march=x86-64-v4", "-mtune=native"),
-    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mtune=native"),
+    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native"),
     NATIVE: ("-O3",),  # no -march: the architecture's baseline (NEON on aarch64)
 }
 # oneDNN refuses to pack bf16 weights below this unless the CPU has AVX-NE-CONVERT

@@ -23,7 +23,9 @@ def test_levels_come_from_the_cpu_flags():
     assert cpu_isa.detected_level(AVX2_FLAGS) == "avx2"
     assert cpu_isa.detected_level(AVX2_FLAGS - {"fma"}) == "portable"
     assert cpu_isa.detected_level(AVX512_FLAGS) == "avx512"
-    assert cpu_isa.detected_level(AVX512_FLAGS | {"avx512_bf16"}) == "avx512_bf16"
+    assert cpu_isa.detected_level(AVX512_FLAGS | {"avx512_bf16", "avx512_vnni"}) == "avx512_bf16"
+    # the bf16 level also needs VNNI (the quantized kernels' vpdpbusd path)
+    assert cpu_isa.detected_level(AVX512_FLAGS | {"avx512_bf16"}) == "avx512"
     # bf16 without the AVX-512 base is not the bf16 level
     assert cpu_isa.detected_level(AVX2_FLAGS | {"avx512_bf16"}) == "avx2"
     assert cpu_isa.missing_flags("avx512", AVX2_FLAGS) == [
