@@ -33,10 +33,10 @@ ACTIVATIONS = ("int8", "fp32")
 # From this many rows of x, de-quantizing the weight to fp32 (in tiles) and multiplying with
 # torch's GEMM beats the quantized kernels (2 threads, AMD EPYC Zen 4, measured on SmolLM2-135M
 # shapes: docs/perf-quant.md, bench/quant_kernels.py --ms ...). int8: Q4_1/Q8_0's kernel is
-# 1.1-1.9x faster up to 256 rows and even at 512; the K-quants' kernel even at 64, behind from
-# 256. fp32: the de-quantizing kernel is ahead at 4 rows, even at 16, 2-3x behind at 64.
+# 1.1-1.9x faster up to 256 rows and even at 512; the K-quants' 1.1-1.7x at 64, even (0.9-1.2x)
+# at 128-512. fp32: the de-quantizing kernel is ahead at 4 rows, even at 16, 2-3x behind at 64.
 CROSSOVER_M = {"int8": 512, "fp32": 16}
-CROSSOVER_M_KQUANTS = {"int8": 128, "fp32": 16}
+CROSSOVER_M_KQUANTS = {"int8": 256, "fp32": 16}
 KQUANTS = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
 # the fp32 tile of a de-quantized weight (bytes): big enough for torch's GEMM to run at speed,
 # small enough to stay in the caches between the de-quantizer and the GEMM
