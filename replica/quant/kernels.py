@@ -186,33 +186,35 @@ def quant_matmul(
     n, k = w.shape
     # decode's case in as few steps as Python allows (a call of a small model's linear layer
     # takes a few microseconds of kernel): 2-D contiguous fp32 x below the crossover
-    lib = _library()
+    lib = cpu_kernels.native_library()
     data = w.data
+    qtype = w.qtype
+    shape = x.shape
     if (
         lib is not None
         and x.dtype is torch.float32
-        and x.dim() == 2
-        and x.shape[1] == k
-        and x.shape[0]
-        < (CROSSOVER_M_KQUANTS if w.qtype in KQUANTS else CROSSOVER_M).get(activations, 0)
-        and w.qtype not in FLOAT_TYPES
+        and len(shape) == 2
+        and shape[1] == k
+        and shape[0]
+        < (CROSSOVER_M_KQUANTS if qtype in KQUANTS else CROSSOVER_M).get(activations, 0)
+        and qtype not in FLOAT_TYPES
+        and x.is_cpu
         and x.is_contiguous()
         and data.is_contiguous()
-        and x.device.type == "cpu"
         and (
             bias is None
             or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.numel() == n)
         )
     ):
-        m = x.shape[0]
+        m = shape[0]
         out = torch.empty(m, n)
-        _check(
-            lib.stepserve_quant_matmul(
-                w.qtype, data.data_ptr(), data.shape[1], n, k, x.data_ptr(), k, m,
-                out.data_ptr(), n, None if bias is None else bias.data_ptr(),
-                activations == "int8", torch.get_num_threads(),
-            )
+        status = lib.stepserve_quant_matmul(
+            qtype, data.data_ptr(), data.shape[1], n, k, x.data_ptr(), k, m, out.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), activations == "int8",
+            torch.get_num_threads(),
         )  # fmt: skip
+        if status:
+            _check(status)
         return out
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
