@@ -33,10 +33,10 @@ ACTIVATIONS = ("int8", "fp32")
 # From this many rows of x, de-quantizing the weight to fp32 (in tiles) and multiplying with
 # torch's GEMM beats the quantized kernels (2 threads, AMD EPYC Zen 4, measured on SmolLM2-135M
 # shapes: docs/perf-quant.md, bench/quant_kernels.py --ms ...). int8: Q4_1/Q8_0's kernel is
-# 1.1-1.9x faster up to 256 rows and even at 512; the K-quants' kernel even at 64, behind from
-# 256. fp32: the de-quantizing kernel is ahead at 4 rows, even at 16, 2-3x behind at 64.
+# 1.1-1.9x faster up to 256 rows and even at 512; the K-quants' 1.1-1.7x at 64, even (0.9-1.2x)
+# at 128-512. fp32: the de-quantizing kernel is ahead at 4 rows, even at 16, 2-3x behind at 64.
 CROSSOVER_M = {"int8": 512, "fp32": 16}
-CROSSOVER_M_KQUANTS = {"int8": 128, "fp32": 16}
+CROSSOVER_M_KQUANTS = {"int8": 256, "fp32": 16}
 KQUANTS = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
 # the fp32 tile of a de-quantized weight (bytes): big enough for torch's GEMM to run at speed,
 # small enough to stay in the caches between the de-quantizer and the GEMM
@@ -186,33 +186,35 @@ def quant_matmul(
     n, k = w.shape
     # decode's case in as few steps as Python allows (a call of a small model's linear layer
     # takes a few microseconds of kernel): 2-D contiguous fp32 x below the crossover
-    lib = _library()
+    lib = cpu_kernels.native_library()
     data = w.data
+    qtype = w.qtype
+    shape = x.shape
     if (
         lib is not None
         and x.dtype is torch.float32
-        and x.dim() == 2
-        and x.shape[1] == k
-        and x.shape[0]
-        < (CROSSOVER_M_KQUANTS if w.qtype in KQUANTS else CROSSOVER_M).get(activations, 0)
-        and w.qtype not in FLOAT_TYPES
+        and len(shape) == 2
+        and shape[1] == k
+        and shape[0]
+        < (CROSSOVER_M_KQUANTS if qtype in KQUANTS else CROSSOVER_M).get(activations, 0)
+        and qtype not in FLOAT_TYPES
+        and x.is_cpu
         and x.is_contiguous()
         and data.is_contiguous()
-        and x.device.type == "cpu"
         and (
             bias is None
             or (bias.dtype is torch.float32 and bias.is_contiguous() and bias.numel() == n)
         )
     ):
-        m = x.shape[0]
+        m = shape[0]
         out = torch.empty(m, n)
-        _check(
-            lib.stepserve_quant_matmul(
-                w.qtype, data.data_ptr(), data.shape[1], n, k, x.data_ptr(), k, m,
-                out.data_ptr(), n, None if bias is None else bias.data_ptr(),
-                activations == "int8", torch.get_num_threads(),
-            )
+        status = lib.stepserve_quant_matmul(
+            qtype, data.data_ptr(), data.shape[1], n, k, x.data_ptr(), k, m, out.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), activations == "int8",
+            torch.get_num_threads(),
         )  # fmt: skip
+        if status:
+            _check(status)
         return out
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")

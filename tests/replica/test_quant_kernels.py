@@ -217,7 +217,7 @@ def test_large_m_takes_the_dequantize_gemm_path(qtype, monkeypatch):
 
 
 def test_reference_fallback_without_the_native_library(monkeypatch, caplog):
-    monkeypatch.setattr(kernels, "_library", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "native_library", lambda level=None: None)
     monkeypatch.setattr(kernels, "_logged_fallback", False)
     assert not kernels.native_available()
     w = make_weight(QType.Q4_1, 9, 64, seed=1)
