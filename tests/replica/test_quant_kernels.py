@@ -213,7 +213,10 @@ def test_large_m_takes_the_dequantize_gemm_path(qtype, monkeypatch):
     for act in kernels.ACTIVATIONS:
         x = torch.randn(kernels.crossover_m(qtype, act) + 3, k)
         y = kernels.quant_matmul(x, w, bias, activations=act)
-        torch.testing.assert_close(y, product(x, wf) + bias, rtol=1e-5, atol=1e-4)
+        ref = product(x, wf) + bias
+        # two GEMMs summing in different orders: fp32 rounding relative to the outputs' size
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6 * scale)
 
 
 def test_reference_fallback_without_the_native_library(monkeypatch, caplog):
