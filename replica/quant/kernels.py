@@ -38,6 +38,8 @@ ACTIVATIONS = ("int8", "fp32")
 CROSSOVER_M = {"int8": 512, "fp32": 16}
 CROSSOVER_M_KQUANTS = {"int8": 256, "fp32": 16}
 KQUANTS = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
+# the block types quant_gemm.c multiplies by; a GGUF's other tensors load de-quantized
+NATIVE_QTYPES = frozenset({QType.Q4_0, QType.Q4_1, QType.Q8_0}) | KQUANTS
 # the fp32 tile of a de-quantized weight (bytes): big enough for torch's GEMM to run at speed,
 # small enough to stay in the caches between the de-quantizer and the GEMM
 TILE_BYTES = 4 << 20

@@ -44,16 +44,23 @@ WEIGHT_KINDS = ("linear", "embedding", "lm_head")
 Segment = tuple[int, "QuantizedTensor | torch.Tensor"]
 
 
-_dequantized_on: set[str] = set()
+_dequantized: set[tuple[str, str]] = set()
 
 
-def _log_dequantized_once(device: torch.device) -> None:
-    if device.type not in _dequantized_on:
-        _dequantized_on.add(device.type)
+def _log_dequantized_once(device: torch.device, qtype: QType) -> None:
+    key = (device.type, qtype.name)
+    if key not in _dequantized:
+        _dequantized.add(key)
+        why = (
+            "the quantized kernels run on CPU only"
+            if device.type != "cpu"
+            else f"the quantized kernels take {', '.join(sorted(t.name for t in kernels.NATIVE_QTYPES))}"
+        )
         logger.warning(
-            "quantized GGUF tensors are de-quantized to the model's dtype on %s: the quantized "
-            "kernels run on CPU only",
+            "%s tensors load de-quantized to the model's dtype on %s: %s",
+            qtype.name,
             device.type,
+            why,
         )
 
 
@@ -101,11 +108,14 @@ class QuantizedWeight:
                 f"{cols}] weight cannot take a tensor of shape {list(got)}"
             )
         if isinstance(src, QuantizedTensor) and (
-            src.qtype in FLOAT_TYPES or self.device.type != "cpu"
+            src.qtype in FLOAT_TYPES
+            or self.device.type != "cpu"
+            or src.qtype not in kernels.NATIVE_QTYPES
         ):
-            # the quantized kernels are CPU kernels: elsewhere the blocks load de-quantized
+            # the quantized kernels are CPU kernels of NATIVE_QTYPES: other blocks, and any
+            # off CPU, load de-quantized
             if src.qtype not in FLOAT_TYPES:
-                _log_dequantized_once(self.device)
+                _log_dequantized_once(self.device, src.qtype)
             src = src.dequantize()
         if isinstance(src, QuantizedTensor):
             segment = QuantizedTensor(src.qtype, src.shape, _owned(src.data, self.device))
