@@ -18,9 +18,11 @@
  * For M > 1 each weight block is unpacked once and applied to up to MT rows of x; rows of W are
  * split over the OpenMP pool (torch's), contiguous ranges per thread (each streams its part).
  *
- * Block-32 int8 kernels work on groups of 8 blocks: 8 integer dot products reduced to one vector
- * of 8 block sums, the 8 weight scales gathered in one instruction, so the fp32 work is a few
- * vector ops per 8 blocks instead of several per block.
+ * Block-32 int8 kernels work on groups of 8 blocks: the integer dot products (one vector per pair
+ * of blocks, see PAIRED) reduced to one vector of 8 block sums and the 8 weight scales loaded into
+ * one vector (scalar loads: faster than vpgatherdd on Zen 4), so the fp32 work is a few vector ops
+ * per 8 blocks instead of several per block. K-quant int8 kernels accumulate scale * dot in int32
+ * over a super-block (maddubs, then madd / VNNI vpdpwssd by the sub-block scales) and convert once.
  *
  * Built without -ffast-math and without contraction: `stepserve_quant_dequantize` then returns
  * exactly what gguf's numpy de-quantizer does (same products and sums, each rounded).
@@ -516,22 +518,6 @@ static void quantize_row_k(const float *x, int64_t k, int8_t *q, float *ds, int1
 }
 
 #ifdef QG_AVX2
-/* u8 x s8 products summed per 4 into 8 int32 lanes (u8 <= 63: no int16 saturation) */
-AI __m256i dot_us(__m256i u, __m256i s) {
-#ifdef QG_VNNI
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-/* 16 bytes of nibbles -> 32 bytes: the low nibbles, then the high ones */
-AI __m256i unpack_nibbles(const uint8_t *qs) {
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                            _mm256_set1_epi8(0x0F));
-}
-
 AI __m256i sum2(__m256i a, __m256i b) { /* [a0+a2, b0+b2, a1+a3, b1+b3 | same, upper] */
     return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
 }
