@@ -227,7 +227,7 @@ def gemma3_270m_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(600)
-def test_gemma3_270m_matches_transformers(gemma3_270m_dir, run_generation):
+def test_gemma3_270m_matches_transformers(gemma3_270m_dir, gemma3_270m_gguf, run_generation):
     from transformers import AutoTokenizer
 
     from tests.replica.test_model_parity import hf_greedy
@@ -246,4 +246,18 @@ def test_gemma3_270m_matches_transformers(gemma3_270m_dir, run_generation):
     )  # fmt: skip
     assert run.runner.kv_groups.num_slots == 3 and len(run.runner.kv_group_windows) == 6
     assert run.runner.hf_config.layer_types[5] == "full_attention"
-    assert run.outputs == [hf_greedy(gemma3_270m_dir, tuple(p), 16, False) for p in prompts]
+    expected = [hf_greedy(gemma3_270m_dir, tuple(p), 16, False) for p in prompts]
+    assert run.outputs == expected
+    # the GGUF served as it is (Q4_K/Q6_K/Q8_0 blocks kept; its Q5_0 tensors load
+    # de-quantized), fp32 activations: the same tokens as transformers' de-quantized reading
+    from replica.quant.gguf_meta import resolve_model_path
+    from replica.quant.weights import named_quantized_weights
+
+    sidecar = resolve_model_path(gemma3_270m_gguf)
+    native = run_generation(
+        sidecar, prompts, greedy_params(16), num_kv_blocks=64 * 6, block_size=16,
+        max_num_batched_tokens=256, quant_activations="fp32",
+    )  # fmt: skip
+    qtypes = {t for _, w in named_quantized_weights(native.runner.model) for t in w.qtypes}
+    assert {"Q4_K", "Q6_K", "Q8_0"} <= qtypes
+    assert native.outputs == expected
