@@ -5,7 +5,7 @@ Stages (`--stages`, any of):
            llama-bench (-t THREADS) against our offline engine (one request, speculative
            decoding and prefix caching off), alternating, `--repeats` rounds, medians;
   served   llama-server (continuous batching, `--slots` parallel slots) against `stepserve
-           serve`, each started in turn and swept over `--concurrency` closed-loop streams of
+           serve` (as shipped, and with prompt-lookup drafts off), each started in turn and swept over `--concurrency` closed-loop streams of
            random token-id prompts (bench/serving.py): output tok/s, TTFT and TPOT p50/p99;
   nll      mean NLL of a fixed text's second half given its first (2048 tokens, llama.cpp's
            tokens): llama-perplexity's figure against our prompt_logprobs on the GGUF (int8 and
@@ -84,12 +84,14 @@ def llama_bench(args, gguf: Path) -> dict[str, float]:
 
 OURS_KERNELS = r"""
 import json, sys, time
+import torch
 from replica.engine.llm import LLM
 from replica.request import SamplingParams
 model, decode_tokens, fields = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+threads = int(sys.argv[4])
 fields = {"num_speculative_tokens": 0, "enable_prefix_caching": False} | fields
+torch.set_num_threads(threads)
 with LLM(model, **fields) as llm:
-    vocab = llm.engine.info.vocab_size if hasattr(llm.engine, "info") else 32000
     def prompt(n, salt):
         return [100 + (salt * 7919 + i * 104729) % 20000 for i in range(n)]
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -111,7 +113,7 @@ print("RESULT " + json.dumps(out))
 def ours_kernels(args, gguf: Path, fields: dict) -> dict[str, float]:
     env = dict(os.environ) | {"OMP_NUM_THREADS": str(args.threads)}
     argv = [sys.executable, "-c", OURS_KERNELS, str(gguf), str(args.decode_tokens)]
-    argv.append(json.dumps({"cpu_threads": args.threads} | fields))
+    argv += [json.dumps(fields), str(args.threads)]
     out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env, cwd=ROOT)
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -150,12 +152,14 @@ def server_argv(args, system: str, gguf: Path, port: int) -> list[str]:
         argv += ["-tb", str(args.threads), "-np", str(args.slots), "-c", str(ctx)]
         return argv + ["--host", "127.0.0.1", "--port", str(port), "--no-webui"]
     argv = [str(ROOT / ".venv" / "bin" / "stepserve"), "serve", "--model", str(gguf)]
+    if system == "stepserve-nospec":  # prompt-lookup drafts off: llama-server has none either
+        argv += ["--num-speculative-tokens", "0"]
     return argv + ["--host", "127.0.0.1", "--port", str(port)] + args.stepserve_args.split()
 
 
 def stage_served(args, gguf: Path, workdir: Path) -> dict:
     runs: dict[str, list[dict]] = {}
-    for system in ("llama.cpp", "stepserve"):
+    for system in args.served_systems:
         log = workdir / f"{system}.log"
         with open(log, "w") as fh:
             proc = subprocess.Popen(
@@ -167,6 +171,7 @@ def stage_served(args, gguf: Path, workdir: Path) -> dict:
             wait_healthy(base, proc, args.startup_timeout_s, log)
             data = ["--dataset", "random", "--random-input-len", str(args.input_len)]
             data += ["--random-output-len", str(args.output_len), "--request-rate", "inf"]
+            data += ["--force-close"]  # the same client for both: llama-server drops kept-alive
             run_serving(
                 base, f"{system} warm-up", [*data, "--num-prompts", "8", "--seed", "7"], None
             )
@@ -245,12 +250,16 @@ def stage_nll(args, gguf: Path) -> dict:
     ids = text_tokens(args, gguf, n)
     figures = {"llama.cpp": llama_nll(args, gguf, n)}
     for variant in args.ours:
-        figures[f"stepserve[{variant}]"] = ours_nll(str(gguf), ids, {"quant_activations": variant})
+        # chunks under the kernels' crossover (kernels.CROSSOVER_M): the prompt goes through the
+        # quantized kernels as decode does, not the de-quantize + GEMM path of long prefills
+        fields = {"quant_activations": variant, "max_num_batched_tokens": args.nll_chunk}
+        figures[f"stepserve[{variant}]"] = ours_nll(str(gguf), ids, fields)
     reference = args.reference or dequantized_reference(gguf)
     figures["fp32 de-quantized reference"] = ours_nll(str(reference), ids, {"dtype": "float32"})
     ref = figures["fp32 de-quantized reference"]
     return {
         "tokens": n,
+        "chunk": args.nll_chunk,
         "text": str(args.text),
         "mean_nll": {k: round(v, 5) for k, v in figures.items()},
         "relative_to_reference": {k: round(v / ref - 1, 5) for k, v in figures.items()},
@@ -261,10 +270,14 @@ def stage_nll(args, gguf: Path) -> dict:
 
 
 def dequantized_reference(gguf: Path) -> Path:
-    """An fp32 HF directory of the file's de-quantized weights (transformers' GGUF reader)."""
-    from replica.quant.gguf_meta import dequantized_dir
+    """An fp32 HF directory of the file's de-quantized weights (transformers' GGUF reader), made
+    once into the cache."""
+    from replica.default_model import _convert, cache_root
 
-    return dequantized_dir(gguf)
+    out = cache_root() / "gguf-bench" / f"{gguf.stem}-fp32"
+    if not (out / "config.json").is_file():
+        _convert(gguf, out)
+    return out
 
 
 def main() -> None:
@@ -279,6 +292,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument(
+        "--served-systems",
+        default="llama.cpp,stepserve,stepserve-nospec",
+        help="stepserve is `stepserve serve` as shipped (prompt-lookup drafts on)",
+    )
     p.add_argument("--slots", type=int, default=32, help="llama-server parallel slots")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -289,11 +307,13 @@ def main() -> None:
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     p.add_argument("--nll-tokens", type=int, default=2048)
+    p.add_argument("--nll-chunk", type=int, default=128, help="our prefill chunk for the NLL")
     p.add_argument("--reference", help="fp32 HF dir of the file (default: de-quantize it)")
     p.add_argument("--out", default="llamacpp_vs_stepserve")
     args = p.parse_args()
     args.ours = [v for v in args.ours.split(",") if v]
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.served_systems = args.served_systems.split(",")
     gguf = gguf_path(args.gguf, args)
     result: dict = {"gguf": str(gguf), "threads": args.threads, "machine": machine_info()}
     out = RESULTS / f"{args.out}.json"

@@ -154,6 +154,9 @@ class LoadConfig:
     max_concurrency: int | None = None
     seed: int = 0
     timeout_s: float = 600.0
+    # a new connection per request (a server that closes kept-alive connections, llama-server,
+    # otherwise fails requests sent on a socket it has just closed)
+    force_close: bool = False
     extra_body: dict = field(default_factory=dict)
     tokenizer: str | None = None  # chat prompts: decode token ids with it (else synthetic words)
 
@@ -188,7 +191,7 @@ async def run_load(
             len(specs), cfg.request_rate, cfg.burstiness, random.Random(cfg.seed)
         )
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=0, force_close=cfg.force_close)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t_zero = time.perf_counter()
@@ -548,6 +551,7 @@ def main() -> None:
         "own, so a prefix cache cannot answer a later rate from an earlier one's prompts)",
     )
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--force-close", action="store_true", help="a new connection per request")
     p.add_argument("--result-file", help="write the results as JSON here")
     p.add_argument("--save-detailed", action="store_true", help="per-request columns in the JSON")
     p.add_argument("--quick", action="store_true", help="a 20-prompt smoke run")
@@ -572,6 +576,7 @@ def main() -> None:
             max_concurrency=args.max_concurrency,
             seed=seed,
             timeout_s=args.timeout_s,
+            force_close=args.force_close,
             extra_body=json.loads(args.extra_body),
             tokenizer=args.tokenizer,
         )
