@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
-from replica.cache import CACHE_ENV, cache_root  # noqa: F401  (imported from here elsewhere)
+from replica.cache import CACHE_ENV, build_once, cache_root  # noqa: F401  (imported from here elsewhere)
 
 logger = logging.getLogger(__name__)
 
@@ -64,25 +62,13 @@ def dequantized_default_model_dir() -> Path:
     if (target / _DONE_MARKER).exists():
         return target
     gguf_path = find_gguf_file()
-    target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         _convert(gguf_path, tmp)
         (tmp / _DONE_MARKER).write_text(gguf_path.name + "\n")
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
-        try:
-            tmp.rename(target)
-        except OSError:
-            # another process finished first (or a stale partial dir is in the way)
-            if (target / _DONE_MARKER).exists():
-                return target
-            shutil.rmtree(target, ignore_errors=True)
-            tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_once(target, _DONE_MARKER, build)
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:

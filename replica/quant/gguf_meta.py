@@ -24,15 +24,13 @@ import logging
 import mmap
 import os
 import re
-import shutil
 import struct
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replica.cache import cache_root
+from replica.cache import build_once, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -257,27 +255,15 @@ def sidecar_dir(gguf: str | Path) -> Path:
         return target
     metadata = read_gguf_metadata(gguf)
     arch = check_servable(gguf, metadata)
-    target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("reading the config and tokenizer of %s into %s (once)", gguf.name, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         template = _write_metadata(gguf, arch, tmp)
         record = {"gguf_file": str(gguf), **file_stamp(stat), "architecture": arch}
         record["chat_template"] = template
         (tmp / SIDECAR_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
-        try:
-            tmp.rename(target)
-        except OSError:
-            # another process finished first (or a stale partial dir is in the way)
-            if (target / SIDECAR_RECORD).is_file():
-                return target
-            shutil.rmtree(target, ignore_errors=True)
-            tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_once(target, SIDECAR_RECORD, build)
 
 
 def gguf_file_of(model_dir: str | Path) -> Path | None:

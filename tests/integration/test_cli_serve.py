@@ -133,7 +133,10 @@ def test_serve_survives_sigkill_then_answers_and_drains_on_sigterm(default_model
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             json={
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                # the served default is the Q4_1 file with int8 activations: to "What is the
+                # capital of France?" it (and llama.cpp on the same file) answers in French
+                # without the name; this wording it answers
+                "messages": [{"role": "user", "content": "Name the capital of France."}],
                 "max_tokens": 32,
                 "temperature": 0,
             },
