@@ -315,7 +315,8 @@ def main() -> None:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.served_systems = args.served_systems.split(",")
     gguf = gguf_path(args.gguf, args)
-    result: dict = {"gguf": str(gguf), "threads": args.threads, "machine": machine_info()}
+    result: dict = {"benchmark": "llamacpp_vs_stepserve", "gguf": str(gguf)}
+    result |= {"threads": args.threads, "machine": machine_info()}
     out = RESULTS / f"{args.out}.json"
     stages = args.stages.split(",")
     with tempfile.TemporaryDirectory(prefix="llamacpp-vs-") as tmp:
@@ -331,6 +332,10 @@ def main() -> None:
                 raise SystemExit(f"unknown stage {stage!r}: kernels, served, nll")
             print(f"{stage} done in {time.time() - started:.0f} s")
             out.write_text(json.dumps(result, indent=1) + "\n")
+    if "kernels" in result or "served" in result:
+        from bench.plots import plot_llamacpp
+
+        print(f"wrote {plot_llamacpp(result, out.with_suffix('.png'))}")
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1)[:6000])
 
 

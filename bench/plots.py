@@ -229,6 +229,47 @@ def plot_serving_sweeps(results: list[dict], path: Path) -> Path:
     return plot_latency_vs_rate({"title": title, "systems": systems}, path)
 
 
+def plot_llamacpp(result: dict, path: Path) -> Path:
+    """bench/llamacpp_vs_stepserve.py: tok/s of each system per kernels figure (bars) and, when
+    served, output tok/s and TTFT p99 against concurrent streams."""
+    panels = [k for k in ("kernels", "served") if k in result]
+    count = len(panels) + ("served" in result)
+    fig, axes = plt.subplots(1, count, figsize=(5.5 * count, 4.2))
+    axes = np.atleast_1d(axes)
+    name = Path(result["gguf"]).name
+    i = 0
+    if "kernels" in result:
+        figures = result["kernels"]["tok_per_s"]
+        tests = list(next(iter(figures.values())))
+        width = 0.8 / len(figures)
+        for j, (system, values) in enumerate(figures.items()):
+            xs = np.arange(len(tests)) + j * width
+            axes[i].bar(xs, [values[t] for t in tests], width, label=system, color=f"C{j}")
+        axes[i].set_xticks(np.arange(len(tests)) + width * (len(figures) - 1) / 2, tests)
+        axes[i].set_ylabel("tok/s")
+        axes[i].set_title(f"{name}: prompt and single-stream decode")
+        axes[i].legend(fontsize=8)
+        i += 1
+    if "served" in result:
+        for j, (system, runs) in enumerate(result["served"].items()):
+            streams = [r["concurrency"] for r in runs]
+            axes[i].plot(
+                streams, [r["output_tok_s"] for r in runs], "o-", label=system, color=f"C{j}"
+            )
+            ttft = [r["ttft_ms"]["p99"] / 1000 for r in runs]
+            axes[i + 1].plot(streams, ttft, "o-", label=system, color=f"C{j}")
+        axes[i].set_title(f"{name} served: output tok/s")
+        axes[i + 1].set_title("TTFT p99 (s)")
+        for ax in axes[i : i + 2]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent streams")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def redraw_all() -> list[Path]:
     drawn = []
     serving = []
@@ -246,6 +287,8 @@ def redraw_all() -> list[Path]:
             drawn.append(plot_latency_vs_rate(sweep, RESULTS / f"{path.stem}_latency_vs_rate.png"))
         elif kind == "http_overhead":
             drawn.append(plot_overhead(data, RESULTS / "http_overhead.png"))
+        elif kind == "llamacpp_vs_stepserve":
+            drawn.append(plot_llamacpp(data, path.with_suffix(".png")))
     if serving:
         drawn.append(plot_serving_sweeps(serving, RESULTS / "serving_latency_vs_rate.png"))
     return drawn
