@@ -21,12 +21,10 @@ import copy
 import hashlib
 import json
 import logging
-import mmap
 import os
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +37,8 @@ SIDECAR_RECORD = "gguf.json"  # written last: a directory with it is complete
 SIDECAR_DIRNAME = "gguf"  # under cache_root()
 SPLIT_NAME = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
-# GGUF `general.architecture` values we run (transformers reads their config and tokenizer)...
-GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe")
-# ... and the config.json `architectures` (replica/models/registry.py) of transformers'
-# model_type for them (a llama GGUF named "mistral" reads as mistral, as in transformers).
+# The config.json `architectures` (replica/models/registry.py) of transformers' model_type
+# for the GGUF architectures we run (gguf_weights.SUPPORTED_ARCHITECTURES; a llama GGUF named "mistral" reads as mistral, as in transformers).
 MODEL_TYPE_ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
@@ -91,77 +87,29 @@ class GGUFError(ValueError):
 
 
 # -- the metadata, read without the tensors ------------------------------------------------------
-@dataclass(frozen=True)
-class GGUFArray:
-    """An array value, by its length (the token lists are read by transformers, not here)."""
-
-    item_type: int
-    count: int
-
-
-_STRING, _ARRAY = 8, 9
-_SCALARS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-    12: "<d",
-}  # fmt: skip
-
-
-def _string(buf, pos: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", buf, pos)
-    pos += 8
-    if pos + length > len(buf):
-        raise struct.error("a string runs past the end of the file")
-    return bytes(buf[pos : pos + length]).decode("utf-8", errors="replace"), pos + length
-
-
-def _value(buf, pos: int, value_type: int) -> tuple[Any, int]:
-    if value_type == _STRING:
-        return _string(buf, pos)
-    if value_type in _SCALARS:
-        fmt = _SCALARS[value_type]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    if value_type == _ARRAY:
-        item_type, count = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        if item_type in _SCALARS:
-            pos += count * struct.calcsize(_SCALARS[item_type])
-        else:
-            for _ in range(count):
-                _, pos = _value(buf, pos, item_type)
-        if pos > len(buf):
-            raise struct.error("an array runs past the end of the file")
-        return GGUFArray(item_type, count), pos
-    raise struct.error(f"unknown value type {value_type}")
-
-
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key-value metadata of a GGUF file (versions 2 and 3), arrays as `GGUFArray`; a
-    GGUFError when the file is not a GGUF or its metadata is cut short."""
+    """The key-value metadata of a GGUF file (versions 2 and 3) as gguf_weights.read_gguf reads
+    it (string and long arrays, the vocabulary among them, present as None); a GGUFError when
+    the file is not a GGUF or its metadata is cut short."""
+    from replica.quant.gguf_weights import GGUFWeightError, read_gguf
+
     path = Path(path)
     with open(path, "rb") as f:
-        head = f.read(4)
-        if head != GGUF_MAGIC:
-            raise GGUFError(
-                f"{str(path)!r} is not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r}); "
-                "expected a Hugging Face model directory or a .gguf file"
-            )
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        version, _tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise GGUFError(f"{str(path)!r}: GGUF version {version} is not supported (2 and 3 are)")
-        pos, out = 24, {}
-        for _ in range(kv_count):
-            key, pos = _string(buf, pos)
-            (value_type,) = struct.unpack_from("<I", buf, pos)
-            out[key], pos = _value(buf, pos + 4, value_type)
-        return out
-    except struct.error as exc:
+        head = f.read(8)
+    if head[:4] != GGUF_MAGIC:
         raise GGUFError(
-            f"{str(path)!r}: the GGUF metadata is truncated or corrupt ({exc})"
+            f"{str(path)!r} is not a GGUF file (it starts with {head[:4]!r}, not "
+            f"{GGUF_MAGIC!r}); expected a Hugging Face model directory or a .gguf file"
+        )
+    version = struct.unpack("<I", head[4:8])[0] if len(head) == 8 else None
+    if version not in (2, 3):
+        raise GGUFError(f"{str(path)!r}: GGUF version {version} is not supported (2 and 3 are)")
+    try:
+        return read_gguf(path).fields
+    except GGUFWeightError as exc:
+        raise GGUFError(
+            f"{str(path)!r}: the GGUF metadata is truncated or corrupt ({exc.__cause__ or exc})"
         ) from None
-    finally:
-        buf.close()
 
 
 def check_servable(path: Path, metadata: dict[str, Any]) -> str:
@@ -174,10 +122,12 @@ def check_servable(path: Path, metadata: dict[str, Any]) -> str:
             "the parts first (llama.cpp: llama-gguf-split --merge <first part> <out>.gguf)"
         )
     arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    from replica.quant.gguf_weights import SUPPORTED_ARCHITECTURES
+
+    if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(
             f"{path.name}: GGUF architecture {arch!r} is not one stepserve runs; it runs GGUF "
-            f"files of: {', '.join(GGUF_ARCHITECTURES)}"
+            f"files of: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     experts = metadata.get(f"{arch}.expert_count", 0)
     if arch == "llama" and isinstance(experts, int) and experts > 0:

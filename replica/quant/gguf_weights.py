@@ -28,16 +28,9 @@ from replica.quant.formats import BLOCK, FLOAT_TYPES, QType, QuantFormatError, Q
 
 logger = logging.getLogger(__name__)
 
-# the GGUF `general.architecture` values we read, and what their tensors are called here
-SUPPORTED_ARCHITECTURES = (
-    "gemma2",
-    "gemma3",
-    "llama",
-    "phi3",
-    "qwen2",
-    "qwen3",
-    "qwen3moe",
-)
+# the GGUF `general.architecture` values we read (gguf_meta.check_servable refuses others
+# before any metadata directory is made), and what their tensors are called here
+SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe")
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

@@ -234,15 +234,16 @@ def test_the_architectures_we_map_are_the_models_we_run():
 
 
 def test_the_header_reader_reads_what_gguf_writes(tmp_path):
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
 
     path = write_gguf(tmp_path / "m.gguf", uint32={"llama.expert_count": 0})
     ours = read_gguf_metadata(path)
     theirs = GGUFReader(str(path)).fields
     assert set(ours) == set(theirs) - {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
     for key, value in ours.items():
-        if isinstance(value, gguf_meta.GGUFArray):
-            assert value.count == len(theirs[key].data), key
+        if value is None:  # a string array (the vocabulary) or a long one, skipped
+            assert theirs[key].types[0] == GGUFValueType.ARRAY, key
+            assert theirs[key].types[1] == GGUFValueType.STRING or len(theirs[key].data) > 64
         else:
             assert value == pytest.approx(theirs[key].contents()), key
 
