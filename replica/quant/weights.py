@@ -38,8 +38,6 @@ from replica.quant.formats import (
 logger = logging.getLogger(__name__)
 
 Q8_GROUP = BLOCK[QType.Q8_0][0]
-# how quantized matmuls take their activations (kernels.quant_matmul's `activations`)
-ACTIVATION_MODES = ("int8", "fp32")
 WEIGHT_KINDS = ("linear", "embedding", "lm_head")
 Segment = tuple[int, "QuantizedTensor | torch.Tensor"]
 
@@ -370,8 +368,8 @@ def finalize_weights(model: nn.Module) -> None:
 def set_activations(model: nn.Module, mode: str) -> int:
     """Every quantized weight's matmuls take activations as `mode` ("int8" or "fp32");
     returns how many weights there are."""
-    if mode not in ACTIVATION_MODES:
-        raise ValueError(f"activations {mode!r}: expected one of {ACTIVATION_MODES}")
+    if mode not in kernels.ACTIVATIONS:
+        raise ValueError(f"activations {mode!r}: expected one of {kernels.ACTIVATIONS}")
     count = 0
     for _, weight in named_quantized_weights(model):
         weight.activations = mode
