@@ -392,34 +392,24 @@ def build_tiny_gguf(
     return path
 
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-}
-
-
 def write_sidecar(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """A model directory for a GGUF file as the tests need one: config.json (transformers' own
     reading of the file's metadata, so both sides run one config), generation_config.json and
     gguf.json naming the file. (Serving builds sidecars with replica/quant/gguf_meta.py.)"""
     from transformers import AutoConfig
 
+    from replica.quant.gguf_meta import MODEL_TYPE_ARCHITECTURES, SIDECAR_RECORD, file_stamp
+
     gguf_path, out = Path(gguf_path).resolve(), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     raw = config.to_dict()
     raw.pop("quantization_config", None)
-    raw["architectures"] = [_ARCHITECTURES[raw["model_type"]]]
+    raw["architectures"] = [MODEL_TYPE_ARCHITECTURES[raw["model_type"]]]
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     eos = raw.get("eos_token_id", 2)
     generation = {"bos_token_id": raw.get("bos_token_id"), "eos_token_id": eos}
     (out / "generation_config.json").write_text(json.dumps(generation))
-    from replica.quant.gguf_meta import SIDECAR_RECORD, file_stamp
-
-    record = {"gguf_file": str(Path(gguf_path).resolve())} | file_stamp(Path(gguf_path).stat())
+    record = {"gguf_file": str(gguf_path)} | file_stamp(gguf_path.stat())
     (out / SIDECAR_RECORD).write_text(json.dumps(record))
     return out
