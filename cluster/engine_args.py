@@ -16,7 +16,9 @@ from replica.config import EngineConfig
 # EngineConfig gets its flag with no change here.
 #
 # Fields without a flag, and why (tests/cluster/test_cli_args.py checks every other field has one).
-ENGINE_FLAGS_EXCLUDED: dict[str, str] = {}
+ENGINE_FLAGS_EXCLUDED: dict[str, str] = {
+    "lora_modules": "a list: `stepserve serve --lora-modules name=path ...` (cluster/cli.py)",
+}
 # Extra spellings, kept from before the flags were generated.
 ENGINE_FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
 # `generate` keeps its own flags of these names: --seed seeds its one request's sampling.

@@ -9,6 +9,16 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class LoRAModule(BaseModel):
+    """A LoRA adapter served by name: `path` is its PEFT directory (adapter_config.json and
+    adapter_model.safetensors or .bin), on the replicas' nodes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[^\s]+$")
+    path: str = Field(min_length=1)
+
+
 class EngineConfig(BaseModel):
     """Configuration of one replica's engine (scheduler, KV cache, model runner).
 
@@ -174,6 +184,30 @@ class EngineConfig(BaseModel):
         "its replica reports unhealthy (its streams end with an error and Serve replaces it); "
         "longer than the slowest single step",
     )
+    enable_lora: bool = Field(
+        default=False,
+        description="Serve LoRA adapters (PEFT format) on top of the base model: requests name "
+        "one in `model`; a step batches rows of several adapters and the base model. Implied "
+        "by lora_modules.",
+    )
+    max_loras: int = Field(
+        default=4, ge=1, le=256, description="Most distinct adapters in one step's batch."
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, le=512, description="Largest adapter rank accepted."
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="Adapters a replica keeps loaded (LRU); others load on demand. None: "
+        "max_loras. Must be >= max_loras.",
+    )
+    lora_modules: list[LoRAModule] = Field(
+        default_factory=list,
+        description="Adapters served from start (vLLM's --lora-modules name=path): each "
+        "replica loads them when it starts.",
+    )
     max_queue_len: int = Field(
         default=4096,
         ge=1,
@@ -190,7 +224,23 @@ class EngineConfig(BaseModel):
             )
         if self.max_model_len is not None:
             self.check_prefill_budget(self.max_model_len)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must be unique, got {names}")
         return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def lora_capacity(self) -> int:
+        """Adapters a replica keeps loaded (max_cpu_loras, default max_loras)."""
+        return self.max_cpu_loras or self.max_loras
 
     def check_prefill_budget(self, max_model_len: int) -> None:
         """Raise ValueError when a prompt of up to max_model_len tokens could not be scheduled:

@@ -86,6 +86,7 @@ class RoutingStats:
     cpu_threads: int = 0  # torch threads of the engine thread (0: not running yet)
     healthy: bool = True  # False: the engine is dead or stalled (routers avoid the replica)
     stalled_s: float = 0.0  # seconds the engine has held requests without finishing a step
+    loras: tuple[str, ...] = ()  # names of the LoRA adapters the replica holds loaded (its LRU)
 
     @classmethod
     def of_scheduler(

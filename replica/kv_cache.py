@@ -338,7 +338,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         for i in range(start, end):
             if held[i] is not None:  # freed behind the window: cached when it was computed
-                parent = hashes[i - 1] if i else ROOT_BLOCK_HASH
+                parent = hashes[i - 1] if i else request.block_root
                 self.pool.cache_block(held[i], hashes[i], parent, self.group)
         self._num_cached_blocks[rid] = end
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -27,12 +28,40 @@ from replica.sampling_params import STRUCTURED_KINDS, SamplingParams, Structured
 ROOT_BLOCK_HASH = 0x5EED_B10C
 
 
-def extend_block_hashes(hashes: list[int], tokens: list[int], block_size: int) -> list[int]:
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """The LoRA adapter (PEFT format) a request runs with: `name` is what clients put in
+    `model`, `path` the adapter's directory as the replica's node sees it (vLLM's LoRARequest:
+    the path travels with the request, so any replica, one started later by autoscaling too,
+    can load the adapter on demand)."""
+
+    name: str
+    path: str
+
+    @property
+    def salt(self) -> int:
+        """A stable 63-bit id of (name, path), the same in every process: it seeds the
+        request's block-hash chain (`root_block_hash`), so no request ever reuses KV computed
+        under another adapter, and the router's KV index predicts hits per adapter."""
+        digest = hashlib.blake2b(f"{self.name}\0{self.path}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
+
+def root_block_hash(lora: LoRARequest | None = None) -> int:
+    """The parent of a prompt's first block: ROOT_BLOCK_HASH for the base model, a root of
+    its own per adapter (prefix-cache hits never cross adapters)."""
+    return ROOT_BLOCK_HASH if lora is None else hash((ROOT_BLOCK_HASH, lora.salt))
+
+
+def extend_block_hashes(
+    hashes: list[int], tokens: list[int], block_size: int, root: int = ROOT_BLOCK_HASH
+) -> list[int]:
     """Append to `hashes` the chained hash of every full block of `tokens` past those already
-    hashed: block i's hash is hash((block i-1's hash, its tokens)). The one implementation the
-    replica's prefix cache and the router's KV index share."""
+    hashed: block i's hash is hash((block i-1's hash, its tokens)), block 0's parent `root`
+    (`root_block_hash` of the request's adapter). The one implementation the replica's prefix
+    cache and the router's KV index share."""
     start = len(hashes) * block_size
-    parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+    parent = hashes[-1] if hashes else root
     while start + block_size <= len(tokens):
         parent = hash((parent, tuple(tokens[start : start + block_size])))
         hashes.append(parent)
@@ -77,6 +106,7 @@ class EngineRequest:
     priority: int = 0  # lower is more urgent (the engine's priority scheduling policy)
     # time.monotonic() when the replica took it (the front stamps it when None)
     arrival_time: float | None = None
+    lora: LoRARequest | None = None  # the adapter to run with; None: the base model
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -124,6 +154,8 @@ class Request:
         "priority",
         "seq",
         "speculate",
+        "lora",
+        "block_root",
     )
 
     def __init__(
@@ -146,6 +178,8 @@ class Request:
         self.seq = 0  # the scheduler's arrival count: breaks ties between equal arrival times
         # set by the scheduler: drafts are proposed for it (replica/spec_decode.py)
         self.speculate = False
+        self.lora = engine_request.lora  # the adapter it runs with (None: the base model)
+        self.block_root = root_block_hash(engine_request.lora)  # its block-hash chain's root
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -196,7 +230,7 @@ class Request:
 
     def update_block_hashes(self, block_size: int) -> None:
         """Hash every newly completed full block, chained on its parent's hash."""
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.block_root)
 
     def __repr__(self) -> str:
         return (
