@@ -13,12 +13,24 @@ from replica.contracts import (
     PreemptionRate,
     RoutingStats,
 )
-from replica.errors import EngineDeadError, EngineOverloaded, GrammarRejected, RequestRejected
+from replica.errors import (
+    EngineDeadError,
+    EngineOverloaded,
+    GrammarRejected,
+    LoRAError,
+    RequestRejected,
+)
 from replica.hub import find_hub, get_hub
 from replica.kv_events import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot, call_hub
 from replica.limits import EngineLimits
 from replica.metrics import merge_expositions
-from replica.request import EngineRequest, RequestOutput, extend_block_hashes
+from replica.request import (
+    EngineRequest,
+    LoRARequest,
+    RequestOutput,
+    extend_block_hashes,
+    root_block_hash,
+)
 from replica.sampling_params import (
     LOGIT_BIAS_BOUND,
     MAX_LOGPROBS,
@@ -42,6 +54,8 @@ __all__ = [
     "EngineLimits",
     "EngineOverloaded",
     "EngineRequest",
+    "LoRARequest",
+    "root_block_hash",
     "GenerateRequest",
     "GrammarRejected",
     "KVEventBatch",
@@ -53,6 +67,7 @@ __all__ = [
     "REMOVED",
     "RequestOutput",
     "RequestRejected",
+    "LoRAError",
     "RoutingStats",
     "SAMPLING_BOUNDS",
     "STORED",

@@ -32,3 +32,12 @@ class EngineOverloaded(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; the replica must be replaced (HTTP 503)."""
+
+
+class LoRAError(RequestRejected):
+    """A LoRA adapter that cannot be served: its directory is missing or not PEFT's format,
+    its rank exceeds max_lora_rank, it targets modules the model does not have, or LoRA is
+    off on this replica (HTTP 400, naming the adapter and the limit; `param` is "model")."""
+
+    def __init__(self, message: str, param: str | None = "model") -> None:
+        super().__init__(message, param)
