@@ -1,7 +1,7 @@
 """One routing decision, as the Ray request router (router/request_router.py) and the simulator
 (sim/) both make it: sample the candidates (`Policy.candidates`), read what the router knows of
 each (`replica_stats`: Ray's in-flight count, the replica's last report, the router's own tally
-and prefill estimate, the KV index's hit), rank them (`Policy.rank`) and pick the best tier's
+and prefill estimate, the KV index's hit, whether it holds the request's LoRA adapter), rank them (`Policy.rank`) and pick the best tier's
 lead (`lead_replica`). Pure: no Ray, no clock of its own; the caller says how to observe a
 replica and what time it is, and acts on the result (notes the choice, sends the request)."""
 
@@ -44,7 +44,7 @@ class Decision:
         return self.tiers[0][0] if self.tiers else None
 
     def reason(self, replica_id: str, cfg: RoutingConfig) -> str | None:
-        """Why `replica_id` won ("load", "cache" or "spill": `decision_reason`); None when it
+        """Why `replica_id` won ("load", "cache", "spill" or "lora": `decision_reason`); None when it
         was not among the candidates (Ray sent the request elsewhere)."""
         if not any(s.replica_id == replica_id for s in self.stats):
             return None
@@ -63,19 +63,24 @@ def decide(
     prefix: int | None = None,
     footprint_tokens: int = 0,
     hits: Mapping[str, int] | None = None,
+    lora: str | None = None,
 ) -> Decision:
     """Rank `replica_ids` for one request (prefix key `prefix`, KV footprint
-    `footprint_tokens`, `hits`: cached prompt tokens per replica) by `policy` over what
-    `observe` and `load` say at `now`; `rng` breaks ties within the best tier."""
+    `footprint_tokens`, `hits`: cached prompt tokens per replica, `lora`: its adapter's name)
+    by `policy` over what `observe` and `load` say at `now`; `rng` breaks ties within the best
+    tier."""
     hits = hits or {}
-    ids = policy.candidates(list(replica_ids), prefix, hits)
+    holders: list[str] = []
+    if lora is not None and 0 < policy.cfg.max_candidates < len(replica_ids):
+        holders = lora_holders(replica_ids, observe, load, lora)  # kept in the sample
+    ids = policy.candidates(list(replica_ids), prefix, hits, holders)
     prefill = load.prefill_by_replica(now, ids)
     stats = []
     for rid in ids:
         ongoing, recorded = observe(rid)
         stats.append(
             replica_stats(
-                rid, ongoing, recorded, load, prefill.get(rid, 0.0), now, hits.get(rid, 0)
+                rid, ongoing, recorded, load, prefill.get(rid, 0.0), now, hits.get(rid, 0), lora
             )
         )
     ranked = policy.rank(stats, prefix, footprint_tokens)
@@ -84,3 +89,17 @@ def decide(
     lead, *rest = lead_replica(ranked[0], stats, policy.cfg, rng)
     tiers = [[lead], rest, *ranked[1:]] if rest else [[lead], *ranked[1:]]
     return Decision(tiers, stats, hits, footprint_tokens)
+
+
+def lora_holders(
+    replica_ids: Sequence[str], observe: Observe, load: InflightLoad, lora: str
+) -> list[str]:
+    """The replicas that hold adapter `lora` by their last report or this router's tally (a
+    pass over every replica's stats: only when the candidates are a sample)."""
+    out = []
+    for rid in replica_ids:
+        recorded = observe(rid)[1]
+        reported = recorded is not None and lora in recorded.loras
+        if reported or load.adapter_sent_at(rid, lora) is not None:
+            out.append(rid)
+    return out

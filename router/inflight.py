@@ -7,6 +7,7 @@ reference (router/request_router.py is pickled by value: its globals would be pe
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -46,6 +47,12 @@ class InflightLoad:
     (`prefill_rate`: moving averages of prompt tokens and of seconds, divided) discount what it
     has done since. The ingress reports from its own
     thread, the router's hooks run on the router's: every method takes the lock.
+
+    Adapters: the LoRA adapters this router sent requests for to each replica, the latest
+    `lora_slots` per replica with when (`adapter_sent`): a replica loads an adapter for the
+    request that needs it, so the next request for it should find it held there before the
+    replica's next report says so (and when reports are stale). `lora_slots` stands for the
+    replicas' max_cpu_loras, which their reports do not carry (EngineConfig's default).
     """
 
     def __init__(
@@ -54,6 +61,7 @@ class InflightLoad:
         max_early: int = 10_000,
         rate_alpha: float = 0.2,
         choice_ttl_s: float = 5.0,
+        lora_slots: int = 4,
     ) -> None:
         self.completion_window_s = completion_window_s
         self.choice_ttl_s = choice_ttl_s
@@ -76,6 +84,23 @@ class InflightLoad:
         self._chosen: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
         self._chosen_counts: dict[str, int] = {}
         self._chosen_tokens: dict[str, int] = {}
+        self.lora_slots = lora_slots
+        self._adapters: dict[str, OrderedDict[str, float]] = {}  # replica -> adapter -> sent at
+
+    def adapter_sent(self, replica_id: str, name: str, now: float) -> None:
+        """A request for adapter `name` goes to `replica_id`, which loads it if it must."""
+        with self._lock:
+            sent = self._adapters.setdefault(replica_id, OrderedDict())
+            sent[name] = now
+            sent.move_to_end(name)
+            while len(sent) > self.lora_slots:
+                sent.popitem(last=False)
+
+    def adapter_sent_at(self, replica_id: str, name: str) -> float | None:
+        """When this router last sent a request for adapter `name` to `replica_id` (None: not
+        among the latest `lora_slots` adapters it sent there)."""
+        sent = self._adapters.get(replica_id)
+        return None if sent is None else sent.get(name)
 
     def chosen(self, request_id: str, replica_id: str, tokens: int, now: float) -> None:
         """The router chose `replica_id` for Ray's request `request_id`: count it there until
@@ -260,6 +285,8 @@ class InflightLoad:
                 self._counts.pop(rid, None)
                 self._tokens.pop(rid, None)
                 self._completions.pop(rid, None)
+            for rid in [r for r in self._adapters if r not in alive]:
+                del self._adapters[rid]
             for entry in [e for e, (r, _, _) in self._requests.items() if r not in alive]:
                 _, _, request_id = self._requests.pop(entry)
                 self._reported.discard(request_id)
@@ -276,16 +303,25 @@ def replica_stats(
     prefill_tokens: float,
     now: float,
     cached_tokens: int = 0,
+    lora: str | None = None,
 ) -> ReplicaStats:
     """What a router knows of one replica when it routes: Ray's in-flight count (`ongoing`),
-    the replica's last report (`recorded`, None before its first), and the router's own tally.
-    The Ray router and the simulator (sim/) both build it here."""
+    the replica's last report (`recorded`, None before its first), and the router's own tally;
+    for a request with LoRA adapter `lora`, whether the replica holds it (the report's
+    adapters, or this router sent it there since). The Ray router and the simulator (sim/)
+    both build it here."""
+    sent_at = None if lora is None else inflight.adapter_sent_at(replica_id, lora)
     mine = dict(
         inflight_requests=inflight.requests(replica_id),
         inflight_tokens=inflight.tokens(replica_id),
         prefill_tokens=prefill_tokens,
         cached_tokens=cached_tokens,
+        lora_sent=sent_at is not None,
     )
+    if lora is not None:
+        reported = recorded is not None and lora in recorded.loras
+        since = recorded.ts if recorded is not None else -math.inf
+        mine["lora_loaded"] = reported or (sent_at is not None and sent_at >= since)
     if recorded is None:  # no report yet: Ray's count and our own tally
         return ReplicaStats(replica_id=replica_id, ongoing=ongoing, **mine)
     return ReplicaStats(

@@ -2,7 +2,9 @@
 (replica/kv_events.py): block hash -> the replicas holding it, exact as of each replica's last
 applied batch. For a prompt, `hit_tokens` says how many of its tokens each replica would find
 cached: the prompt's chained block hashes are computed with the replica's own function
-(`replica.request.extend_block_hashes`), so the prediction is the replica's own lookup
+(`replica.request.extend_block_hashes`) from the root of the request's LoRA adapter
+(`root_block_hash`: KV computed under an adapter is hashed from its own root, so an adapter
+request hits only blocks computed under the same adapter), so the prediction is the replica's own lookup
 (`KVCacheManager.get_computed_blocks`) run on the mirror.
 
 A replica's view advances one batch at a time; a batch whose number is not the next one (a
@@ -20,7 +22,16 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from replica.api import CLEARED, REMOVED, STORED, KVEventBatch, KVSnapshot, extend_block_hashes
+from replica.api import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    KVEventBatch,
+    KVSnapshot,
+    LoRARequest,
+    extend_block_hashes,
+    root_block_hash,
+)
 
 
 @dataclass
@@ -166,12 +177,14 @@ class KVIndex:
             self.snapshots += 1
 
     # -- queries ---------------------------------------------------------------------------
-    def prompt_hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """The prompt's chained block hashes that a hit can cover: full blocks, at most
-        (len - 1) // block_size of them (the last token is always computed, as in
-        `KVCacheManager.get_computed_blocks`)."""
+    def prompt_hashes(self, token_ids: Sequence[int], lora: LoRARequest | None = None) -> list[int]:
+        """The prompt's chained block hashes that a hit can cover, from the root of its adapter
+        `lora` (None: the base model): full blocks, at most (len - 1) // block_size of them (the
+        last token is always computed, as in `KVCacheManager.get_computed_blocks`)."""
         usable = (len(token_ids) - 1) // self.block_size * self.block_size
-        return extend_block_hashes([], list(token_ids[:usable]), self.block_size)
+        return extend_block_hashes(
+            [], list(token_ids[:usable]), self.block_size, root_block_hash(lora)
+        )
 
     def hit_tokens(
         self, hashes: Sequence[int], replica_ids: Iterable[str] | None = None

@@ -17,12 +17,12 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from replica.api import call_hub, get_hub
+from replica.api import LoRARequest, call_hub, get_hub
 from router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
 
-REASONS = ("load", "cache", "spill")
+REASONS = ("load", "cache", "spill", "lora")  # decision_reason's answers
 IDLE_POLL_S = 0.5
 
 
@@ -131,8 +131,14 @@ class KVRouting:
         self._stop.set()
 
     # -- requests ---------------------------------------------------------------------------
-    def hit_tokens(self, prompt_ids: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
-        return self.index.hit_tokens(self.index.prompt_hashes(prompt_ids), replica_ids)
+    def hit_tokens(
+        self,
+        prompt_ids: Sequence[int],
+        replica_ids: Iterable[str],
+        lora: LoRARequest | None = None,
+    ) -> dict[str, int]:
+        """Per replica, the prompt tokens it holds cached under adapter `lora` (None: base)."""
+        return self.index.hit_tokens(self.index.prompt_hashes(prompt_ids, lora), replica_ids)
 
     def routed(self, key: str, predicted: int, reason: str) -> None:
         with self._lock:

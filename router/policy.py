@@ -21,6 +21,7 @@ Score (lower is better), in units of "queued requests":
              + weight_prefill * prefill
              + weight_kv_usage * kv * min(1, size)      (fresh stats only)
              + weight_preemptions * preemptions_per_s   (fresh stats only)
+             + weight_lora_load * (0 if held else 1)     (requests with a LoRA adapter)
 
 `ongoing` is Ray's own in-flight count, always current; `waiting + running` is the engine's view
 as of its last report, which also counts requests other routers sent; requests of ours that
@@ -60,6 +61,18 @@ hot prefix spills to another replica (which then caches it too) once the replica
 that much busier, and among the replicas close enough in load the one holding most of the prompt
 wins. (A cap on the term itself would not do: it would rank a replica holding a conversation's
 shared system prompt level with the one holding its whole history.)
+
+A request for a LoRA adapter runs on any replica, but one that does not hold the adapter loaded
+(its LRU of max_cpu_loras) loads it from disk first, which delays the request, and may evict
+an adapter that the next request needs. `held` is true where the replica's last report lists
+the adapter or this router sent a request for it there since (`InflightLoad.adapter_sent`: the
+replica loads it for that request, so the next one sees it held before the next report); when
+the stats are stale, the router's tally alone. A holder wins ties and near-ties (it also heads
+its own tier, as cache hits do), and an adapter's traffic spills to a replica that does not
+hold it once the holders' load scores exceed that replica's by `weight_lora_load` queued
+requests: the replica then loads it, and the adapter's holders grow with its load. Pure LRU
+caches fill with whatever the last requests asked for; with the term each replica's LRU keeps
+a stable set of adapters, and the per-replica loads fall (bench/lora_routing.py).
 
 The KV term is about u at low usage and grows without bound near a full cache (0.5 -> 1,
 0.9 -> 9, 0.99 -> 99), where a new request would force preemptions. Stale stats drop to
@@ -120,6 +133,12 @@ class RoutingConfig(BaseModel):
     kv_events_poll_s: float = Field(
         default=0.05, gt=0, description="how often a router fetches new KV events"
     )
+    weight_lora_load: float = Field(
+        default=2.0,
+        ge=0,
+        description="in queued requests: what a replica that does not hold the request's LoRA "
+        "adapter loaded costs (it loads it first); 0: routing ignores adapters",
+    )
     max_candidates: int = Field(
         default=0,
         ge=0,
@@ -147,6 +166,10 @@ class ReplicaStats:
     prefill_tokens: float = 0.0  # prompt tokens of its requests there not yet prefilled (estimate)
     max_num_batched_tokens: int = 0  # the replica's token budget per step; 0: unknown
     cached_tokens: int = 0  # of the request's prompt, found in the replica's prefix cache
+    # the request's LoRA adapter (None: it has none): held as of the replica's last report, or
+    # sent there by this router since; and in this router's tally of adapters it sent there
+    lora_loaded: bool | None = None
+    lora_sent: bool = False
 
 
 def stats_are_fresh(stats: ReplicaStats, cfg: RoutingConfig) -> bool:
@@ -220,6 +243,25 @@ def score(stats: ReplicaStats, cfg: RoutingConfig, size: RequestSize = RequestSi
     return total
 
 
+def holds_lora(stats: ReplicaStats, cfg: RoutingConfig) -> bool | None:
+    """Whether the replica holds the request's adapter (None: the request has none): its last
+    report plus this router's sends since when the stats are fresh, the router's tally alone
+    when they are stale."""
+    if stats.lora_loaded is None:
+        return None
+    return stats.lora_loaded if stats_are_fresh(stats, cfg) else stats.lora_sent
+
+
+def lora_cost(stats: ReplicaStats, cfg: RoutingConfig) -> float:
+    """`weight_lora_load` where the request has an adapter the replica does not hold."""
+    return cfg.weight_lora_load if holds_lora(stats, cfg) is False else 0.0
+
+
+def lora_aware(replicas: Sequence[ReplicaStats], cfg: RoutingConfig) -> bool:
+    """Whether adapters count in this ranking: the term is on and the request has one."""
+    return cfg.weight_lora_load > 0 and any(r.lora_loaded is not None for r in replicas)
+
+
 def cache_bonus(stats: ReplicaStats, cfg: RoutingConfig) -> float:
     """The request's cached prompt tokens on the replica in steps of its token budget (the
     default budget when unknown), times `weight_cache_hit`."""
@@ -230,9 +272,9 @@ def cache_bonus(stats: ReplicaStats, cfg: RoutingConfig) -> float:
 def ranking_scores(
     replicas: Sequence[ReplicaStats], cfg: RoutingConfig, size: RequestSize
 ) -> dict[str, float]:
-    """Each replica's `score`, less its cache bonus where its score is within
-    `cache_bonus_cap` of the lowest (the module docstring's `cached`)."""
-    plain = {r.replica_id: score(r, cfg, size) for r in replicas}
+    """Each replica's `score` plus its adapter load (`lora_cost`), less its cache bonus where
+    that sum is within `cache_bonus_cap` of the lowest (the module docstring's `cached`)."""
+    plain = {r.replica_id: score(r, cfg, size) + lora_cost(r, cfg) for r in replicas}
     if not any(r.cached_tokens for r in replicas):
         return plain
     window = min(plain.values()) + cfg.cache_bonus_cap
@@ -248,16 +290,19 @@ def decision_reason(
 ) -> str:
     """Why `chosen` won, for the decisions-by-reason metric: "cache" (a cache hit put it ahead
     of the replica load alone would pick), "spill" (another replica holds more of the prompt,
-    but load kept the request off it), "load" (the load score alone, with or without hits
-    elsewhere being equal)."""
+    but load kept the request off it), "lora" (it holds the request's adapter, which put it
+    ahead of the replica load alone would pick), "load" (the load score alone, with or without
+    hits elsewhere being equal)."""
     by_id = {r.replica_id: r for r in replicas}
     best_hit = max((r.cached_tokens for r in replicas), default=0)
     if best_hit > 0 and by_id[chosen].cached_tokens < best_hit:
         return "spill"
-    if by_id[chosen].cached_tokens > 0:
-        plain = {rid: score(r, cfg, size) for rid, r in by_id.items()}
-        if plain[chosen] > min(plain.values()) + cfg.score_tolerance:
-            return "cache"
+    plain = {rid: score(r, cfg, size) for rid, r in by_id.items()}
+    ahead_of_load = plain[chosen] > min(plain.values()) + cfg.score_tolerance
+    if by_id[chosen].cached_tokens > 0 and ahead_of_load:
+        return "cache"
+    if ahead_of_load and lora_aware(replicas, cfg) and holds_lora(by_id[chosen], cfg):
+        return "lora"
     return "load"
 
 
@@ -290,19 +335,25 @@ def _load_tiers(
     replicas: Sequence[ReplicaStats], cfg: RoutingConfig, size: RequestSize
 ) -> list[list[str]]:
     """Replicas sorted by score, grouped into tiers: a tier holds every replica within
-    `score_tolerance` of the tier's best that has as much of the prompt cached (Ray takes the
-    tier's least-loaded replica: a tie on score must not hand the request to a replica that
-    would prefill what another has cached)."""
+    `score_tolerance` of the tier's best that has as much of the prompt cached and, where
+    adapters count, the same holding of the request's adapter (the tier's lead is its
+    least-loaded replica: a tie on score must not hand the request to a replica that would
+    prefill what another has cached, or load an adapter another holds)."""
     ranked = ranking_scores(replicas, cfg, size)
-    scored = sorted((ranked[r.replica_id], -r.cached_tokens, r.replica_id) for r in replicas)
+    aware = lora_aware(replicas, cfg)
+    scored = sorted(
+        (ranked[r.replica_id], -r.cached_tokens, not (aware and holds_lora(r, cfg)), r.replica_id)
+        for r in replicas
+    )
     tiers: list[list[str]] = []
     tier_best = -math.inf
-    tier_cached = 0
-    for value, neg_cached, replica_id in scored:
-        if not tiers or value > tier_best + cfg.score_tolerance or neg_cached != tier_cached:
+    tier_kind: tuple[int, bool] = (0, False)
+    for value, neg_cached, lacks_lora, replica_id in scored:
+        kind = (neg_cached, lacks_lora)
+        if not tiers or value > tier_best + cfg.score_tolerance or kind != tier_kind:
             tiers.append([])
             tier_best = value
-            tier_cached = neg_cached
+            tier_kind = kind
         tiers[-1].append(replica_id)
     return tiers
 
@@ -430,12 +481,14 @@ class Policy:
         replica_ids: Sequence[str],
         prefix: int | None = None,
         cached: dict[str, int] | None = None,
+        lora_holders: Sequence[str] = (),
     ) -> list[str]:
         """The replicas to rank for one request: pow2's two random ones; for load_aware all of
         them, or `max_candidates` sampled at random, so that a decision costs O(max_candidates)
         stats and scores at fleet scale. A sample always holds the prefix's rendezvous replica
-        (prefix affinity) and the replicas holding most of the prompt (`cached`: the KV index's
-        hits, up to a quarter of the sample)."""
+        (prefix affinity), the replicas holding most of the prompt (`cached`: the KV index's
+        hits, up to a quarter of the sample) and replicas holding the request's adapter
+        (`lora_holders`, up to another quarter, at random; with weight_lora_load > 0)."""
         if self.cfg.policy == "pow2" and len(replica_ids) > 2:
             return self._rng.sample(list(replica_ids), 2)  # all pow2 looks at
         k = self.cfg.max_candidates
@@ -445,6 +498,10 @@ class Policy:
         if cached:
             holders = sorted(cached, key=lambda rid: (-cached[rid], rid))
             must += holders[: max(1, k // 4)]
+        if lora_holders and self.cfg.weight_lora_load > 0:
+            taken = set(must)
+            free = [rid for rid in lora_holders if rid not in taken]
+            must += self._rng.sample(free, min(len(free), max(1, k // 4)))
         if self.cfg.prefix_affinity and prefix is not None:
             preferred = preferred_replica(prefix, replica_ids)
             if preferred is not None and preferred not in must:

@@ -5,7 +5,7 @@ flight on each replica and of which of them are still in prefill (fed by Ray's
 on_request_routed hook, and by the ingress's `note_first_token` and `note_finished`, or by Ray's
 on_request_completed for requests the ingress did not send), plus the
 stats each replica records about once a second (waiting, running, KV usage, recent
-preemptions, token budget).
+preemptions, token budget, the LoRA adapters it holds loaded).
 
 The best tier's first replica is picked here, not by Ray, and the request counts there from
 that moment (`InflightLoad.chosen`) until Ray's on_request_routed says where it went: Ray
@@ -117,11 +117,12 @@ class LoadAwareRouter(RequestRouter):
         if self.kv is not None:
             self.kv.start()
         if use_kv:
-            hits = self.kv.hit_tokens(request.prompt_token_ids, list(by_id))
+            hits = self.kv.hit_tokens(request.prompt_token_ids, list(by_id), request.lora)
+        lora = request.lora.name if request.lora is not None else None
         decision = decide(
             self.policy, self.inflight, list(by_id), lambda rid: self._observe(by_id[rid]),
             now, self._rng, prefix=request.prefix_key,
-            footprint_tokens=request.footprint_tokens, hits=hits,
+            footprint_tokens=request.footprint_tokens, hits=hits, lora=lora,
         )  # fmt: skip
         if use_kv and request.reports_progress:
             self._decisions[request.request_id] = decision  # for on_request_routed
@@ -135,6 +136,8 @@ class LoadAwareRouter(RequestRouter):
             request.footprint_tokens,
             now,
         )
+        if lora is not None:  # the lead loads it for this request: the next one sees it held
+            self.inflight.adapter_sent(decision.lead, lora, now)
         ranked = [[by_id[decision.lead]]]
         for tier in decision.tiers[1:]:
             replicas = [by_id[rid] for rid in tier]
@@ -190,6 +193,8 @@ class LoadAwareRouter(RequestRouter):
                 reason = decision.reason(rid, self.routing_config)
                 if reason is not None:
                     self.kv.routed(request.request_id, decision.hits.get(rid, 0), reason)
+        if request is not None and request.lora is not None:  # where it went, if not the lead
+            self.inflight.adapter_sent(replica_id.unique_id, request.lora.name, time.time())
         if request is not None:
             self.inflight.routed(
                 pending_request.metadata.internal_request_id,

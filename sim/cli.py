@@ -3,6 +3,7 @@
 stepserve profile --model default --threads 1 --out sim/profiles/mine.json
 stepserve simulate --profile default-avx2-1t --replicas 8 --workload heterogeneous --rate 4
 stepserve simulate --config cluster.yaml --profile P --workload trace:sim/traces/azure_sample.csv
+stepserve simulate --profile P --replicas 16 --workload random --rate 8 --loras 64 --max-cpu-loras 8
 stepserve plan --profile P --workload heterogeneous --rate 20 --slo-ttft-ms 1000 --slo-tpot-ms 200
 """
 
@@ -91,6 +92,20 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
     p.add_argument("--autoscaler", choices=["stepserve", "ray_default"], default="stepserve")
     p.add_argument("--ray-target-ongoing", type=float, default=2.0)
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: divide arrival times")
+    p.add_argument(
+        "--loras", type=int, default=0, help="requests (conversations) run with one of this many "
+        "LoRA adapters, Zipf-popular (turns engine.enable_lora on); 0: the base model only",
+    )  # fmt: skip
+    p.add_argument("--lora-skew", type=float, default=1.0, help="the adapters' Zipf exponent")
+    p.add_argument("--max-loras", type=int, help="engine.max_loras: adapters per step")
+    p.add_argument("--max-cpu-loras", type=int, help="engine.max_cpu_loras: adapters held (LRU)")
+    p.add_argument(
+        "--lora-load-ms", type=float,
+        help="a replica's load of an adapter it does not hold (default: the profile's, else 20)",
+    )  # fmt: skip
+    p.add_argument(
+        "--weight-lora-load", type=float, help="routing.weight_lora_load (0: ignore adapters)"
+    )
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -181,6 +196,14 @@ def build_cluster_config(args: argparse.Namespace):
         routing["prefix_affinity"] = True
     if args.max_candidates is not None:
         routing["max_candidates"] = args.max_candidates
+    if getattr(args, "weight_lora_load", None) is not None:
+        routing["weight_lora_load"] = args.weight_lora_load
+    engine = data.setdefault("engine", {})
+    if getattr(args, "loras", 0):
+        engine["enable_lora"] = True
+    for name in ("max_loras", "max_cpu_loras"):
+        if getattr(args, name, None) is not None:
+            engine[name] = getattr(args, name)
     if args.ingress_replicas:
         data.setdefault("http", {})["ingress_replicas"] = args.ingress_replicas
     if getattr(args, "replicas", None):
@@ -189,7 +212,21 @@ def build_cluster_config(args: argparse.Namespace):
 
 
 def build_workload(args: argparse.Namespace, profile=None):
-    """The workload named by --workload, sized by --num-requests and --rate."""
+    """The workload named by --workload, sized by --num-requests and --rate, its requests (or
+    conversations) given adapters with --loras."""
+    from sim.cluster import Workload
+    from sim.workloads import assign_adapters
+
+    workload = _base_workload(args)
+    rng = random.Random(args.seed * 7919 + 1)  # apart from the workload's own draws
+    loras = getattr(args, "loras", 0)
+    skew = getattr(args, "lora_skew", 1.0)
+    assign_adapters([spec for _, spec in workload.requests], loras, skew, rng)
+    assign_adapters(workload.conversations, loras, skew, rng)
+    return Workload(workload.requests, workload.conversations)
+
+
+def _base_workload(args: argparse.Namespace):
     from sim.cluster import Workload
     from sim.workloads import (
         arrival_offsets,
@@ -251,6 +288,7 @@ def build_settings(args: argparse.Namespace, profile=None):
         autoscaler=args.autoscaler,
         ray_target_ongoing_requests=args.ray_target_ongoing,
         seed=args.seed,
+        lora_load_s=None if args.lora_load_ms is None else args.lora_load_ms / 1000.0,
     )
 
 
@@ -312,6 +350,12 @@ def print_summary(s: dict) -> None:
         f"prompt tokens); preemptions {s['preemptions']}; replica-hours "
         f"{s['replica_seconds'] / 3600:.3f}"
     )
+    if "lora_loads" in s:
+        print(
+            f"  LoRA: {s['lora_requests']} adapter requests, {s['lora_loads']} adapter loads "
+            f"({s['lora_loads_per_request']:.3f} per request), {s['lora_waited']:.1%} waited "
+            "for a load"
+        )
 
 
 def meets(summary: dict, attainment: float) -> bool:

@@ -32,6 +32,7 @@ from typing import Literal
 from cluster.autoscaling import QueueDepthPolicy
 from cluster.config import ClusterConfig
 from replica.contracts import AutoscalingStats
+from replica.request import LoRARequest
 from sim.ingress import SimIngress
 from sim.profile import Profile
 from sim.replica import (
@@ -65,6 +66,15 @@ class SimSettings:
     # serving calibration (sim/calibrate.py): a step costs Engine.step + extra(tokens it
     # streams); None: the profile's own ("serving"), {}: Engine.step alone
     serving: dict | None = None
+    # how long a replica takes to load a LoRA adapter it does not hold; None: the profile's
+    # (`Profile.lora_load_s`), else DEFAULT_LORA_LOAD_S
+    lora_load_s: float | None = None
+
+
+# A placeholder until a profile measures it: a rank-16 adapter of the 135M model (q, k, v, o
+# and the MLP's projections on 30 layers: about 5 MB of fp32 weights) read from a local disk
+# and copied into the replica's adapter slots.
+DEFAULT_LORA_LOAD_S = 0.02
 
 
 class Simulation:
@@ -85,6 +95,11 @@ class Simulation:
         if self.serving is not None and not self.serving:
             self.serving = None  # {}: explicitly Engine.step alone
         self.rng = random.Random(self.settings.seed)
+        load_s = self.settings.lora_load_s
+        if load_s is None:
+            load_s = profile.lora_load_s
+        self.lora_load_s = DEFAULT_LORA_LOAD_S if load_s is None else load_s
+        self._loras: dict[str, LoRARequest] = {}
         engine = config.engine
         self.num_kv_blocks = engine.num_kv_blocks or profile.capacity["num_kv_blocks"]
         self.max_model_len = engine.max_model_len or profile.capacity["max_model_len"]
@@ -163,8 +178,22 @@ class Simulation:
 
     def _new_request(self, spec: RequestSpec, t: float) -> SimRequest:
         req = SimRequest(f"r{next(self._req_ids)}", spec, t)
+        name = getattr(spec, "lora", None)
+        if name is not None:
+            req.lora = self._lora(name)
         self.requests.append(req)
         return req
+
+    def _lora(self, name: str) -> LoRARequest:
+        """The adapter named `name` (one object per name: its path is made up)."""
+        lora = self._loras.get(name)
+        if lora is None:
+            if not self.config.engine.lora_enabled:
+                raise ValueError(
+                    f"the workload asks for LoRA adapter {name!r}, but engine.enable_lora is off"
+                )
+            lora = self._loras[name] = LoRARequest(name, f"sim://adapters/{name}")
+        return lora
 
     def _arrive(self, now: float, req: SimRequest) -> None:
         ingress = self.ingresses[self.rng.randrange(len(self.ingresses))]

@@ -22,8 +22,8 @@ class SimIngress:
         self.sim = sim
         self.number = index  # which ingress of the cluster
         self.policy = Policy(sim.config.routing, random.Random(sim.rng.random()))
-        self.load = InflightLoad()
         cfg = sim.config
+        self.load = InflightLoad(lora_slots=cfg.engine.lora_capacity)
         # the mirror of every replica's prefix cache (with routing.kv_events)
         self.index = KVIndex(cfg.engine.block_size) if cfg.routing.kv_events else None
         self.rng = random.Random(sim.rng.random())
@@ -43,12 +43,14 @@ class SimIngress:
         hits: dict[str, int] = {}
         if self.index is not None:
             if req.hashes is None:
-                req.hashes = self.index.prompt_hashes(req.spec.prompt_ids)
+                req.hashes = self.index.prompt_hashes(req.spec.prompt_ids, req.lora)
             hits = self.index.hit_tokens(req.hashes, by_id)
+        lora = req.lora.name if req.lora is not None else None
         decision = decide(
             self.policy, self.load, list(by_id),
             lambda rid: (by_id[rid].ongoing, by_id[rid].stats_for_router(now)),
             now, self.rng, prefix=req.prefix_key, footprint_tokens=req.footprint, hits=hits,
+            lora=lora,
         )  # fmt: skip
         self.decisions += 1
         if not decision.tiers:
@@ -65,5 +67,7 @@ class SimIngress:
             req.rid, chosen.rid, req.footprint, prompt_tokens=len(req.spec.prompt_ids),
             key=req.rid, now=now,
         )  # fmt: skip
+        if lora is not None:
+            self.load.adapter_sent(chosen.rid, lora, now)
         sim.at(now + sim.settings.net_latency_s, chosen.receive, req)
         return True

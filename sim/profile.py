@@ -199,6 +199,9 @@ class Profile:
     held_out: list[dict]
     model: StepTimeModel
     serving: dict | None = None  # serving calibration (sim/calibrate.py), when measured
+    # seconds a replica takes to load a LoRA adapter it does not hold, when measured (the
+    # simulator's SimSettings.lora_load_s overrides it; neither: sim.cluster's placeholder)
+    lora_load_s: float | None = None
 
     def as_dict(self) -> dict:
         def enc(ps):
@@ -227,6 +230,7 @@ class Profile:
             "fit_error": fit_errors(self.model, self.points),
             "held_out_error": fit_errors(self.model, self.held_out),
             "serving": self.serving,
+            "lora_load_s": self.lora_load_s,
             "points": enc(self.points),
             "held_out": enc(self.held_out),
         }
@@ -258,6 +262,7 @@ class Profile:
             dec(d["held_out"]),
             StepTimeModel.from_dict(d["model"]),
             d.get("serving"),
+            d.get("lora_load_s"),
         )
 
     @classmethod

@@ -1,15 +1,23 @@
 """A simulated request and a simulated replica: the replica is the real
 `replica.scheduler.Scheduler` (with its KV cache manager), stepped back to back while it has work;
 a step lasts what the profile's step-time model prices its `SchedulerOutput` at. It reports
-`RoutingStats` as a serving replica does, and its KV events when routing.kv_events is on."""
+`RoutingStats` as a serving replica does, and its KV events when routing.kv_events is on.
+
+LoRA adapters: a replica holds an LRU of `lora_capacity` adapters (EngineConfig.max_cpu_loras)
+and reports their names in its RoutingStats. A request for an adapter it does not hold waits
+`lora_load_s` (SimSettings) for the load before it reaches the scheduler (requests for an
+adapter already loading wait for the same load); the load evicts the least recently used
+adapter that no request on the replica is using (the least recently used one if all are: the
+sim does not charge its requests a reload). The request carries its adapter into the
+scheduler (EngineRequest.lora), so its KV blocks hash from the adapter's root."""
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 
 from replica.contracts import AutoscalingStats, PreemptionRate, RoutingStats
-from replica.request import EngineRequest, Request, RequestRejected, SamplingParams
+from replica.request import EngineRequest, LoRARequest, Request, RequestRejected, SamplingParams
 from replica.scheduler import Scheduler
 from sim.calibrate import serving_step
 from sim.profile import StepShape
@@ -24,7 +32,8 @@ class SimRequest:
         "rid", "spec", "arrival", "conv", "turn", "ingress", "replica", "routed_at",
         "recv_at", "first_sched_at", "first_token_at", "finished_at", "n_out",
         "preemptions", "cached_tokens", "status", "answer", "prefix_key", "footprint",
-        "engine_request", "joins_step", "hashes", "predicted_hit", "reason",
+        "engine_request", "joins_step", "hashes", "predicted_hit", "reason", "lora",
+        "lora_waited",
     )  # fmt: skip
 
     def __init__(self, rid: str, spec: RequestSpec, arrival: float) -> None:
@@ -49,6 +58,8 @@ class SimRequest:
         self.hashes: list[int] | None = None  # the prompt's block hashes (KV-event routing)
         self.predicted_hit = -1  # the router's prediction of hit tokens (-1: none made)
         self.reason = ""  # why the router chose the replica
+        self.lora: LoRARequest | None = None  # its adapter (set by the Simulation from the spec)
+        self.lora_waited = False  # it waited for its replica to load its adapter
 
     def planned_answer(self) -> list[int] | None:
         """The tokens this request is to generate (a conversation turn's), or None."""
@@ -74,6 +85,8 @@ class SimRequest:
             "hit_tokens": self.cached_tokens,
             "predicted_hit_tokens": self.predicted_hit,
             "reason": self.reason,
+            "lora": self.lora.name if self.lora is not None else None,
+            "lora_waited": self.lora_waited,
         }
 
 
@@ -105,15 +118,58 @@ class SimReplica:
         self.busy_s = 0.0
         self.num_steps = 0
         self.metric_window: deque[tuple[float, AutoscalingStats]] = deque()
+        self.lora_capacity = cfg.lora_capacity
+        self.loras: OrderedDict[str, None] = OrderedDict()  # held adapters, least recent first
+        self.lora_users: dict[str, int] = {}  # adapter -> its requests on this replica
+        self.lora_loading: dict[str, list[SimRequest]] = {}  # adapter -> requests waiting
+        self.lora_loads = 0
 
     # -- requests --------------------------------------------------------------------------
     def receive(self, now: float, req: SimRequest) -> None:
         req.recv_at = now
+        lora = req.lora
+        if lora is None:
+            self._admit(now, req)
+            return
+        self.lora_users[lora.name] = self.lora_users.get(lora.name, 0) + 1
+        if lora.name in self.loras:
+            self.loras.move_to_end(lora.name)
+            self._admit(now, req)
+            return
+        req.lora_waited = True
+        waiting = self.lora_loading.get(lora.name)
+        if waiting is not None:  # already loading: it waits for the same load
+            waiting.append(req)
+            return
+        self.lora_loading[lora.name] = [req]
+        self.lora_loads += 1
+        self.sim.at(now + self.sim.lora_load_s, self._lora_loaded, lora.name)
+
+    def _lora_loaded(self, now: float, name: str) -> None:
+        self.loras[name] = None
+        while len(self.loras) > self.lora_capacity:
+            idle = next((n for n in self.loras if not self.lora_users.get(n)), None)
+            del self.loras[idle if idle is not None else next(iter(self.loras))]
+        for req in self.lora_loading.pop(name):
+            self._admit(now, req)
+
+    def _release_lora(self, req: SimRequest) -> None:
+        if req.lora is not None:
+            name = req.lora.name
+            self.lora_users[name] -= 1
+            if not self.lora_users[name]:
+                del self.lora_users[name]
+
+    def _admit(self, now: float, req: SimRequest) -> None:
+        """Hand `req` to the scheduler (its adapter, if any, is loaded)."""
         params = SamplingParams(max_tokens=req.spec.output_len, temperature=0.0, ignore_eos=True)
-        request = Request(EngineRequest(req.spec.prompt_ids, params, req.rid, arrival_time=now))
+        request = Request(
+            EngineRequest(req.spec.prompt_ids, params, req.rid, arrival_time=now, lora=req.lora)
+        )
         try:
             self.scheduler.add_request(request)
         except RequestRejected:
+            self._release_lora(req)
             self.sim.finish(req, now, "rejected")
             return
         req.engine_request = request
@@ -182,6 +238,7 @@ class SimReplica:
                     req.spec.release()  # a lazily made prompt is not needed any more
                 req.engine_request = None
                 del self.requests[out.request_id]
+                self._release_lora(req)
                 sim.finish(req, now, "ok")
         if self.scheduler.has_unfinished():
             self._start_step(now)
@@ -196,6 +253,7 @@ class SimReplica:
         stats = RoutingStats.of_scheduler(
             self.rid, now, self.scheduler.stats(), self.sim.config.engine, self.preemptions,
             num_kv_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
+            loras=tuple(self.loras),
         )  # fmt: skip
         delay = self.sim.settings.stats_delivery_s
         if delay <= 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from replica.request import root_block_hash
 from sim.replica import SimRequest
 from sim.workloads import oracle_hit_tokens
 
@@ -14,7 +15,7 @@ def _oracle(requests: list[SimRequest], block_size: int) -> list[int]:
         (r.arrival, r.spec.prompt_ids, r.finished_at if r.answer else None, r.answer)
         for r in requests
     ]
-    return oracle_hit_tokens(rows, block_size)
+    return oracle_hit_tokens(rows, block_size, [root_block_hash(r.lora) for r in requests])
 
 
 class SimResult:
@@ -40,6 +41,7 @@ class SimResult:
                 "preemptions": r.scheduler.num_preemptions_total,
                 "prefix_cache_queries": r.scheduler.prefix_cache_queries,
                 "prefix_cache_hits": r.scheduler.prefix_cache_hits,
+                "lora_loads": r.lora_loads,
             }
             for r in sim.replicas
         ]
@@ -86,6 +88,14 @@ class SimResult:
             for r in predicted:
                 reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
             out["decisions_by_reason"] = reasons
+        adapted = [r for r in ok if r["lora"] is not None]
+        if adapted:
+            loads = sum(r["lora_loads"] for r in self.replicas)
+            out["lora_requests"] = len(adapted)
+            out["lora_loads"] = loads
+            out["lora_loads_per_request"] = loads / len(adapted)
+            # requests that waited for their adapter to load (one load may serve several)
+            out["lora_waited"] = sum(r["lora_waited"] for r in adapted) / len(adapted)
         if slo_ttft_s is not None or slo_tpot_s is not None:
             met = sum(
                 (slo_ttft_s is None or r["ttft_s"] <= slo_ttft_s)

@@ -5,6 +5,9 @@ datasets, arrival processes, multi-turn conversations, and trace files in two pu
 - Mooncake traces (JSONL: timestamp in ms, input_length, output_length, hash_ids: one id per
   512-token block, equal ids meaning equal blocks).
 
+Any of them can name LoRA adapters (`assign_adapters`: a request or conversation runs with one
+of N adapters, drawn with Zipf popularity); by default none does.
+
 A small generated sample of each is in sim/traces/ (`python -m sim.workloads --write-samples`).
 """
 
@@ -31,6 +34,7 @@ class RequestSpec:
     prompt_ids: list[int]
     output_len: int
     kind: str = "random"  # a class label for per-class breakdowns (short / long / prefix-3 ...)
+    lora: str | None = None  # the LoRA adapter it runs with (its name); None: the base model
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -44,13 +48,14 @@ class LazyRequestSpec:
     """A RequestSpec whose random prompt is made only when first read and can be dropped again
     (`release`): a 100k-request trace then holds lengths and seeds, not 30M token ids."""
 
-    __slots__ = ("num_prompt_tokens", "output_len", "seed", "kind", "_ids")
+    __slots__ = ("num_prompt_tokens", "output_len", "seed", "kind", "lora", "_ids")
 
     def __init__(self, num_prompt_tokens: int, output_len: int, seed: int, kind: str = "random"):
         self.num_prompt_tokens = num_prompt_tokens
         self.output_len = output_len
         self.seed = seed
         self.kind = kind
+        self.lora: str | None = None
         self._ids: list[int] | None = None
 
     @property
@@ -203,6 +208,31 @@ def chat_like_dataset(
     return specs
 
 
+# -- LoRA adapters ------------------------------------------------------------------------------
+def adapter_name(i: int) -> str:
+    """The name of the workloads' adapter number i (its popularity rank, 0 the most popular)."""
+    return f"lora-{i}"
+
+
+def zipf_weights(n: int, skew: float) -> list[float]:
+    """Zipf popularity of n items: item i (0-based) is drawn with weight 1 / (i + 1) ** skew
+    (skew 0: uniform; about 1: a few adapters take most of the traffic, a long tail the rest)."""
+    return [1.0 / (i + 1) ** skew for i in range(n)]
+
+
+def assign_adapters(items: list, num_adapters: int, skew: float, rng: random.Random) -> list:
+    """Give each item (RequestSpec, LazyRequestSpec or Conversation) one of `num_adapters`
+    adapters (`adapter_name`), drawn with Zipf popularity `skew`; `items`, for chaining."""
+    if num_adapters <= 0:
+        return items
+    names = [adapter_name(i) for i in range(num_adapters)]
+    for item, name in zip(
+        items, rng.choices(names, zipf_weights(num_adapters, skew), k=len(items))
+    ):
+        item.lora = name
+    return items
+
+
 # -- arrivals -----------------------------------------------------------------------------------
 def arrival_offsets(
     n: int, request_rate: float, burstiness: float, rng: random.Random
@@ -244,6 +274,7 @@ class Conversation:
     system_ids: list[int]
     turns: list[Turn]
     kind: str = "chat"
+    lora: str | None = None  # the LoRA adapter every turn runs with; None: the base model
 
     def prompt(self, k: int, answers: list[list[int]] | None = None) -> list[int]:
         """Turn k's prompt; `answers` (default: the planned ones) are the earlier answers."""
@@ -255,7 +286,7 @@ class Conversation:
         return out
 
     def spec(self, k: int, answers: list[list[int]] | None = None) -> RequestSpec:
-        return RequestSpec(self.prompt(k, answers), self.turns[k].output_len, self.kind)
+        return RequestSpec(self.prompt(k, answers), self.turns[k].output_len, self.kind, self.lora)
 
 
 def multi_turn_conversations(
@@ -298,14 +329,19 @@ def multi_turn_conversations(
 
 
 def oracle_hit_tokens(
-    requests: list[tuple[float, list[int], float | None, list[int] | None]], block_size: int
+    requests: list[tuple[float, list[int], float | None, list[int] | None]],
+    block_size: int,
+    roots: list[int] | None = None,
 ) -> list[int]:
     """Per request (arrival time, prompt, finish time or None, generated tokens or None), the
     prompt tokens one cache holding every block ever computed would have had: its prompt's
     leading full blocks that an earlier request's prompt (computed by the time it arrives) or a
     finished request's prompt and answer already held, at most (len - 1) // block_size blocks
-    (the last token is always computed), as a replica's cache counts them."""
-    from replica.request import extend_block_hashes
+    (the last token is always computed), as a replica's cache counts them. `roots`: each
+    request's block-hash root (`root_block_hash` of its adapter; default the base model's)."""
+    from replica.request import ROOT_BLOCK_HASH, extend_block_hashes
+
+    roots = roots or [ROOT_BLOCK_HASH] * len(requests)
 
     events = []
     for i, (arrival, _, finished, answer) in enumerate(requests):
@@ -320,14 +356,14 @@ def oracle_hit_tokens(
         if kind == 1:
             usable = (len(prompt) - 1) // block_size * block_size
             n = 0
-            for h in extend_block_hashes([], prompt[:usable], block_size):
+            for h in extend_block_hashes([], prompt[:usable], block_size, roots[i]):
                 if h not in seen:
                     break
                 n += block_size
             hits[i] = n
-            seen.update(extend_block_hashes([], prompt, block_size))
+            seen.update(extend_block_hashes([], prompt, block_size, roots[i]))
         else:
-            seen.update(extend_block_hashes([], prompt + answer, block_size))
+            seen.update(extend_block_hashes([], prompt + answer, block_size, roots[i]))
     return hits
 
 
