@@ -214,7 +214,6 @@ def build_cluster_config(args: argparse.Namespace):
 def build_workload(args: argparse.Namespace, profile=None):
     """The workload named by --workload, sized by --num-requests and --rate, its requests (or
     conversations) given adapters with --loras."""
-    from sim.cluster import Workload
     from sim.workloads import assign_adapters
 
     workload = _base_workload(args)
@@ -223,7 +222,7 @@ def build_workload(args: argparse.Namespace, profile=None):
     skew = getattr(args, "lora_skew", 1.0)
     assign_adapters([spec for _, spec in workload.requests], loras, skew, rng)
     assign_adapters(workload.conversations, loras, skew, rng)
-    return Workload(workload.requests, workload.conversations)
+    return workload
 
 
 def _base_workload(args: argparse.Namespace):
