@@ -108,9 +108,17 @@ def test_the_top_level_model_is_refused_beside_models():
 
 def test_model_given_twice_serves_two_models_named_by_position():
     config = parse(
-        "--model", "/m/llama", "--model", "/m/qwen", "--served-model-name", "first",
-        "--max-num-seqs", "4", "--replicas", "2",
-    )  # fmt: skip
+        "--model",
+        "/m/llama",
+        "--model",
+        "/m/qwen",
+        "--served-model-name",
+        "first",
+        "--max-num-seqs",
+        "4",
+        "--replicas",
+        "2",
+    )
     a, b = config.deployments()
     assert (a.served_name(), b.served_name()) == ("first", "qwen")
     assert a.engine.model == "/m/llama" and b.engine.model == "/m/qwen"
@@ -146,10 +154,14 @@ def test_lora_modules_in_both_of_vllms_forms():
 
 def test_lora_modules_go_on_the_first_model_or_on_their_base_model():
     config = parse(
-        "--model", "/m/llama", "--model", "/m/qwen",
-        "--lora-modules", "sql=/adapters/sql",
+        "--model",
+        "/m/llama",
+        "--model",
+        "/m/qwen",
+        "--lora-modules",
+        "sql=/adapters/sql",
         json.dumps({"name": "chat", "path": "/adapters/chat", "base_model_name": "qwen"}),
-    )  # fmt: skip
+    )
     a, b = config.deployments()
     assert a.adapter_names() == ["sql"] and b.adapter_names() == ["chat"]
     assert b.engine.lora_modules[0].path == "/adapters/chat" and b.engine.lora_enabled
