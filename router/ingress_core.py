@@ -128,7 +128,7 @@ class IngressCore:
             served += f" and the LoRA adapters {adapters}"
         return HTTPError(
             404,
-            f"The model `{name}` does not exist: this server serves {served}",
+            f"The model {name!r} does not exist: this server serves {served}",
             "not_found_error",
             param="model",
             code="model_not_found",

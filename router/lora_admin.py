@@ -40,7 +40,7 @@ class LoRAAdmin:
         if model is None:
             raise HTTPError(
                 404,
-                f"The model `{name}` does not exist: adapters load on one of the models "
+                f"The model {name!r} does not exist: adapters load on one of the models "
                 f"{list(core.models)}",
                 "not_found_error",
                 param="model",

@@ -69,7 +69,7 @@ def test_a_request_goes_to_the_model_or_adapter_it_names(settings):
 
     err = asyncio.run(run())
     assert err.status == 404 and err.code == "model_not_found" and err.param == "model"
-    assert "`gpt-4` does not exist" in err.message
+    assert "'gpt-4' does not exist" in err.message
     assert "['llama', 'qwen']" in err.message and "['sql']" in err.message
 
 
