@@ -149,7 +149,7 @@ class AdapterDirectory:
         again first (another ingress may have just loaded it)."""
         await self._fresh()
         adapter = self._lookup(name)
-        if adapter is None and self.registry is not None and name not in self._unloaded:
+        if adapter is None and self.registry is not None:
             await self.refresh()
             adapter = self._lookup(name)
         return adapter
