@@ -1,19 +1,21 @@
-"""build_app(config) -> serve.Application: the ingress deployment bound to the LLM replicas.
-Also the import path `cluster.app:build_app` used by `serve run deploy/serve_config.yaml` and
+"""build_app(config) -> serve.Application: the ingress deployment bound to one LLM deployment
+per served model ("LLMServer" for one model, as always; "LLMServer-<served name>" each when
+there are several), each with its own replicas, autoscaling, engine and request router. Also the import path `cluster.app:build_app` used by `serve run deploy/serve_config.yaml` and
 by the RayService (Ray validates the YAML `args:` into ClusterConfig)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ModelDeployment
 from replica.deployment import LLMServer
 from replica.metrics import ON_HEAD_NODE
 from router.ingress import make_ingress_deployment
-from router.settings import IngressSettings
+from router.settings import IngressSettings, ModelSettings
 
 # On scale-down, redeploy or shutdown a replica takes no new requests and waits this long for
 # its in-flight ones (Serve's graceful shutdown). The ingress waits longer, so that it can still
@@ -29,13 +31,23 @@ ROUTERS = {
 }
 
 
-def replica_options(config: ClusterConfig) -> dict:
-    """Ray Serve options of the LLM deployment derived from the config."""
-    engine = config.engine
+def deployment_name(config: ClusterConfig, model: ModelDeployment) -> str:
+    """The LLM deployment of `model`: "LLMServer" when it is the only one (every existing
+    serve config, chart override and dashboard names it so), else "LLMServer-<served name>"
+    (characters Serve or a metric label would trip on become "_")."""
+    if len(config.deployments()) == 1:
+        return "LLMServer"
+    return "LLMServer-" + re.sub(r"[^A-Za-z0-9._-]", "_", model.served_name())
+
+
+def replica_options(config: ClusterConfig, model: ModelDeployment | None = None) -> dict:
+    """Ray Serve options of a model's LLM deployment (the first model's by default)."""
+    model = model if model is not None else config.deployments()[0]
+    engine = model.engine
     tp = engine.tensor_parallel_size
     options: dict = {
-        "name": "LLMServer",
-        "max_ongoing_requests": config.max_ongoing_requests,
+        "name": deployment_name(config, model),
+        "max_ongoing_requests": model.max_ongoing_requests,
         "health_check_period_s": 5,
         "health_check_timeout_s": 30,
         "graceful_shutdown_timeout_s": REPLICA_DRAIN_TIMEOUT_S,
@@ -54,19 +66,19 @@ def replica_options(config: ClusterConfig) -> dict:
     if tp > 1:
         # rank 0 lives in the replica actor; ranks 1..tp-1 are actors in the same placement group
         rank_bundle = {"GPU": 1} if gpu else {"CPU": 0.01}
-        first = {"CPU": max(config.num_cpus_per_replica, 0.01), **({"GPU": 1} if gpu else {})}
+        first = {"CPU": max(model.num_cpus_per_replica, 0.01), **({"GPU": 1} if gpu else {})}
         options["placement_group_bundles"] = [first] + [dict(rank_bundle) for _ in range(tp - 1)]
         options["placement_group_strategy"] = "STRICT_PACK"
         options["ray_actor_options"] = {
-            "num_cpus": max(config.num_cpus_per_replica, 0.01),
+            "num_cpus": max(model.num_cpus_per_replica, 0.01),
             "num_gpus": 1 if gpu else 0,
         }
     else:
         options["ray_actor_options"] = {
-            "num_cpus": config.num_cpus_per_replica,
+            "num_cpus": model.num_cpus_per_replica,
             "num_gpus": 1 if gpu else 0,
         }
-    scaling = config.autoscaling
+    scaling = model.autoscaling
     if scaling.enabled:
         options["autoscaling_config"] = {
             "min_replicas": scaling.min_replicas,
@@ -82,24 +94,25 @@ def replica_options(config: ClusterConfig) -> dict:
             },
         }
     else:
-        options["num_replicas"] = config.replicas
+        options["num_replicas"] = model.replicas
     # The thread count travels in user_config, not in the constructor's arguments: Serve applies
     # a user_config change to running replicas in place (reconfigure), so a replica-count change
     # that moves the auto thread count does not replace every replica (and reload the model).
-    options["user_config"] = thread_settings(config)
+    options["user_config"] = thread_settings(config, model)
     return options
 
 
-def thread_settings(config: ClusterConfig) -> dict:
-    """The LLM deployment's user_config: what a CPU replica needs to pick its torch thread
-    count on its own machine (replica.deployment.resolve_cpu_threads): an explicit count, the
-    CPUs Ray reserves per replica, and how many replicas share one machine's cores (all of
-    them on one machine: `stepserve serve`, serve_config.yaml; the chart says per pod)."""
-    replicas = config.autoscaling.max_replicas if config.autoscaling.enabled else config.replicas
+def thread_settings(config: ClusterConfig, model: ModelDeployment | None = None) -> dict:
+    """A model's LLM deployment's user_config (the first model's by default): what a CPU
+    replica needs to pick its torch thread count on its own machine
+    (replica.deployment.resolve_cpu_threads): an explicit count, the CPUs Ray reserves per
+    replica, and how many replicas share one machine's cores: the replicas of every model (all
+    of them on one machine: `stepserve serve`, serve_config.yaml; the chart says per pod)."""
+    model = model if model is not None else config.deployments()[0]
     return {
-        "cpu_threads": config.cpu_threads_per_replica,
-        "num_cpus_per_replica": config.num_cpus_per_replica,
-        "replicas_per_machine": replicas,
+        "cpu_threads": model.cpu_threads_per_replica,
+        "num_cpus_per_replica": model.num_cpus_per_replica,
+        "replicas_per_machine": config.replicas_per_machine(),
     }
 
 
@@ -113,11 +126,23 @@ def ingress_actor_options(config: ClusterConfig) -> dict:
     return options
 
 
+def model_settings(model: ModelDeployment) -> ModelSettings:
+    engine = model.engine
+    return ModelSettings(
+        name=model.served_name(),
+        model_dir=str(Path(engine.model)) if engine.model else None,
+        engine=engine,
+    )
+
+
 def ingress_settings(config: ClusterConfig) -> IngressSettings:
+    models = [model_settings(model) for model in config.deployments()]
+    first = models[0]
     return IngressSettings(
-        model_name=config.model_name(),
-        model_dir=str(Path(config.engine.model)) if config.engine.model else None,
-        engine=config.engine,
+        model_name=first.name,
+        model_dir=first.model_dir,
+        engine=first.engine,
+        models=models,
         routing=config.routing,
         http=config.http,
         auth=config.auth,
@@ -127,12 +152,17 @@ def ingress_settings(config: ClusterConfig) -> IngressSettings:
 
 def build_app(args: ClusterConfig) -> serve.Application:
     config = args if isinstance(args, ClusterConfig) else ClusterConfig.model_validate(args)
-    llm = serve.deployment(LLMServer).options(**replica_options(config))
-    llm_app = llm.bind(config.engine.model_dump(), kv_events=config.routing.kv_events)
+    llm_apps = {}
+    for model in config.deployments():
+        llm = serve.deployment(LLMServer).options(**replica_options(config, model))
+        llm_apps[model.served_name()] = llm.bind(
+            model.engine.model_dump(), kv_events=config.routing.kv_events
+        )
     ingress = make_ingress_deployment().options(
         num_replicas=config.http.ingress_replicas,
         ray_actor_options=ingress_actor_options(config),
         max_ongoing_requests=config.http.max_pending_requests + 64,
         graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,
     )
-    return ingress.bind(llm_app, ingress_settings(config))
+    # one handle per model, by served name (Serve finds the bound deployments inside the dict)
+    return ingress.bind(llm_apps, ingress_settings(config))

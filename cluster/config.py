@@ -2,11 +2,18 @@
 (`args:` of the Serve application) and the Helm chart's values all produce this object. The
 chart's values.schema.json is generated from it (`make schema`, cluster/schema.py), and the
 CLI's engine flags from EngineConfig's fields (cluster/engine_args.py): a Field's type, limits and
-description are the only place to state them."""
+description are the only place to state them.
+
+Several models behind one endpoint: `models:` lists one ModelDeployment per model (its engine,
+replicas, autoscaling and CPU share); an entry's fields left out take the top-level ones, and its
+`engine` is layered over the top-level `engine` (settings shared by every model are written
+once). No `models:`: the top-level fields are the one model, as before. `deployments()` returns
+the list either way."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -49,11 +56,68 @@ class AutoscalingConfig(_Strict):
         return self
 
 
+# The fields a ModelDeployment shares with ClusterConfig: an entry of `models` that leaves one
+# out takes the top-level value.
+PER_MODEL_FIELDS = (
+    "engine",
+    "replicas",
+    "autoscaling",
+    "num_cpus_per_replica",
+    "cpu_threads_per_replica",
+    "max_ongoing_requests",
+)
+
+
+class ModelDeployment(_Strict):
+    """One served model: its engine and its LLMServer deployment's size (cluster/app.py)."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    replicas: int = Field(default=1, ge=1, description="fixed replica count (no autoscaling)")
+    autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
+    num_cpus_per_replica: float = Field(
+        default=0.5, ge=0, description="CPUs Ray reserves for each engine replica"
+    )
+    cpu_threads_per_replica: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch threads of a CPU replica; null: num_cpus_per_replica when >= 1, "
+        "else the usable cores divided among all the replicas of every model",
+    )
+    max_ongoing_requests: int = Field(
+        default=256, ge=1, description="Ray Serve's cap of requests in flight per replica"
+    )
+
+    def served_name(self) -> str:
+        return self.engine.served_name()
+
+    def adapter_names(self) -> list[str]:
+        return [m.name for m in self.engine.lora_modules]
+
+    def max_replicas(self) -> int:
+        """The most replicas this model may run (its share of a machine's cores)."""
+        return self.autoscaling.max_replicas if self.autoscaling.enabled else self.replicas
+
+
+def _as_dict(value: Any) -> dict:
+    """A section as given: a dict, or a model's fields that were set (a ClusterConfig built in
+    Python)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    return dict(value or {})
+
+
 class ClusterConfig(_Strict):
     name: str = Field(
         default="stepserve", pattern=r"^[a-z0-9][a-z0-9-]*$", description="Serve application name"
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    models: list[ModelDeployment] = Field(
+        default_factory=list,
+        description="several models behind one endpoint, one entry each (its engine, replicas, "
+        "autoscaling, CPU share); fields an entry leaves out take the top-level ones, its "
+        "engine is layered over the top-level engine. Empty: the top-level fields are the one "
+        "model",
+    )
     replicas: int = Field(default=1, ge=1, description="fixed replica count (no autoscaling)")
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
@@ -75,10 +139,62 @@ class ClusterConfig(_Strict):
         default=False, description="log the prompt token counts of each request"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _layer_models(cls, data: Any) -> Any:
+        """Each `models` entry over the top-level fields (its engine over the top-level
+        engine), so that an entry states only what differs."""
+        if not isinstance(data, dict) or not data.get("models"):
+            return data
+        top_engine = _as_dict(data.get("engine"))
+        for key in ("model", "served_model_name", "lora_modules"):
+            if top_engine.get(key):
+                raise ValueError(
+                    f"engine.{key} ({top_engine[key]!r}) is per model when `models` is given: "
+                    f"set it in models[i].engine.{key}"
+                )
+        layered = []
+        for entry in data["models"]:
+            entry = _as_dict(entry)
+            merged = {key: data[key] for key in PER_MODEL_FIELDS[1:] if key in data}
+            merged.update({k: v for k, v in entry.items() if k != "engine"})
+            merged["engine"] = {**top_engine, **_as_dict(entry.get("engine"))}
+            layered.append(merged)
+        return {**data, "models": layered}
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ClusterConfig:
+        """Clients pick a model or an adapter by name: every name is served once."""
+        seen: dict[str, str] = {}
+        for model in self.deployments():
+            base = model.served_name()
+            adapters = [(name, f"adapter of {base!r}") for name in model.adapter_names()]
+            for name, what in [(base, "model"), *adapters]:
+                if name in seen:
+                    raise ValueError(
+                        f"served name {name!r} is used twice: by the {seen[name]} and by the "
+                        f"{what}; give each model a distinct served_model_name and each "
+                        "adapter (lora_modules) a name no model or other adapter has"
+                    )
+                seen[name] = what
+        return self
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
         return cls.model_validate(data)
 
+    def deployments(self) -> list[ModelDeployment]:
+        """The served models, in order (the first is the default when a request names none):
+        `models`, or the one model the top-level fields describe."""
+        if self.models:
+            return list(self.models)
+        return [ModelDeployment(**{key: getattr(self, key) for key in PER_MODEL_FIELDS})]
+
     def model_name(self) -> str:
-        return self.engine.served_name()
+        """The default model's served name (the first model's)."""
+        return self.deployments()[0].served_name()
+
+    def replicas_per_machine(self) -> int:
+        """The most LLM replicas of every model that may share one machine's cores."""
+        return sum(model.max_replicas() for model in self.deployments())

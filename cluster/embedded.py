@@ -204,8 +204,13 @@ def prestart_core(config: ClusterConfig):
     they compute."""
     from replica.engine.prestart import PrestartedCore
 
-    engine = config.engine
-    replicas = config.autoscaling.min_replicas if config.autoscaling.enabled else config.replicas
+    deployments = config.deployments()
+    if len(deployments) != 1:  # several models: which replica would adopt it is not known
+        return None
+    (model,) = deployments
+    engine = model.engine
+    scaling = model.autoscaling
+    replicas = scaling.min_replicas if scaling.enabled else model.replicas
     if (
         os.environ.get(PRESTART_ENV, "0") != "1"
         or engine.engine_core != "process"
@@ -293,10 +298,10 @@ def _startup_advice(exc: BaseException) -> str:
     )
 
 
-def startup_report(app: str, timings: dict[str, float]) -> str:
+def startup_report(app: str, timings: dict[str, float], deployment: str = "LLMServer") -> str:
     """Where the start went: this process's phases (Ray, Serve, the application until every
     replica ran) and one LLM replica's own (its process until the constructor, the engine's
-    phases: replica/deployment.py startup_s)."""
+    phases: replica/deployment.py startup_s), of the LLM deployment `deployment`."""
     from ray import serve
 
     from replica.startup import process_age_s
@@ -305,7 +310,7 @@ def startup_report(app: str, timings: dict[str, float]) -> str:
     parts = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in timings.items())
     text = f"ready {since:.1f} s after start ({parts})"
     try:
-        handle = serve.get_deployment_handle("LLMServer", app_name=app)
+        handle = serve.get_deployment_handle(deployment, app_name=app)
         # a blocking call from this thread needs the handle's router on a loop of its own,
         # which RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in this process's environment turns off
         handle._init(_run_router_in_separate_loop=True)

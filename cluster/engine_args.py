@@ -21,6 +21,11 @@ ENGINE_FLAGS_EXCLUDED: dict[str, str] = {
 }
 # Extra spellings, kept from before the flags were generated.
 ENGINE_FLAG_ALIASES: dict[str, tuple[str, ...]] = {"tensor_parallel_size": ("--tp",)}
+# `serve` keeps its own flags of these names: repeatable, one per model (cluster/cli.py).
+SERVE_OWN_FLAGS: dict[str, str] = {
+    "model": "repeatable: --model A --model B serves both behind one endpoint",
+    "served_model_name": "repeatable: one per --model, matched by position",
+}
 # `generate` keeps its own flags of these names: --seed seeds its one request's sampling.
 GENERATE_OWN_FLAGS: dict[str, str] = {"seed": "the sampling seed of the one request"}
 _ENGINE_DEST = "engine__"  # namespace attribute prefix: engine_field -> args.engine__field

@@ -16,14 +16,21 @@ logger = logging.getLogger("ray.serve")
 
 class HTTPError(Exception):
     def __init__(
-        self, status: int, message: str, type_: str, param: str | None = None, headers=None
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        headers=None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.headers = headers or {}
+        self.code = code  # OpenAI's error code ("model_not_found"); None: the HTTP status
 
     def response(self) -> JSONResponse:
-        body = error_body(self.message, self.type, self.status, self.param)
+        body = error_body(self.message, self.type, self.status, self.param, self.code)
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 

@@ -1,6 +1,7 @@
 """The HTTP ingress as a Ray Serve deployment: FastAPI routes over one IngressCore
 (router/ingress_core.py), which checks, tokenizes and hands each request to its answer
-(router/streaming.py); also the ingress's /metrics, /health and /v1/models."""
+(router/streaming.py) on the model it names; also the ingress's /metrics, /health, /v1/models
+and the LoRA adapter endpoints (router/lora_admin.py)."""
 
 import asyncio
 
@@ -17,13 +18,15 @@ from router.inflight import inflight_state, replica_readiness
 from router.ingress_core import IngressCore
 from router.kv_routing import exposition as kv_exposition
 from router.kv_routing import kv_index_contents, kv_routing_state
+from router.lora_registry import get_registry
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from router.settings import IngressSettings
 from router.streaming import _KEEPALIVE, Ticket, _paced, _until  # noqa: F401  (tests)
@@ -65,15 +68,18 @@ def retries_exposition(ingress_id: str, retries: int) -> bytes:
 
 @serve.ingress(fastapi_app)
 class Ingress:
-    """The ingress replica: FastAPI routes over one IngressCore."""
+    """The ingress replica: FastAPI routes over one IngressCore. `llm_handles`: the LLM
+    deployment's handle per served model name (or the one model's handle)."""
 
-    def __init__(self, llm_handle, settings: IngressSettings) -> None:
-        self.core = IngressCore(llm_handle, settings)
+    def __init__(self, llm_handles, settings: IngressSettings) -> None:
         try:
             context = serve.get_replica_context()
             self.ingress_id, self.app_name = context.replica_id.unique_id, context.app_name
         except Exception:
             self.ingress_id, self.app_name = "ingress", "default"
+        # the adapters loaded at run time, shared by every ingress replica of the application
+        registry = get_registry(self.app_name) if ray.is_initialized() else None
+        self.core = IngressCore(llm_handles, settings, registry=registry)
         freeze_heap()  # started: Ray, Serve, FastAPI (again after the tokenizer's load)
 
     def stats(self) -> dict:
@@ -84,7 +90,7 @@ class Ingress:
             "node_id": ray.get_runtime_context().get_node_id(),
             "routers": inflight_state(),
             "kv_routing": kv_routing_state(),
-            "replica_retries": self.core.calls.retries,
+            "replica_retries": self.core.retries,
             "grammar_engine_loaded": grammar_engine_loaded(),
             "rejected_specs": self.core.num_rejected_specs,
         }
@@ -115,11 +121,22 @@ class Ingress:
     async def models(self, request: Request) -> Response:
         async def listing() -> Response:
             self.core.guard.check_auth(request)
-            info = await self.core.model_info()
-            card = ModelCard(id=self.core.settings.model_name, max_model_len=info["max_model_len"])
-            return JSONResponse(ModelList(data=[card]).model_dump())
+            cards = await self.core.list_models()
+            return JSONResponse(ModelList(data=cards).model_dump())
 
         return await guarded(listing)
+
+    @fastapi_app.post(
+        "/v1/load_lora_adapter", openapi_extra=request_body_spec(LoadLoRAAdapterRequest)
+    )
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await guarded(self.core.lora_admin.load, request)
+
+    @fastapi_app.post(
+        "/v1/unload_lora_adapter", openapi_extra=request_body_spec(UnloadLoRAAdapterRequest)
+    )
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await guarded(self.core.lora_admin.unload, request)
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> Response:
@@ -131,7 +148,7 @@ class Ingress:
             live = [entry["replica_id"] for entry in replica_readiness()] or None
             texts = await hub.expositions.remote(replica_ids=live)
         # this ingress's own counters: calls resent after a lost replica, KV-event routing
-        own = retries_exposition(self.ingress_id, self.core.calls.retries)
+        own = retries_exposition(self.ingress_id, self.core.retries)
         own += kv_exposition(self.ingress_id)
         return Response(merge_expositions([*texts, own]), media_type=CONTENT_TYPE_LATEST)
 
@@ -139,17 +156,21 @@ class Ingress:
     async def health(self) -> Response:
         """Readiness: 200 when a replica can serve, with each replica's state as this
         ingress's routers see it (`replicas`: ready, or why not: a stalled engine); 503 when
-        every known replica is unhealthy or the model cannot be reached."""
+        every known replica is unhealthy or a model cannot be reached. With several models,
+        `max_model_len` is the first model's; each router's replicas are listed together."""
 
         async def check() -> Response:
             await self.core.tokenizer_loaded()  # a tokenizer that cannot load: not ready
-            info = await asyncio.wait_for(self.core.model_info(), timeout=10)
+            infos = [
+                await asyncio.wait_for(model.model_info(), timeout=10)
+                for model in self.core.models.values()
+            ]
             replicas = replica_readiness()
             ready = sum(1 for r in replicas if r["ready"])
             ok = ready > 0 or not replicas  # no router view (pow2): the call above answered
             body = {
                 "status": "ok" if ok else "unavailable",
-                "max_model_len": info["max_model_len"],
+                "max_model_len": infos[0]["max_model_len"],
                 "ready_replicas": ready,
                 "replicas": replicas,
             }

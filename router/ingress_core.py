@@ -1,9 +1,9 @@
 """The ingress's request handling, framework-free: checks an OpenAI request (auth, admission,
-its fields, the model's limits), applies the chat template, tokenizes, and hands the choices to
-its answer (router/streaming.py); also the tokenizer endpoints. Auth, admission and body limits
+its fields, the model's limits), resolves its `model` (a served model, or a LoRA adapter on
+one: router/lora_registry.py), applies that model's chat template, tokenizes, and hands the
+choices to its answer (router/streaming.py); also the tokenizer endpoints and the model list. Auth, admission and body limits
 are router/guard.py's; errors router/errors.py's; the FastAPI routes router/ingress.py's."""
 
-import asyncio
 import dataclasses
 import logging
 
@@ -12,103 +12,127 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from replica.api import (
-    EngineLimits,
     GrammarRejected,
-    LazyTokenizer,
+    LoRARequest,
     RequestRejected,
     SamplingParams,
     freeze_heap,
 )
 from router.admission import Admission
-from router.dialects import ChatDialect, CompletionDialect, Dialect, Echo
+from router.dialects import Echo
 from router.errors import HTTPError, bad_request, invalid_request, root_cause
-from router.fanout import Job, ReplicaCalls
+from router.fanout import Job
 from router.guard import RequestGuard
-from router.policy import Policy
+from router.lora_admin import LoRAAdmin
+from router.lora_registry import Adapter, AdapterDirectory
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ModelCard,
     TokenizeRequest,
     TokenizeResponse,
 )
+from router.served_model import ServedModel
 from router.settings import IngressSettings
-from router.streaming import TIMEOUT_HEADER, Answers, Ticket
-from router.tool_calls import render_messages, template_supports_tools
+from router.streaming import TIMEOUT_HEADER, Ticket
+from router.tool_calls import render_messages
 
 logger = logging.getLogger("ray.serve")
 
 
 class IngressCore:
-    """Framework-free request handling (router/ingress.py's FastAPI routes call into it)."""
+    """Framework-free request handling (router/ingress.py's FastAPI routes call into it).
+    `handles`: the LLM deployment's handle (one model), or one per served model by name."""
 
-    def __init__(self, handle, settings: IngressSettings, tokenizer=None) -> None:
+    def __init__(self, handles, settings: IngressSettings, tokenizer=None, registry=None) -> None:
         self.settings = settings
-        self.handle = handle
-        self.tokenizer = None
-        self._loading = None
-        if tokenizer is None:
-            # the model path as the user gave it (None: the default model), resolved on this
-            # machine in the loading thread (a GGUF file's metadata directory is made there on
-            # first use: replica/quant/gguf_meta.py); loads in a thread (~1 s, most of it importing transformers): the ingress is ready
-            # without it; a request that comes first waits for it (tokenizer_loaded). A
-            # checkpoint without a usable tokenizer fails the LLM replicas' start, which reads
-            # its files, so the application does not deploy.
-            self._loading = LazyTokenizer(settings.model_dir, resolve=True).preload(
-                then=freeze_heap
-            )
-        else:
-            self._use_tokenizer(tokenizer)
+        if not isinstance(handles, dict):
+            handles = {settings.model_name: handles}
         self.guard = RequestGuard(settings.http, settings.auth)
         self.admission = Admission()  # admission by expected wait (router/admission.py)
-        self.calls = ReplicaCalls(handle, Policy(settings.routing), settings.engine.block_size)
-        self.answers = Answers(self.calls, self.admission, settings.http.keepalive_s)
-        self._info: dict | None = None
-        self._limits: EngineLimits | None = None
-        self._info_lock = asyncio.Lock()
+        self.models: dict[str, ServedModel] = {
+            ms.name: ServedModel(
+                ms,
+                handles[ms.name],
+                settings.routing,
+                self.admission,
+                settings.http.keepalive_s,
+                tokenizer if ms.name == settings.model_name else None,
+                then=freeze_heap,
+            )
+            for ms in settings.models
+        }
+        self.default = self.models[settings.model_name]
+        self.handle = self.default.handle
+        static = [
+            Adapter(module.name, ms.name, module.path)
+            for ms in settings.models
+            for module in ms.engine.lora_modules
+        ]
+        self.adapters = AdapterDirectory(static, registry)
+        self.lora_admin = LoRAAdmin(self)
         self._warned_fields: set[str] = set()
         self._rejected_specs: dict = {}  # structured-output spec -> a replica's error for it
 
-    def _use_tokenizer(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.dialects: dict[bool, Dialect] = {  # by `chat`
-            False: CompletionDialect(tokenizer, self.settings.model_name),
-            True: ChatDialect(tokenizer, self.settings.model_name),
-        }
-        self.template_tools = template_supports_tools(tokenizer)
+    # the default (first) model's parts, under the names a one-model ingress had
+    @property
+    def tokenizer(self):
+        return self.default.tokenizer
 
-    async def tokenizer_loaded(self) -> None:
-        """Wait for the tokenizer, if it is still loading (the ingress's first second); a
-        failed load raises its error here, for each request, until a load succeeds."""
-        loading = self._loading
-        if loading is None:
-            return
-        tokenizer = await loading.wait()
-        if self._loading is not None:
-            self._use_tokenizer(tokenizer)
-            self._loading = None
+    @property
+    def dialects(self) -> dict:
+        return self.default.dialects
+
+    @property
+    def calls(self):
+        return self.default.calls
+
+    @property
+    def retries(self) -> int:
+        """Calls sent again after their replica was lost or full, over every model."""
+        return sum(model.calls.retries for model in self.models.values())
+
+    async def tokenizer_loaded(self, model: ServedModel | None = None) -> None:
+        """Wait for the model's tokenizer (every model's when None)."""
+        for m in [model] if model is not None else self.models.values():
+            await m.tokenizer_loaded()
 
     @property
     def inflight(self) -> int:
         return self.guard.inflight
 
-    async def model_info(self) -> dict:
-        if self._info is None:
-            async with self._info_lock:
-                if self._info is None:
-                    self._info = await self.handle.model_info.remote()
-        return self._info
+    async def model_info(self, model: ServedModel | None = None) -> dict:
+        return await (model or self.default).model_info()
 
-    # -- validation -----------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model_name:
-            raise HTTPError(
-                404,
-                f"model {model!r} does not exist; this server serves {self.settings.model_name!r}",
-                "not_found_error",
-                param="model",
-            )
+    # -- which model ----------------------------------------------------------------------------
+    async def resolve(self, name: str | None) -> tuple[ServedModel, LoRARequest | None]:
+        """The base model a request's `model` names and the adapter to run it with: a served
+        model's name -> that model; an adapter's -> its base model and the adapter; None -> the
+        first model; anything else -> 404 model_not_found naming what is served."""
+        if name is None:
+            return self.default, None
+        model = self.models.get(name)
+        if model is not None:
+            return model, None
+        adapter = await self.adapters.get(name)
+        if adapter is not None and adapter.base in self.models:
+            return self.models[adapter.base], LoRARequest(adapter.name, adapter.path)
+        raise await self.model_not_found(name)
+
+    async def model_not_found(self, name: str) -> HTTPError:
+        adapters = [a.name for a in await self.adapters.all()]
+        served = f"the models {list(self.models)}"
+        if adapters:
+            served += f" and the LoRA adapters {adapters}"
+        return HTTPError(
+            404,
+            f"The model {name!r} does not exist: this server serves {served}",
+            "not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
     def warn_ignored(self, fields: list[str]) -> None:
         """Log, once per field name, the accepted-and-ignored request fields clients send."""
@@ -148,22 +172,14 @@ class IngressCore:
         self._rejected_specs[spec] = message
         return bad_request(message, param=req.request_field("structured"))
 
-    async def engine_limits(self) -> EngineLimits:
-        """The replicas' limits (their model_info; the scheduling policy from the engine
-        settings the replicas were given, when model_info does not say)."""
-        if self._limits is None:
-            info = await self.model_info()
-            self._limits = EngineLimits.from_model_info(
-                info, self.settings.engine.scheduling_policy
-            )
-        return self._limits
-
-    async def sampling_for(self, req, prompt_ids: list[int]) -> SamplingParams:
+    async def sampling_for(
+        self, req, prompt_ids: list[int], model: ServedModel | None = None
+    ) -> SamplingParams:
         """The request's SamplingParams for this prompt, or a 400 naming the request field at
         fault. The engine's own check (EngineLimits) runs here before routing, around the
         HTTP API's policy: this server's max_tokens cap, and refusing a prompt + max_tokens
         past max_model_len (which the engine would cut short)."""
-        limits = await self.engine_limits()
+        limits = await (model or self.default).engine_limits()
         max_len = limits.max_model_len
         n_prompt = len(prompt_ids)
         try:
@@ -195,52 +211,76 @@ class IngressCore:
             raise bad_request(str(exc), req.request_field(exc.param)) from None
         return params
 
-    async def prepare(self, req, prompts: list[list[int]]) -> list[Job]:
-        """One job per choice: n per prompt, the seed advanced per choice when one is given."""
+    async def prepare(
+        self,
+        req,
+        prompts: list[list[int]],
+        model: ServedModel | None = None,
+        lora: LoRARequest | None = None,
+    ) -> list[Job]:
+        """One job per choice: n per prompt, the seed advanced per choice when one is given,
+        each with the request's adapter (None: the base model)."""
         jobs = []
         n = req.n
         for p_index, ids in enumerate(prompts):
-            params = await self.sampling_for(req, ids)
+            params = await self.sampling_for(req, ids, model)
             for j in range(n):
                 choice_params = params
                 if n > 1 and params.seed is not None:
                     choice_params = dataclasses.replace(params, seed=params.seed + j)
-                jobs.append((p_index * n + j, req.engine_request(ids, choice_params)))
+                choice = req.engine_request(ids, choice_params)
+                if lora is not None:
+                    choice = dataclasses.replace(choice, lora=lora)
+                jobs.append((p_index * n + j, choice))
         return jobs
 
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+    def completion_prompts(
+        self, req: CompletionRequest, model: ServedModel | None = None
+    ) -> list[list[int]]:
+        tokenizer = (model or self.default).tokenizer
+        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
 
     def chat_prompt(
-        self, messages: list[dict], tools: list | None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        tools: list | None,
+        add_generation_prompt: bool = True,
+        model: ServedModel | None = None,
     ) -> list[int]:
         """The chat's prompt tokens: tools rendered by the model's chat template when it
         supports them, else described in the system message (router/tool_calls.py)."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions")
+        model = model or self.default
+        tokenizer = model.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad_request(f"the model {model.name!r} has no chat template; use /v1/completions")
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-        rendered, template_tools = render_messages(messages, tool_dicts, self.template_tools)
+        rendered, template_tools = render_messages(messages, tool_dicts, model.template_tools)
         kwargs = {"tools": template_tools} if template_tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 rendered, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
             )
         except Exception as exc:  # a template that raises on these messages (jinja errors)
             raise bad_request(
                 f"the model's chat template failed on these messages: {exc}"
             ) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False)
 
-    def request_chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def request_chat_prompt(
+        self, req: ChatCompletionRequest, model: ServedModel | None = None
+    ) -> list[int]:
         tools = req.tools if req.tool_mode != "none" else None  # "none": not offered
-        return self.chat_prompt(req.template_messages(), tools, req.add_generation_prompt)
+        return self.chat_prompt(req.template_messages(), tools, req.add_generation_prompt, model)
 
-    def echoes(self, req: CompletionRequest, prompts: list[list[int]]) -> dict[int, Echo] | None:
+    def echoes(
+        self, req: CompletionRequest, prompts: list[list[int]], model: ServedModel | None = None
+    ) -> dict[int, Echo] | None:
         """Per choice, the prompt to echo ahead of it (echo=true)."""
         if not req.echo:
             return None
+        tokenizer = (model or self.default).tokenizer
         texts = [
-            p if isinstance(p, str) else self.tokenizer.decode(ids)
+            p if isinstance(p, str) else tokenizer.decode(ids)
             for p, ids in zip(req.prompts, prompts)
         ]
         return {
@@ -251,29 +291,29 @@ class IngressCore:
 
     # -- tokenizer endpoints --------------------------------------------------------------------
     async def read_request(self, request: Request, cls: type[BaseModel]):
-        """The body as `cls`, for the model this server serves: 400 (invalid JSON, a field
-        that fails validation, naming it) or 404 (another model) otherwise."""
+        """The body as `cls`: 400 otherwise (invalid JSON, a field that fails validation,
+        naming it)."""
         data = await self.guard.read_json(request)
         try:
-            req = cls.model_validate(data)
+            return cls.model_validate(data)
         except ValidationError as exc:
             raise invalid_request(exc.errors()) from None
-        self.check_model(req.model)
-        return req
 
     async def tokenize(self, request: Request) -> Response:
         self.guard.check_auth(request)
-        await self.tokenizer_loaded()
         req = await self.read_request(request, TokenizeRequest)
+        model, _ = await self.resolve(req.model)  # an adapter: its base model's tokenizer
+        await model.tokenizer_loaded()
+        tokenizer = model.tokenizer
         if req.messages is not None:
             messages = [m.as_template_dict() for m in req.messages]
-            ids = self.chat_prompt(messages, req.tools, req.add_generation_prompt)
+            ids = self.chat_prompt(messages, req.tools, req.add_generation_prompt, model)
             if req.add_special_tokens:
-                ids = self.tokenizer.build_inputs_with_special_tokens(ids)
+                ids = tokenizer.build_inputs_with_special_tokens(ids)
         else:
-            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        info = await self.model_info()
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        info = await model.model_info()
+        strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         body = TokenizeResponse(
             count=len(ids), max_model_len=info["max_model_len"], tokens=ids, token_strs=strs
         )
@@ -281,16 +321,41 @@ class IngressCore:
 
     async def detokenize(self, request: Request) -> Response:
         self.guard.check_auth(request)
-        await self.tokenizer_loaded()
         req = await self.read_request(request, DetokenizeRequest)
-        info = await self.model_info()
+        model, _ = await self.resolve(req.model)
+        await model.tokenizer_loaded()
+        info = await model.model_info()
         vocab = info["vocab_size"]
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
         return JSONResponse(
-            DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens)).model_dump()
+            DetokenizeResponse(prompt=model.tokenizer.decode(req.tokens)).model_dump()
         )
+
+    async def list_models(self) -> list[ModelCard]:
+        """Every served model, then every adapter (`parent`: its base model, `root`: its
+        path, as vLLM lists them)."""
+        cards = []
+        for model in self.models.values():
+            info = await model.model_info()
+            cards.append(
+                ModelCard(id=model.name, root=model.name, max_model_len=info["max_model_len"])
+            )
+        for adapter in await self.adapters.all():
+            base = self.models.get(adapter.base)
+            if base is None:  # a run-time adapter of a model a redeploy removed
+                continue
+            info = await base.model_info()
+            cards.append(
+                ModelCard(
+                    id=adapter.name,
+                    root=adapter.path,
+                    parent=adapter.base,
+                    max_model_len=info["max_model_len"],
+                )
+            )
+        return cards
 
     def deadline_s(self, request: Request) -> float:
         """The request's deadline: http.request_timeout_s, or less when the client asks for
@@ -340,23 +405,24 @@ class IngressCore:
             self.refuse_unknown(req.unknown_fields)
             if req.ignored_fields:
                 self.warn_ignored(req.ignored_fields)
+            model, lora = await self.resolve(req.model)
             # before the chat template and tokenizer: a refusal under a burst costs little
             expected_wait = self.admit_by_wait(req, deadline_s)
-            await self.tokenizer_loaded()
+            await model.tokenizer_loaded()
             if chat:
-                prompts = [self.request_chat_prompt(req)]
+                prompts = [self.request_chat_prompt(req, model)]
             else:
-                prompts = self.completion_prompts(req)
+                prompts = self.completion_prompts(req, model)
             if self.settings.log_prompts:
                 logger.info("prompt token counts %s", [len(p) for p in prompts])
-            jobs = await self.prepare(req, prompts)
+            jobs = await self.prepare(req, prompts, model, lora)
             ticket = Ticket(slot, deadline_s)
             self.admission.enter(ticket.key, req.priority)
-            echo = None if chat else self.echoes(req, prompts)
-            dialect = self.dialects[chat]
+            echo = None if chat else self.echoes(req, prompts, model)
+            dialect = model.dialect(chat, req.model or model.name)
             owns_slot = not req.stream  # a stream frees its slot, however it ends
             try:
-                return await self.answers.answer(jobs, dialect, req, ticket, echo, expected_wait)
+                return await model.answers.answer(jobs, dialect, req, ticket, echo, expected_wait)
             except Exception as exc:
                 cause = root_cause(exc)
                 if isinstance(cause, GrammarRejected):  # a replica could not compile it

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from replica.config import EngineConfig
 from router.policy import RoutingConfig
@@ -80,15 +80,40 @@ class AuthConfig(BaseModel):
         return given | {k.strip() for k in env.split(",") if k.strip()}
 
 
+class ModelSettings(BaseModel):
+    """One served base model as the ingress sees it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str  # the name clients put in `model`
+    model_dir: str | None  # the model the tokenizer is read from (EngineConfig.model)
+    engine: EngineConfig
+
+
 class IngressSettings(BaseModel):
-    """The ingress deployment's arguments: the cluster config's sections it reads."""
+    """The ingress deployment's arguments: the cluster config's sections it reads. `models`
+    are the served models in order (the first answers requests that name none); model_name,
+    model_dir and engine are the first one's (all there is when `models` is left out)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model_name: str  # the name clients put in `model`
     model_dir: str | None  # the model the tokenizer is read from (EngineConfig.model)
     engine: EngineConfig
+    models: list[ModelSettings] = Field(default_factory=list)
     routing: RoutingConfig
     http: HttpConfig = Field(default_factory=HttpConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)  # SecretStr: a repr shows no key
     log_prompts: bool = False
+
+    @model_validator(mode="after")
+    def _first_model(self) -> IngressSettings:
+        first = ModelSettings(name=self.model_name, model_dir=self.model_dir, engine=self.engine)
+        if not self.models:
+            self.models = [first]
+        elif self.models[0].name != self.model_name:
+            raise ValueError(
+                f"model_name ({self.model_name!r}) must be the first of models "
+                f"({[m.name for m in self.models]})"
+            )
+        return self

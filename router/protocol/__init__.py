@@ -26,9 +26,11 @@ from router.protocol.requests import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     Prompt,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from router.protocol.responses import (
     MIN_LOGPROB,
@@ -100,6 +102,7 @@ __all__ = [
     "FunctionCall",
     "FunctionDefinition",
     "JsonSchemaSpec",
+    "LoadLoRAAdapterRequest",
     "Logprob",
     "MAX_N",
     "MAX_STOP_SEQUENCES",
@@ -120,6 +123,7 @@ __all__ = [
     "TokenizeResponse",
     "ToolCall",
     "ToolDefinition",
+    "UnloadLoRAAdapterRequest",
     "UsageInfo",
     "bounded",
     "chat_completion_id",

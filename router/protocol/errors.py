@@ -20,12 +20,13 @@ class ErrorResponse(BaseModel):
 
 
 def error_body(
-    message: str, type: str, status_code: int, param: str | None = None
+    message: str, type: str, status_code: int, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}; like vLLM we put
-    the HTTP status in `code`. Types in use: invalid_request_error (400), not_found_error (404),
+    the HTTP status in `code` unless OpenAI has a code of its own for the error
+    ("model_not_found"). Types in use: invalid_request_error (400), not_found_error (404),
     authentication_error (401), server_error (500), service_unavailable (503)."""
-    detail = ErrorDetail(message=message, type=type, param=param, code=status_code)
+    detail = ErrorDetail(message=message, type=type, param=param, code=code or status_code)
     return ErrorResponse(error=detail).model_dump()
 
 

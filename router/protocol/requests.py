@@ -293,3 +293,23 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve the PEFT adapter at `lora_path` as
+    `lora_name`, on the served model `model` (default: the first model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256, pattern=r"^[^\s]+$")
+    lora_path: str = Field(min_length=1)
+    model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving the adapter `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; adapters are known here by name only

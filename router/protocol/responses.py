@@ -188,6 +188,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "stepserve"
+    root: str | None = None  # as vLLM: the model's own name; an adapter's path
+    parent: str | None = None  # an adapter's base model (vLLM's `parent`); None for a model
     max_model_len: int | None = None
 
 

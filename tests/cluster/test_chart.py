@@ -18,7 +18,13 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from cluster.config import AuthConfig, AutoscalingConfig, ClusterConfig, HttpConfig
+from cluster.config import (
+    AuthConfig,
+    AutoscalingConfig,
+    ClusterConfig,
+    HttpConfig,
+    ModelDeployment,
+)
 from replica.config import EngineConfig
 from router.policy import RoutingConfig
 
@@ -34,8 +40,34 @@ YamlLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 MONITORING_ON = {
     "monitoring": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}}
 }
+TWO_MODELS: dict[str, Any] = {
+    "model": {"source": "pvc", "pvc": {"existingClaim": "checkpoints"}},
+    "engine": {"max_num_seqs": 32},
+    "replicas": 2,
+    "models": [
+        {
+            "engine": {
+                "served_model_name": "qwen",
+                "model": "/models/Qwen2.5-7B-Instruct",
+                "enable_lora": True,
+                "lora_modules": [{"name": "qwen-sql", "path": "/models/adapters/qwen-sql"}],
+            },
+            "replicas": 3,
+        },
+        {
+            "engine": {
+                "served_model_name": "meta-llama/Llama-3.1-8B",
+                "model": "/models/Llama-3.1-8B",
+                "lora_modules": [{"name": "llama-chat", "path": "/models/adapters/llama-chat"}],
+            },
+            "autoscaling": {"enabled": True, "max_replicas": 6},
+            "num_cpus_per_replica": 2,
+        },
+    ],
+}
 COMBINATIONS: dict[str, dict[str, Any]] = {
     "defaults": {},
+    "two-models": TWO_MODELS,
     "tp2": {"engine": {"tensor_parallel_size": 2}},
     "autoscaling-on": {"autoscaling": {"enabled": True, "min_replicas": 1, "max_replicas": 6}},
     "autoscaling-off": {"autoscaling": {"enabled": False}, "replicas": 3},
@@ -423,7 +455,12 @@ def test_chart_schema_mirrors_cluster_config_fields_and_limits(chart):
         "max_ongoing_requests",
         "log_prompts",
     }
-    assert set(ClusterConfig.model_fields) == set(blocks) | scalars | {"auth"}, (
+    # `models` entries are ClusterConfig's ModelDeployment, generated like the rest
+    models = chart_props["models"]["items"]["properties"]
+    assert set(models) == set(ModelDeployment.model_fields)
+    assert set(models["engine"]["properties"]) == set(EngineConfig.model_fields)
+    assert chart.values["models"] == []
+    assert set(ClusterConfig.model_fields) == set(blocks) | scalars | {"auth", "models"}, (
         "a top-level ClusterConfig field is not mapped by the chart"
     )
     assert set(AuthConfig.model_fields) - {"api_keys"} <= set(chart_props["auth"]["properties"])
@@ -891,6 +928,31 @@ REJECTED_BY_TEMPLATES = {
         {"env": [{"name": "STEPSERVE_METRICS_PORT", "value": "9000"}]},
         "env: STEPSERVE_METRICS_PORT is set by the chart on worker pods",
     ),
+    "model-without-name": (
+        {"models": [{"engine": {"model": "/models/a"}}]},
+        "models[0].engine.served_model_name: each model names itself in the chart",
+    ),
+    "model-without-path": (
+        {"models": [{"engine": {"served_model_name": "a"}}]},
+        'models[0].engine.model: the path of model "a" in the pods',
+    ),
+    "model-name-twice": (
+        {
+            "models": [
+                {"engine": {"served_model_name": "a", "model": "/m/a"}},
+                {"engine": {"served_model_name": "a", "model": "/m/b"}},
+            ]
+        },
+        'models[1].engine.served_model_name: the name "a" is used twice',
+    ),
+    "model-tp-differs": (
+        {
+            "models": [
+                {"engine": {"served_model_name": "a", "model": "/m/a", "tensor_parallel_size": 2}}
+            ]
+        },
+        "models[0].engine.tensor_parallel_size (2) must equal engine.tensor_parallel_size (1)",
+    ),
 }
 
 
@@ -907,6 +969,33 @@ def test_cross_field_rules_are_cluster_config_rules(case):
     values, _ = REJECTED_BY_TEMPLATES[case]
     with pytest.raises(ValueError):
         ClusterConfig.model_validate(values)
+
+
+def test_two_models_are_one_application_with_a_deployment_each(chart):
+    """`models:` reach ClusterConfig as given (an entry's fixed replica count in its
+    deployment's override, as the one model's), each model an LLMServer-<name> deployment."""
+    (app,) = serve_config(only(render(chart, TWO_MODELS), "RayService"))["applications"]
+    qwen, llama, ingress = app["deployments"]
+    assert (qwen["name"], llama["name"], ingress["name"]) == (
+        "LLMServer-qwen",
+        "LLMServer-meta-llama_Llama-3.1-8B",
+        "Ingress",
+    )
+    assert qwen["num_replicas"] == 3 and "num_replicas" not in llama  # autoscaled
+    assert llama["user_config"]["num_cpus_per_replica"] == 2
+    assert qwen["user_config"]["num_cpus_per_replica"] == 0.5
+    config = ClusterConfig.model_validate(app["args"])
+    a, b = config.deployments()
+    assert (a.served_name(), b.served_name()) == ("qwen", "meta-llama/Llama-3.1-8B")
+    assert a.engine.model == "/models/Qwen2.5-7B-Instruct"
+    assert a.engine.max_num_seqs == b.engine.max_num_seqs == 32  # the top-level engine
+    assert a.engine.device == b.engine.device == "cuda"
+    assert a.adapter_names() == ["qwen-sql"] and b.adapter_names() == ["llama-chat"]
+    assert b.autoscaling.enabled and b.autoscaling.max_replicas == 6
+    assert config.engine.model is None  # the `model` volume's path is not the top-level model
+    from cluster.app import deployment_name
+
+    assert [deployment_name(config, m) for m in (a, b)] == [qwen["name"], llama["name"]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -948,6 +1037,16 @@ def test_serve_config_yaml_spells_out_cluster_config_defaults():
     assert set(spelled.pop("engine")) <= set(every.pop("engine"))
     assert spelled == every, "every field spelled out"
     assert config["http_options"] == {"host": parsed.http.host, "port": parsed.http.port}
+
+
+def test_two_models_serve_config_example_is_a_valid_cluster_config():
+    config = yaml.safe_load((REPO / "deploy" / "serve_config.two_models.yaml").read_text())
+    (app,) = config["applications"]
+    parsed = ClusterConfig.model_validate(app["args"])
+    qwen, llama = parsed.deployments()
+    assert (qwen.served_name(), llama.served_name()) == ("qwen", "llama")
+    assert qwen.engine.lora_enabled and llama.adapter_names() == ["llama-sql"]
+    assert qwen.engine.max_num_seqs == llama.engine.max_num_seqs == 32
 
 
 def test_image_ray_and_app_versions_match_the_chart(chart):

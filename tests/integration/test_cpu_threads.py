@@ -44,8 +44,9 @@ def test_build_app_sends_threads_in_user_config_not_in_init_args():
     # the LLM deployment's constructor gets the engine config only: nothing that a
     # replica-count change moves
     for config in (one, three):
-        llm = build_app(config)._bound_deployment.init_args[0]._bound_deployment
-        assert llm.init_args == (config.engine.model_dump(),)
+        # the ingress is bound to the LLM deployment of each model, by served name
+        (llm_app,) = build_app(config)._bound_deployment.init_args[0].values()
+        assert llm_app._bound_deployment.init_args == (config.engine.model_dump(),)
 
 
 @pytest.mark.parametrize(

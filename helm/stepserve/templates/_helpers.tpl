@@ -92,8 +92,14 @@ in place.
 {{- define "stepserve.clusterConfig" -}}
 {{- $engine := deepCopy .Values.engine }}
 {{- $modelPath := include "stepserve.modelPath" . }}
-{{- if $modelPath }}
+{{- if and $modelPath (not .Values.models) }}
 {{- $_ := set $engine "model" $modelPath }}
+{{- end }}
+{{- /* several models: each entry's fixed replica count goes to its deployment's override, as
+the one model's does (stepserve.serveConfig) */}}
+{{- $models := list }}
+{{- range .Values.models }}
+{{- $models = append $models (omit . "replicas") }}
 {{- end }}
 {{- $http := deepCopy .Values.http }}
 {{- $_ := set $http "host" "0.0.0.0" }}
@@ -101,6 +107,7 @@ in place.
 {{- $_ := unset $http "ingress_replicas" }}
 {{- $config := pick .Values "name" "autoscaling" "routing" "num_cpus_per_replica" "cpu_threads_per_replica" "max_ongoing_requests" "log_prompts" }}
 {{- $_ := set $config "engine" $engine }}
+{{- $_ := set $config "models" $models }}
 {{- $_ := set $config "http" $http }}
 {{- $_ := set $config "auth" (dict "api_keys_env" .Values.auth.api_keys_env) }}
 {{- toYaml $config }}
@@ -116,12 +123,30 @@ resolve_cpu_threads); the replicas sharing a pod's cores are the first group's r
 {{- $group := first .Values.workerGroups | default dict }}
 {{- $perPod := int (coalesce $group.replicasPerPod .Values.workerGroupDefaults.replicasPerPod 1) }}
 {{- $threads := dict "cpu_threads" .Values.cpu_threads_per_replica "num_cpus_per_replica" .Values.num_cpus_per_replica "replicas_per_machine" $perPod }}
+{{- $deployments := list }}
+{{- if not .Values.models }}
 {{- $llm := dict "name" "LLMServer" "user_config" $threads }}
 {{- if not .Values.autoscaling.enabled }}
 {{- $_ := set $llm "num_replicas" (int .Values.replicas) }}
 {{- end }}
+{{- $deployments = append $deployments $llm }}
+{{- end }}
+{{- /* one LLMServer-<served name> per model (cluster/app.py deployment_name) */}}
+{{- range $i, $m := .Values.models }}
+{{- $engine := $m.engine | default dict }}
+{{- $name := regexReplaceAll "[^A-Za-z0-9._-]" (toString $engine.served_model_name) "_" }}
+{{- $scaling := merge (deepCopy ($m.autoscaling | default dict)) (deepCopy $.Values.autoscaling) }}
+{{- $cpuThreads := ternary $m.cpu_threads_per_replica $.Values.cpu_threads_per_replica (hasKey $m "cpu_threads_per_replica") }}
+{{- $numCpus := ternary $m.num_cpus_per_replica $.Values.num_cpus_per_replica (hasKey $m "num_cpus_per_replica") }}
+{{- $llm := dict "name" (printf "LLMServer-%s" $name) "user_config" (dict "cpu_threads" $cpuThreads "num_cpus_per_replica" $numCpus "replicas_per_machine" $perPod) }}
+{{- if not $scaling.enabled }}
+{{- $_ := set $llm "num_replicas" (int ($m.replicas | default $.Values.replicas)) }}
+{{- end }}
+{{- $deployments = append $deployments $llm }}
+{{- end }}
 {{- $ingress := dict "name" "Ingress" "num_replicas" (int (default 1 .Values.http.ingress_replicas)) }}
-{{- $app := dict "name" .Values.name "import_path" "cluster.app:build_app" "route_prefix" "/" "args" (include "stepserve.clusterConfig" . | fromYaml) "deployments" (list $llm $ingress) }}
+{{- $deployments = append $deployments $ingress }}
+{{- $app := dict "name" .Values.name "import_path" "cluster.app:build_app" "route_prefix" "/" "args" (include "stepserve.clusterConfig" . | fromYaml) "deployments" $deployments }}
 {{- toYaml (dict "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app)) }}
 {{- end }}
 

@@ -1,0 +1,104 @@
+"""One served base model as the ingress holds it: its LLM deployment's handle and the calls
+through it, its tokenizer (loaded in the background), its chat template's abilities, its
+replicas' limits (model_info), and the answer shapes per name it is asked by (the model's own
+name or one of its adapters')."""
+
+from __future__ import annotations
+
+import asyncio
+
+from replica.api import EngineLimits, LazyTokenizer, freeze_heap
+from router.admission import Admission
+from router.dialects import ChatDialect, CompletionDialect, Dialect
+from router.fanout import ReplicaCalls
+from router.policy import Policy, RoutingConfig
+from router.settings import ModelSettings
+from router.streaming import Answers
+from router.tool_calls import template_supports_tools
+
+
+class ServedModel:
+    def __init__(
+        self,
+        settings: ModelSettings,
+        handle,
+        routing: RoutingConfig,
+        admission: Admission,
+        keepalive_s: float,
+        tokenizer=None,
+        then=freeze_heap,
+    ) -> None:
+        """`tokenizer`: one to use (tests); else the model's loads in the background, and
+        `then` runs once it has loaded (the ingress freezes its heap)."""
+        self.settings = settings
+        self.name = settings.name
+        self.engine = settings.engine
+        self.handle = handle
+        self.tokenizer = None
+        self._loading = None
+        if tokenizer is None:
+            # the model path as the user gave it (None: the default model), resolved on this
+            # machine in the loading thread (a GGUF file's metadata directory is made there on
+            # first use: replica/quant/gguf_meta.py); loads in a thread (~1 s, most of it
+            # importing transformers): the ingress is ready without it; a request that comes
+            # first waits for it (tokenizer_loaded). A checkpoint without a usable tokenizer
+            # fails the LLM replicas' start, which reads its files, so the application does
+            # not deploy.
+            self._loading = LazyTokenizer(settings.model_dir, resolve=True).preload(then=then)
+        else:
+            self._use_tokenizer(tokenizer)
+        self.calls = ReplicaCalls(handle, Policy(routing), settings.engine.block_size)
+        self.answers = Answers(self.calls, admission, keepalive_s)
+        self._info: dict | None = None
+        self._limits: EngineLimits | None = None
+        self._info_lock = asyncio.Lock()
+
+    def _use_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.dialects: dict[bool, Dialect] = {  # by `chat`, under the model's own name
+            False: CompletionDialect(tokenizer, self.name),
+            True: ChatDialect(tokenizer, self.name),
+        }
+        self._adapter_dialects: dict[tuple[bool, str], Dialect] = {}
+        self.template_tools = template_supports_tools(tokenizer)
+
+    async def tokenizer_loaded(self) -> None:
+        """Wait for the tokenizer, if it is still loading (the ingress's first second); a
+        failed load raises its error here, for each request, until a load succeeds."""
+        loading = self._loading
+        if loading is None:
+            return
+        tokenizer = await loading.wait()
+        if self._loading is not None:
+            self._use_tokenizer(tokenizer)
+            self._loading = None
+
+    def dialect(self, chat: bool, served_name: str) -> Dialect:
+        """The answer shapes of an endpoint, naming `served_name` (this model's name, or an
+        adapter's) in each response's `model`."""
+        if served_name == self.name:
+            return self.dialects[chat]
+        key = (chat, served_name)
+        dialect = self._adapter_dialects.get(key)
+        if dialect is None:
+            if len(self._adapter_dialects) >= 1024:  # adapters come and go at run time
+                self._adapter_dialects.clear()
+            cls = ChatDialect if chat else CompletionDialect
+            dialect = self._adapter_dialects[key] = cls(self.tokenizer, served_name)
+        return dialect
+
+    async def model_info(self) -> dict:
+        """A replica's model_info (asked once)."""
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    self._info = await self.handle.model_info.remote()
+        return self._info
+
+    async def engine_limits(self) -> EngineLimits:
+        """The replicas' limits (their model_info; the scheduling policy from the engine
+        settings the replicas were given, when model_info does not say)."""
+        if self._limits is None:
+            info = await self.model_info()
+            self._limits = EngineLimits.from_model_info(info, self.engine.scheduling_policy)
+        return self._limits
