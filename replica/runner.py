@@ -36,6 +36,7 @@ from replica.layers.cpu_kernels import (
 from replica.layers.linear import TensorParallel, pack_linear_weights
 from replica.layers.sampler import Sampler
 from replica.loader import load_hf_config, load_model
+from replica.lora import LoRAModel, LoRATargets, PeftAdapter
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
 from replica.models.windows import all_layers_window
 from replica.quant.weights import set_activations, weight_bytes
@@ -71,6 +72,8 @@ class StepBatch:
     sample_rows: list[int]  # rows of the flat stream whose logits are computed
     # a hybrid model's KV groups 1..: per group, per request, its block table (kv_groups.py)
     group_block_ids: list[list[list[int]]] = field(default_factory=list)
+    # per request: its LoRA adapter's slot (0: the base model); empty when LoRA is off
+    lora_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -124,6 +127,10 @@ class ModelRunner:
         started = self._phase("config", started)
         self.model = load_model(
             model_dir, self.hf_config, self.tp, self.device, self.dtype, config.quantization
+        )
+        # LoRA adapters (replica/lora/): a LoRALinear on every adaptable layer
+        self.lora = (
+            LoRAModel(self.model, self.tp, self.dtype, self.device) if config.lora_enabled else None
         )
         self.quant_activations = config.resolved_quant_activations()
         self.num_quantized_weights = set_activations(self.model, self.quant_activations)
@@ -183,6 +190,8 @@ class ModelRunner:
         """CUDA graphs of decode steps (cuda_graphs.py): CUDA, one rank, flex attention, no
         quantized weights (their kernels are not known to be capturable)."""
         config = self.config
+        if self.lora is not None:  # the per-step adapter groups are not captured
+            return None
         if self.device.type == "cuda" and config.cuda_graphs and self.num_quantized_weights:
             logger.info("quantized weights: decode steps run without CUDA graphs")
             return None
@@ -551,7 +560,10 @@ class ModelRunner:
         groups = []
         if self.kv_groups.hybrid:  # per group, each request's table
             groups = [list(tables) for tables in zip(*(s.group_block_ids for s in so.scheduled))]
-        return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows, groups)
+        lora_slots = []
+        if self.lora is not None:
+            lora_slots = self.lora.slots_of(s.request for s in so.scheduled)
+        return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows, groups, lora_slots)
 
     @torch.inference_mode()
     def forward_batch(self, batch: StepBatch) -> torch.Tensor | None:
@@ -577,8 +589,15 @@ class ModelRunner:
             if self.kv_prefault is not None:  # new blocks come from above the highest in use
                 tables = [t for ts in (batch.block_ids, *batch.group_block_ids) for t in ts if t]
                 self.kv_prefault.need(1 + max((t[-1] for t in tables), default=0))
+            lora = self.lora
+            if lora is not None:  # the step's rows grouped by adapter, once for every layer
+                lora.begin_step(batch.lora_slots, batch.query_lens)
             forward_start = time.perf_counter()
-            hidden = self.model(ids, positions, self.kv_caches, meta)
+            try:
+                hidden = self.model(ids, positions, self.kv_caches, meta)
+            finally:
+                if lora is not None:
+                    lora.end_step()
             logits = (
                 None if rows is None else self.model.compute_logits(hidden.index_select(0, rows))
             )
@@ -598,6 +617,22 @@ class ModelRunner:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
             self.generators[s.request_id] = generator
         return generator
+
+    # -- LoRA adapters (replica/lora/) -------------------------------------------------------
+    @property
+    def lora_targets(self) -> LoRATargets:
+        """The model's adaptable layers (an adapter is checked against them)."""
+        if self.lora is None:
+            raise RuntimeError("LoRA is off on this runner (enable_lora=false)")
+        return self.lora.targets
+
+    def add_lora(self, slot: int, adapter: PeftAdapter, name: str | None = None) -> None:
+        """Install an adapter read by replica.lora.read_adapter in `slot` (1..capacity)."""
+        with torch.inference_mode():
+            self.lora.add(slot, adapter, name)
+
+    def remove_lora(self, slot: int) -> None:
+        self.lora.remove(slot)
 
     def check_health(self) -> None:
         """Nothing to check: this runner has no peer to lose, its failures raise from execute."""
