@@ -19,6 +19,7 @@ from replica.engine.core_client import ProcessEngine
 from replica.errors import LoRAError
 from replica.request import EngineRequest, LoRARequest, Request, SamplingParams
 from replica.scheduler import Scheduler
+from replica.tiny_lora import build_tiny_adapter
 from tests.fake_runner import FakeRunner
 from tests.replica.lora_helpers import edit_adapter, make_adapters, peft_greedy
 from tests.replica.test_lora_parity import LORA_FIELDS
@@ -227,10 +228,7 @@ def test_errors_name_what_is_wrong(lora_engine, adapters, tmp_path, tiny_llama_d
     assert "no adapter_model.safetensors or adapter_model.bin" in _error(
         lora_engine, "x", no_weights
     )
-    big = make_big = tmp_path / "rank16"
-    from replica.tiny_lora import build_tiny_adapter
-
-    build_tiny_adapter(tiny_llama_dir, make_big, rank=16)
+    big = build_tiny_adapter(tiny_llama_dir, tmp_path / "rank16", rank=16)
     message = _error(lora_engine, "big", big)
     assert "rank 16 exceeds max_lora_rank=8" in message and "'big'" in message
     lacking = edit_adapter(source, tmp_path / "lacking", target_modules=["q_proj", "c_attn"])

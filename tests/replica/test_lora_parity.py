@@ -11,6 +11,7 @@ import torch
 
 from replica.config import EngineConfig
 from replica.engine import LLM, Engine
+from replica.request import LoRARequest
 from replica.runner import StepBatch
 from tests.replica.lora_helpers import expected, make_adapters, peft_greedy
 from tests.replica.test_model_parity import MAX_TOKENS, PROMPT_LENGTHS, greedy_params, mixed_prompts
@@ -143,3 +144,26 @@ def test_adapter_on_int8_base_moves_logits_as_on_float_base(tiny_llama_dir, llam
     size = deltas["none"].norm()
     assert size > 1.0
     assert (deltas["int8"] - deltas["none"]).norm() < 0.05 * size
+
+
+def test_fused_checkpoint_names_and_mistral_match_peft(tmp_path_factory, tiny_tokenizer_dir,
+                                                       tiny_mistral_dir):  # fmt: skip
+    """Phi-3's adapters target its fused qkv_proj and gate_up_proj (one A, B rows split over
+    q/k/v and gate/up); Mistral's are Llama's names. Each beside the base model in a batch."""
+    from replica.tiny_lora import build_tiny_adapter
+    from replica.tiny_models_phi3_smollm3 import build_tiny_phi3
+
+    phi3 = tmp_path_factory.mktemp("phi3")
+    build_tiny_phi3(phi3, tiny_tokenizer_dir, 21, tie_word_embeddings=False)
+    fused = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    for model_dir, targets in ((phi3, fused), (tiny_mistral_dir, ("q_proj", "up_proj"))):
+        path = build_tiny_adapter(
+            model_dir, tmp_path_factory.mktemp("adapter"), rank=4, target_modules=targets
+        )
+        lora = LoRARequest("fused", str(path))
+        prompts = mixed_prompts(5, [13, 6, 21])
+        loras = [lora, None, lora]
+        with LLM(model_dir, **LORA_FIELDS) as llm:
+            _, got = generate(llm, prompts, loras, [8, 8, 8])
+        assert got == expected(model_dir, prompts, loras, [8, 8, 8])
+        assert got[0] != expected(model_dir, prompts[:1], [None], [8])[0]  # it acted
