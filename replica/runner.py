@@ -535,34 +535,38 @@ class ModelRunner:
         """The step's flat token stream and per-request layout (no tensors, no requests).
         Logits rows: each sampled request's last row, in order, then every row of each
         request that runs a draft (its last token's and the draft's: the positions verified),
-        then the rows of prompt positions whose logprobs are wanted (`_prompt_logprob_rows`)."""
+        then the rows of prompt positions whose logprobs are wanted (`_prompt_logprob_rows`).
+        With LoRA adapters in the step the requests' rows are laid out grouped by adapter."""
+        scheduled = so.scheduled  # in the order the rows are laid out
+        lora_slots = []
+        if self.lora is not None:
+            lora_slots = self.lora.slots_of(s.request for s in scheduled)
+            if any(lora_slots):  # each adapter's rows side by side: one slice in every layer
+                order = sorted(range(len(scheduled)), key=lora_slots.__getitem__)
+                scheduled = [scheduled[i] for i in order]
+                lora_slots = [lora_slots[i] for i in order]
         input_ids: list[int] = []
         starts, query_lens, block_ids, sample_rows = [], [], [], []
-        first_rows = []
-        draft_rows: list[int] = []
-        for s in so.scheduled:
-            first_rows.append(len(input_ids))
+        first_row: dict[int, int] = {}
+        for s in scheduled:
+            first_row[id(s)] = len(input_ids)
             input_ids += s.token_ids()
             starts.append(s.start)
             query_lens.append(s.num_tokens)
             block_ids.append(s.block_ids)
+        draft_rows: list[int] = []
+        for s in so.scheduled:  # logits rows in the scheduler's order, wherever the rows are
+            end = first_row[id(s)] + s.num_tokens
             if s.draft:
-                end = len(input_ids)
                 draft_rows.extend(range(end - len(s.draft) - 1, end))
             elif s.sample:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.append(end - 1)
         sample_rows += draft_rows
-        prompt_rows = self._prompt_logprob_rows(so)
-        if prompt_rows:
-            first_row = {id(s): row for s, row in zip(so.scheduled, first_rows)}
-            for s, n in prompt_rows:
-                sample_rows.extend(range(first_row[id(s)], first_row[id(s)] + n))
+        for s, n in self._prompt_logprob_rows(so):
+            sample_rows.extend(range(first_row[id(s)], first_row[id(s)] + n))
         groups = []
         if self.kv_groups.hybrid:  # per group, each request's table
-            groups = [list(tables) for tables in zip(*(s.group_block_ids for s in so.scheduled))]
-        lora_slots = []
-        if self.lora is not None:
-            lora_slots = self.lora.slots_of(s.request for s in so.scheduled)
+            groups = [list(tables) for tables in zip(*(s.group_block_ids for s in scheduled))]
         return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows, groups, lora_slots)
 
     @torch.inference_mode()

@@ -167,15 +167,20 @@ class LoRAManager:
             if not reading.waiters:  # every request waiting for it ended meanwhile
                 del self._reading[name]
                 continue
+            held = self._held.get(name)
+            if held is not None:  # add_lora loaded it meanwhile
+                del self._reading[name]
+                held.pins |= reading.waiters
+                continue
             slot = self._free_slot()
             if slot is None:  # every slot pinned: retried after the next step
                 continue
             del self._reading[name]
-            held = self._install(
+            info = self._install(
                 name, reading.future.result(), slot, time.perf_counter() - reading.started
             )
             self._held[name].pins |= reading.waiters
-            logger.info("LoRA adapter %r loaded on demand (%s)", name, held)
+            logger.info("LoRA adapter %r loaded on demand (%s)", name, info)
         return errors
 
     # -- slots -----------------------------------------------------------------------------

@@ -69,7 +69,20 @@ def test_mixed_adapter_batch_matches_peft(family, tiny_llama_dir, tiny_qwen2_dir
 def test_chunked_prefill_with_adapters_matches_peft(tiny_llama_dir, llama_adapters):
     prompts, loras = mixed_batch(llama_adapters, seed=1)
     with LLM(tiny_llama_dir, **LORA_FIELDS, max_num_batched_tokens=16) as llm:
+        lora_model = llm.engine.runner.lora
+        begin_step = lora_model.begin_step
+        groups = []
+
+        def recording(slots, query_lens):
+            begin_step(slots, query_lens)
+            if lora_model.context.batch is not None:
+                groups.append(lora_model.context.batch.groups)
+
+        lora_model.begin_step = recording
         _, got = generate(llm, prompts, loras, MAX_TOKENS)
+    # the runner lays out each adapter's rows side by side: every group is one slice
+    assert any(len(step) == 3 for step in groups)
+    assert all(isinstance(rows, slice) for step in groups for _, rows in step)
     assert got == expected(tiny_llama_dir, prompts, loras, MAX_TOKENS)
 
 
