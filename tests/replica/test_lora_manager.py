@@ -337,3 +337,36 @@ def test_lora_calls_cross_the_engine_core_process(tiny_llama_dir, adapters, tmp_
             engine.shutdown()
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_bin_weights_and_a_regex_target_load_as_safetensors_do(tiny_llama_dir, adapters, tmp_path):
+    """PEFT's older adapter_model.bin (torch.load, weights only) and target_modules given as a
+    regex string serve the same adapter."""
+    source = adapters["all8"]
+    binary = edit_adapter(
+        source.path, tmp_path / "bin", target_modules=r".*\.(q|k|v|o|gate|up|down)_proj"
+    )
+    tensors = load_file(binary / "adapter_model.safetensors")
+    (binary / "adapter_model.safetensors").unlink()
+    torch.save(tensors, binary / "adapter_model.bin")
+    prompt = mixed_prompts(6, [10])[0]
+    with LLM(tiny_llama_dir, **LORA_FIELDS) as llm:
+        info = llm.add_lora("bin", str(binary))
+        assert info["rank"] == 8 and len(info["target_modules"]) == 7
+        outs = llm.generate(
+            [prompt, prompt], greedy_params(6), lora=[source, LoRARequest("bin", str(binary))]
+        )
+    assert outs[0].output_token_ids == outs[1].output_token_ids
+    assert outs[0].output_token_ids == peft_greedy(tiny_llama_dir, source.path, tuple(prompt), 6)
+
+
+def test_a_request_naming_a_loaded_adapter_from_another_path_is_refused(lora_engine, adapters):
+    a, b = adapters["attn4"], adapters["all8"]
+    lora_engine.add_lora("same-name", a.path)
+    try:
+        with pytest.raises(LoRAError, match="is loaded from") as info:
+            lora_engine.add(lora_request("r", LoRARequest("same-name", b.path)))
+        assert info.value.param == "model"
+        assert lora_engine.num_request_states == 0
+    finally:
+        assert lora_engine.remove_lora("same-name")
