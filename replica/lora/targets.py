@@ -59,17 +59,15 @@ def _layer_targets(layer: nn.Module, model: nn.Module) -> dict[str, Target]:
                 continue
             else:
                 continue
-            parts = {
-                part: shard for part, shard in shard_ids.items() if shard in rows
-            }  # HF part name -> shard id of this fused linear
             if child_name in fused_names:  # a checkpoint that stores it fused (Phi-3)
-                found[child_name] = Target(
-                    child,
-                    tuple((shard_ids[p], rows[shard_ids[p]]) for p, _ in fused_names[child_name]),
-                    child.input_size,
+                parts = tuple(
+                    (shard_ids[p], rows[shard_ids[p]]) for p, _ in fused_names[child_name]
                 )
-            for part, shard in parts.items():
-                found[part] = Target(child, ((shard, rows[shard]),), child.input_size)
+                found[child_name] = Target(child, parts, child.input_size)
+                continue
+            for part, shard in shard_ids.items():  # HF's names of this linear's parts
+                if shard in rows:
+                    found[part] = Target(child, ((shard, rows[shard]),), child.input_size)
     return found
 
 
