@@ -116,6 +116,7 @@ class RoutingStats:
             max_num_batched_tokens=config.max_num_batched_tokens,
             num_free_blocks=num_free_blocks,
             num_kv_blocks=num_kv_blocks,
+            loras=tuple(stats.loras),
             **extra,
         )
 

@@ -230,7 +230,36 @@ class LLMServer:
             "replica_id": self.replica_id,
             "startup_s": self.startup_s,
             "weight_bytes": info.weight_bytes,
+            "lora": {
+                "enabled": self.config.lora_enabled,
+                "max_loras": self.config.max_loras,
+                "max_lora_rank": self.config.max_lora_rank,
+                "max_cpu_loras": self.config.lora_capacity,
+            },
         }
+
+    # -- LoRA adapters (replica/lora/): run on the engine between two steps -----------------
+    async def _engine_call(self, op: CoreOp, arg, method: str, *args):
+        if self.core_process:
+            future = self.engine.call(op, arg)
+        else:
+            future = self.engine.call_on_engine_thread(
+                lambda engine: getattr(engine, method)(*args)
+            )
+        return await asyncio.wrap_future(future)
+
+    async def load_lora(self, name: str, path: str) -> dict:
+        """Load a LoRA adapter (PEFT directory on this node) now: {name, rank,
+        target_modules, load_s}; LoRAError (HTTP 400) names what is wrong."""
+        return await self._engine_call(CoreOp.LORA_ADD, [name, path], "add_lora", name, path)
+
+    async def unload_lora(self, name: str) -> bool:
+        """Drop an adapter (once its requests end, if any run); False when not loaded."""
+        return await self._engine_call(CoreOp.LORA_REMOVE, name, "remove_lora", name)
+
+    async def list_loras(self) -> list[str]:
+        """The adapters this replica holds loaded, least recently used first."""
+        return await self._engine_call(CoreOp.LORA_LIST, None, "list_loras")
 
     def routing_stats(self) -> RoutingStats:
         """Engine counters as of the last step, and whether the engine is healthy."""

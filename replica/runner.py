@@ -36,6 +36,7 @@ from replica.layers.cpu_kernels import (
 from replica.layers.linear import TensorParallel, pack_linear_weights
 from replica.layers.sampler import Sampler
 from replica.loader import load_hf_config, load_model
+from replica.lora import LoRAModel, LoRATargets, PeftAdapter
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
 from replica.models.windows import all_layers_window
 from replica.quant.weights import set_activations, weight_bytes
@@ -71,6 +72,8 @@ class StepBatch:
     sample_rows: list[int]  # rows of the flat stream whose logits are computed
     # a hybrid model's KV groups 1..: per group, per request, its block table (kv_groups.py)
     group_block_ids: list[list[list[int]]] = field(default_factory=list)
+    # per request: its LoRA adapter's slot (0: the base model); empty when LoRA is off
+    lora_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -124,6 +127,10 @@ class ModelRunner:
         started = self._phase("config", started)
         self.model = load_model(
             model_dir, self.hf_config, self.tp, self.device, self.dtype, config.quantization
+        )
+        # LoRA adapters (replica/lora/): a LoRALinear on every adaptable layer
+        self.lora = (
+            LoRAModel(self.model, self.tp, self.dtype, self.device) if config.lora_enabled else None
         )
         self.quant_activations = config.resolved_quant_activations()
         self.num_quantized_weights = set_activations(self.model, self.quant_activations)
@@ -183,6 +190,8 @@ class ModelRunner:
         """CUDA graphs of decode steps (cuda_graphs.py): CUDA, one rank, flex attention, no
         quantized weights (their kernels are not known to be capturable)."""
         config = self.config
+        if self.lora is not None:  # the per-step adapter groups are not captured
+            return None
         if self.device.type == "cuda" and config.cuda_graphs and self.num_quantized_weights:
             logger.info("quantized weights: decode steps run without CUDA graphs")
             return None
@@ -526,32 +535,39 @@ class ModelRunner:
         """The step's flat token stream and per-request layout (no tensors, no requests).
         Logits rows: each sampled request's last row, in order, then every row of each
         request that runs a draft (its last token's and the draft's: the positions verified),
-        then the rows of prompt positions whose logprobs are wanted (`_prompt_logprob_rows`)."""
+        then the rows of prompt positions whose logprobs are wanted (`_prompt_logprob_rows`).
+        With LoRA adapters in the step the requests' rows are laid out grouped by adapter."""
+        scheduled = so.scheduled  # in the order the rows are laid out
+        lora_slots = []
+        if self.lora is not None:
+            lora_slots = self.lora.slots_of(s.request for s in scheduled)
+            if any(lora_slots):  # each adapter's rows side by side: one slice in every layer
+                order = sorted(range(len(scheduled)), key=lora_slots.__getitem__)
+                scheduled = [scheduled[i] for i in order]
+                lora_slots = [lora_slots[i] for i in order]
         input_ids: list[int] = []
         starts, query_lens, block_ids, sample_rows = [], [], [], []
-        first_rows = []
-        draft_rows: list[int] = []
-        for s in so.scheduled:
-            first_rows.append(len(input_ids))
+        first_row: dict[int, int] = {}
+        for s in scheduled:
+            first_row[id(s)] = len(input_ids)
             input_ids += s.token_ids()
             starts.append(s.start)
             query_lens.append(s.num_tokens)
             block_ids.append(s.block_ids)
+        draft_rows: list[int] = []
+        for s in so.scheduled:  # logits rows in the scheduler's order, wherever the rows are
+            end = first_row[id(s)] + s.num_tokens
             if s.draft:
-                end = len(input_ids)
                 draft_rows.extend(range(end - len(s.draft) - 1, end))
             elif s.sample:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.append(end - 1)
         sample_rows += draft_rows
-        prompt_rows = self._prompt_logprob_rows(so)
-        if prompt_rows:
-            first_row = {id(s): row for s, row in zip(so.scheduled, first_rows)}
-            for s, n in prompt_rows:
-                sample_rows.extend(range(first_row[id(s)], first_row[id(s)] + n))
+        for s, n in self._prompt_logprob_rows(so):
+            sample_rows.extend(range(first_row[id(s)], first_row[id(s)] + n))
         groups = []
         if self.kv_groups.hybrid:  # per group, each request's table
-            groups = [list(tables) for tables in zip(*(s.group_block_ids for s in so.scheduled))]
-        return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows, groups)
+            groups = [list(tables) for tables in zip(*(s.group_block_ids for s in scheduled))]
+        return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows, groups, lora_slots)
 
     @torch.inference_mode()
     def forward_batch(self, batch: StepBatch) -> torch.Tensor | None:
@@ -577,8 +593,15 @@ class ModelRunner:
             if self.kv_prefault is not None:  # new blocks come from above the highest in use
                 tables = [t for ts in (batch.block_ids, *batch.group_block_ids) for t in ts if t]
                 self.kv_prefault.need(1 + max((t[-1] for t in tables), default=0))
+            lora = self.lora
+            if lora is not None:  # the step's rows grouped by adapter, once for every layer
+                lora.begin_step(batch.lora_slots, batch.query_lens)
             forward_start = time.perf_counter()
-            hidden = self.model(ids, positions, self.kv_caches, meta)
+            try:
+                hidden = self.model(ids, positions, self.kv_caches, meta)
+            finally:
+                if lora is not None:
+                    lora.end_step()
             logits = (
                 None if rows is None else self.model.compute_logits(hidden.index_select(0, rows))
             )
@@ -598,6 +621,22 @@ class ModelRunner:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
             self.generators[s.request_id] = generator
         return generator
+
+    # -- LoRA adapters (replica/lora/) -------------------------------------------------------
+    @property
+    def lora_targets(self) -> LoRATargets:
+        """The model's adaptable layers (an adapter is checked against them)."""
+        if self.lora is None:
+            raise RuntimeError("LoRA is off on this runner (enable_lora=false)")
+        return self.lora.targets
+
+    def add_lora(self, slot: int, adapter: PeftAdapter, name: str | None = None) -> None:
+        """Install an adapter read by replica.lora.read_adapter in `slot` (1..capacity)."""
+        with torch.inference_mode():
+            self.lora.add(slot, adapter, name)
+
+    def remove_lora(self, slot: int) -> None:
+        self.lora.remove(slot)
 
     def check_health(self) -> None:
         """Nothing to check: this runner has no peer to lose, its failures raise from execute."""

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from replica.config import EngineConfig
 from replica.kv_cache import KVCacheManager
 from replica.kv_hybrid import HybridKVCacheManager
 from replica.limits import check_fits
-from replica.request import Request, RequestRejected, RequestStatus, StepOutput
+from replica.request import LoRARequest, Request, RequestRejected, RequestStatus, StepOutput
 from replica.spec_decode import NgramProposer, speculation_allowed
 
 logger = logging.getLogger(__name__)
@@ -75,10 +76,15 @@ class SchedulerStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    loras: tuple[str, ...] = ()  # LoRA adapters held loaded (replica/lora/manager.py)
 
 
 def _sort_key(request: Request) -> tuple[int, float, int]:
     return request.sort_key
+
+
+def _always_ready(lora: LoRARequest) -> bool:
+    return True
 
 
 class Scheduler:
@@ -109,6 +115,11 @@ class Scheduler:
         else:
             self.kv = KVCacheManager(num_kv_blocks, config.block_size, caching, kv_sliding_window)
         self.hybrid = len(kv_group_windows) > 1
+        # LoRA: at most max_loras distinct adapters among a step's requests; a request whose
+        # adapter is not loaded yet waits (`lora_ready`, the engine's LoRAManager.ready)
+        self.max_loras = config.max_loras if config.lora_enabled else None
+        self.lora_ready: Callable[[LoRARequest], bool] = _always_ready
+        self.lora_names: Callable[[], list[str]] = list
         self.requests: dict[str, Request] = {}
         # fcfs: arrival order, a preempted request back at the front; priority: ordered by
         # (priority, arrival time), so a preempted request keeps its place
@@ -299,8 +310,24 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, threshold: int) -> None:
         kv = self.kv
         chunked = self.config.enable_chunked_prefill
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        waiting = self.waiting
+        # LoRA (vLLM's rule): a request whose adapter is not loaded, or would be one adapter
+        # too many among the running requests and this step's admissions, is skipped this
+        # step (it keeps its place); the requests behind it may still be admitted
+        max_loras = self.max_loras
+        active = None
+        if max_loras is not None:
+            active = {r.lora.name for r in self.running if r.lora is not None}
+        index = 0
+        while index < len(waiting) and budget > 0:
+            request = waiting[index]
+            lora = request.lora
+            if lora is not None and active is not None:
+                if not self.lora_ready(lora) or (
+                    lora.name not in active and len(active) >= max_loras
+                ):
+                    index += 1
+                    continue
             if len(self.running) >= self.max_num_seqs:
                 # priority: a seat is taken from a running request of lower priority
                 restored = self._preempt_lower_priority(request, out)
@@ -326,7 +353,9 @@ class Scheduler:
                     break
                 budget += restored
                 continue
-            self.waiting.popleft()
+            del waiting[index]
+            if lora is not None and active is not None:
+                active.add(lora.name)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -483,4 +512,5 @@ class Scheduler:
             spec_num_drafts=spec.num_drafts if spec else 0,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            loras=tuple(self.lora_names()),
         )

@@ -13,10 +13,12 @@ from pathlib import Path
 from replica.config import EngineConfig
 from replica.engine.output_processor import OutputProcessor
 from replica.engine.wire import StepReport
+from replica.errors import LoRAError
 from replica.limits import EngineLimits
 from replica.request import (
     EngineRequest,
     GrammarRejected,
+    LoRARequest,
     Request,
     RequestOutput,
     RequestStatus,
@@ -129,6 +131,20 @@ class Engine:
             getattr(self.runner, "kv_group_windows", ()),  # a hybrid model: a table per group
         )
         self._requests: dict[str, Request] = {}  # unfinished, by id
+        # LoRA adapters (replica/lora/manager.py): an LRU of them, loaded on demand; the
+        # scheduler skips a request until its adapter is in
+        self.loras = None
+        if config.lora_enabled:
+            from replica.lora import LoRAManager
+
+            self.loras = LoRAManager(config, self.runner)
+            for module in config.lora_modules:
+                self.loras.add(module.name, module.path)
+            self.scheduler.lora_ready = self.loras.ready
+            self.scheduler.lora_names = self.loras.names
+        # requests that ended on an error after they were taken (an adapter that failed to
+        # load): (request id, exception), collected by the caller (EngineDriver, LLM)
+        self.request_errors: list[tuple[str, BaseException]] = []
         self.output_processor = OutputProcessor(tokenizer) if detokenize else None
         self.vocab_size = self.runner.vocab_size
         self.limits = EngineLimits(
@@ -184,7 +200,15 @@ class Engine:
         if params.structured is not None:
             compiled = compiled_grammar or self.compile_grammar(params)
             state.grammar = self.structured.new_state(params.structured, compiled)
-        self.scheduler.add_request(state)
+        if request.lora is not None:
+            self._lora_manager(request.lora.name).acquire(rid, request.lora)
+            try:
+                self.scheduler.add_request(state)
+            except BaseException:
+                self.loras.release(rid, request.lora)
+                raise
+        else:
+            self.scheduler.add_request(state)
         self._requests[rid] = state
         if self.output_processor is not None:
             self.output_processor.add(rid, state.prompt_token_ids, params)
@@ -197,9 +221,12 @@ class Engine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> Request:
         """Check and queue a request given by its parts (the offline API)."""
-        request = EngineRequest(list(prompt_token_ids), params, request_id, priority, arrival_time)
+        request = EngineRequest(
+            list(prompt_token_ids), params, request_id, priority, arrival_time, lora=lora
+        )
         self.check_request(request)
         return self.add(request)
 
@@ -217,7 +244,9 @@ class Engine:
             self._forget(rid)
 
     def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request is not None and request.lora is not None:
+            self.loras.release(request_id, request.lora)
         if self.output_processor is not None:
             self.output_processor.drop(request_id)
 
@@ -235,9 +264,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and turn sampled tokens into per-request outputs."""
         t0 = time.perf_counter()
+        loras = self.loras
+        if loras is not None and loras.loading:  # adapters read since the last step
+            self._fail_requests(loras.poll())
         scheduler_output = self.scheduler.schedule()
         self.last_schedule_time = time.perf_counter() - t0
         if scheduler_output.is_empty:
+            if loras is not None and loras.loading:  # nothing runs until an adapter is in
+                loras.wait(0.01)
             return []
         runner_output = self.runner.execute(scheduler_output)
         step_outputs = self.scheduler.update_from_output(
@@ -273,7 +307,7 @@ class Engine:
                         [step.request_id], RequestStatus.FINISHED_STOPPED
                     )
             if out.finished:
-                del self._requests[step.request_id]
+                self._forget(step.request_id)
             outputs.append(out)
         if self.step_listeners:
             elapsed = time.perf_counter() - t0
@@ -281,5 +315,43 @@ class Engine:
                 listener(self, scheduler_output, outputs, elapsed)
         return outputs
 
+    def _fail_requests(self, errors: list[tuple[str, BaseException]]) -> None:
+        """End requests that cannot run (their adapter failed to load); their callers hear of
+        the error through `request_errors`."""
+        for rid, exc in errors:
+            if rid not in self._requests:
+                continue
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            self._forget(rid)
+            self.request_errors.append((rid, exc))
+
+    def take_request_errors(self) -> list[tuple[str, BaseException]]:
+        errors, self.request_errors = self.request_errors, []
+        return errors
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+    def _lora_manager(self, name: str):
+        if self.loras is None:
+            raise LoRAError(
+                f"LoRA adapter {name!r} requested, but LoRA is off on this replica "
+                "(enable_lora=false and no lora_modules)"
+            )
+        return self.loras
+
+    def add_lora(self, name: str, path: str) -> dict:
+        """Read, check and load an adapter now; {name, rank, target_modules, load_s}."""
+        return self._lora_manager(name).add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """Drop an adapter (when its last request ends, if requests use it); False when it
+        is not loaded."""
+        return self._lora_manager(name).remove(name)
+
+    def list_loras(self) -> list[str]:
+        """Adapters loaded, least recently used first (empty when LoRA is off)."""
+        return [] if self.loras is None else self.loras.names()
+
     def shutdown(self) -> None:
+        if self.loras is not None:
+            self.loras.shutdown()
         self.runner.shutdown()

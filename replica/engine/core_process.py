@@ -254,6 +254,13 @@ class EngineCore:
             return self.engine.structured.prepared
         if op is CoreOp.KV_STATS:
             return self.sealer.stats() if self.sealer else {}
+        if op is CoreOp.LORA_ADD:
+            name, path = arg
+            return self.engine.add_lora(name, path)
+        if op is CoreOp.LORA_REMOVE:
+            return self.engine.remove_lora(arg)
+        if op is CoreOp.LORA_LIST:
+            return self.engine.list_loras()
         raise ValueError(f"unknown engine core call {op!r}")
 
 

@@ -71,7 +71,10 @@ class EngineDriver:
         self.engine.finish_stopped(request_ids)
 
     def admit_compiled(self) -> None:
-        """Queue the requests whose grammar compiled since the last call."""
+        """Queue the requests whose grammar compiled since the last call; report the requests
+        the engine ended on an error since then (an adapter that failed to load)."""
+        for request_id, exc in self.engine.take_request_errors():
+            self._on_error(request_id, exc)
         while self._compiled:
             request, compiled = self._compiled.popleft()
             if request.request_id not in self._compiling:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from replica.config import EngineConfig
 from replica.engine.core import Engine
-from replica.request import RequestOutput, SamplingParams
+from replica.request import LoRARequest, RequestOutput, SamplingParams
 
 
 @dataclass
@@ -56,9 +56,16 @@ class LLM:
         self,
         prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
+        """`lora`: the adapter every prompt runs with, or one per prompt (None: the base
+        model). An adapter that fails to load raises its LoRAError."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if lora is None or isinstance(lora, LoRARequest):
+            lora = [lora] * len(prompts)
+        if len(lora) != len(prompts):
+            raise ValueError(f"got {len(lora)} LoRA requests for {len(prompts)} prompts")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -72,13 +79,18 @@ class LLM:
         engine = self.engine
         prompt_ids: dict[str, list[int]] = {}  # in submission order
         merged: dict[str, RequestOutput] = {}
-        for prompt, params in zip(prompts, sampling_params, strict=True):
+        for prompt, params, adapter in zip(prompts, sampling_params, lora, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))
-            engine.add_request(rid, ids, params)
+            engine.add_request(rid, ids, params, lora=adapter)
             prompt_ids[rid] = ids
         while engine.has_unfinished():
-            for out in engine.step():
+            outputs = engine.step()
+            errors = engine.take_request_errors()
+            if errors:
+                engine.abort(list(prompt_ids))
+                raise errors[0][1]
+            for out in outputs:
                 seen = merged.get(out.request_id)
                 merged[out.request_id] = out if seen is None else seen.merge(out)
         return [
@@ -96,6 +108,16 @@ class LLM:
             )
             for rid, ids in prompt_ids.items()
         ]
+
+    def add_lora(self, name: str, path: str) -> dict:
+        """Load an adapter now: {name, rank, target_modules, load_s} (Engine.add_lora)."""
+        return self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
 
     def shutdown(self) -> None:
         """Release the engine's resources now (idempotent)."""

@@ -48,6 +48,9 @@ class CoreOp(enum.Enum):
     KV_SNAPSHOT = "kv_snapshot"
     KV_STATS = "kv_stats"
     GRAMMAR_COMPILER_READY = "grammar_compiler_ready"
+    LORA_ADD = "lora_add"  # load a LoRA adapter now: arg = [name, path]
+    LORA_REMOVE = "lora_remove"  # arg = name
+    LORA_LIST = "lora_list"
 
 
 class _Message(msgspec.Struct, array_like=True, tag_field="kind", omit_defaults=False):
@@ -78,7 +81,7 @@ class Stop(_Message, tag=int(Command.STOP)):
 class Call(_Message, tag=int(Command.CALL)):
     call_id: int
     op: CoreOp
-    arg: int | float | bool | None = None
+    arg: int | float | bool | str | list[str] | None = None
 
 
 class Shutdown(_Message, tag=int(Command.SHUTDOWN)):

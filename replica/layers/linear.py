@@ -121,6 +121,9 @@ class PackableLinear(nn.Module):
 
     packed_weight: torch.Tensor | None = None
     release_after_packing = True  # False where another module reads the same weight
+    # the layer's LoRA adapters (replica/lora/layer.py LoRALinear), set when LoRA is on: their
+    # products are added to the base output, before a row-parallel layer's all-reduce
+    lora = None
 
     def pack_weights(self) -> bool:
         weight = self.weight
@@ -195,7 +198,10 @@ class ColumnParallelLinear(PackableLinear):
         param.data.copy_(narrow_loaded(loaded, 0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, out)
+        return out
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -300,6 +306,12 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.matmul(x, self.bias)
-        y = self.tp.all_reduce(self.matmul(x, None))
+            out = self.matmul(x, self.bias)
+            if self.lora is not None:
+                self.lora.apply(x, out)
+            return out
+        partial = self.matmul(x, None)
+        if self.lora is not None:  # this rank's share of the LoRA product, summed below
+            self.lora.apply(x, partial)
+        y = self.tp.all_reduce(partial)
         return y if self.bias is None else y + self.bias

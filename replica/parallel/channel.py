@@ -11,26 +11,30 @@ import torch.distributed as dist
 
 from replica.runner import StepBatch
 
-_STEP, _STOP = 1, 2  # commands
+# commands: a step's batch; stop; install a LoRA adapter (slot, its path as bytes) in every
+# rank; drop the adapter of a slot
+_STEP, _STOP, _LORA_ADD, _LORA_REMOVE = 1, 2, 3, 4
 # Ints in the first broadcast of a step: a decode step of dozens of requests fits in one
 # message; a larger one sends the rest in a second broadcast.
 MESSAGE_CAPACITY = 2048
 
 
 def encode_batch(batch: StepBatch) -> list[int]:
-    """[num_reqs, num_sampled, starts, query_lens, table lengths, sample rows, token ids,
-    block ids, then per further KV group (a hybrid model's): its tables' lengths and block
-    ids] as one flat list of ints."""
+    """[num_reqs, num_sampled, has LoRA slots, starts, query_lens, table lengths, sample rows,
+    token ids, block ids, LoRA slots if any, then per further KV group (a hybrid model's):
+    its tables' lengths and block ids] as one flat list of ints."""
     tables = batch.block_ids
     flat = [
         len(batch.starts),
         len(batch.sample_rows),
+        int(bool(batch.lora_slots)),
         *batch.starts,
         *batch.query_lens,
         *map(len, tables),
         *batch.sample_rows,
         *batch.input_ids,
         *itertools.chain.from_iterable(tables),
+        *batch.lora_slots,
     ]
     for group in batch.group_block_ids:
         flat += [*map(len, group), *itertools.chain.from_iterable(group)]
@@ -46,8 +50,8 @@ def _tables(flat: list[int], i: int, lengths: list[int]) -> tuple[list[list[int]
 
 
 def decode_batch(flat: list[int]) -> StepBatch:
-    n, m = flat[0], flat[1]
-    i = 2
+    n, m, has_lora = flat[0], flat[1], flat[2]
+    i = 3
     starts = flat[i : i + n]
     query_lens = flat[i + n : i + 2 * n]
     table_lens = flat[i + 2 * n : i + 3 * n]
@@ -58,11 +62,23 @@ def decode_batch(flat: list[int]) -> StepBatch:
     input_ids = flat[i : i + num_tokens]
     i += num_tokens
     tables, i = _tables(flat, i, table_lens)
+    lora_slots = []
+    if has_lora:
+        lora_slots = flat[i : i + n]
+        i += n
     groups = []
     while i < len(flat):  # a hybrid model's further KV groups
         group, i = _tables(flat, i + n, flat[i : i + n])
         groups.append(group)
-    return StepBatch(input_ids, starts, query_lens, tables, sample_rows, groups)
+    return StepBatch(input_ids, starts, query_lens, tables, sample_rows, groups, lora_slots)
+
+
+def encode_lora_add(slot: int, path: str) -> list[int]:
+    return [slot, *path.encode()]
+
+
+def decode_lora_add(payload: list[int]) -> tuple[int, str]:
+    return payload[0], bytes(payload[1:]).decode()
 
 
 class StepChannel:

@@ -16,7 +16,14 @@ import torch.distributed as dist
 import replica.parallel.channel as _channel
 import replica.parallel.workers as _workers
 from replica.config import EngineConfig
-from replica.parallel.channel import _STEP, _STOP, StepChannel
+from replica.parallel.channel import (
+    _LORA_ADD,
+    _LORA_REMOVE,
+    _STEP,
+    _STOP,
+    StepChannel,
+    encode_lora_add,
+)
 from replica.parallel.checks import (
     _check_bundles,
     _check_local_devices,
@@ -267,6 +274,29 @@ class TensorParallelRunner:
                 reason = self._failure or f"tensor-parallel step failed: {exc}"
                 self._mark_failed(reason)
                 raise TensorParallelError(reason) from exc
+
+    # -- LoRA adapters: the same op on every rank, between two steps ------------------------
+    @property
+    def lora_targets(self):
+        return self.runner.lora_targets
+
+    def add_lora(self, slot: int, adapter, name: str | None = None) -> None:
+        """Install an adapter rank 0 read (replica.lora.read_adapter) in every rank's slot:
+        the others read their copy from its path and keep their shard."""
+        self._broadcast_op(_LORA_ADD, encode_lora_add(slot, adapter.path))
+        self.runner.add_lora(slot, adapter, name)
+
+    def remove_lora(self, slot: int) -> None:
+        self._broadcast_op(_LORA_REMOVE, [slot])
+        self.runner.remove_lora(slot)
+
+    def _broadcast_op(self, command: int, payload: list[int]) -> None:
+        if self._failure is not None:
+            raise TensorParallelError(self._failure)
+        with self._step_lock:
+            if self._closed:
+                raise TensorParallelError("the tensor-parallel group is shut down")
+            self.channel.send(command, payload)
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop the workers (gracefully when the group is idle and healthy, else by kill),

@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 
 from replica.config import EngineConfig
-from replica.parallel.channel import _STOP, StepChannel, decode_batch
+from replica.parallel.channel import (
+    _LORA_ADD,
+    _LORA_REMOVE,
+    _STOP,
+    StepChannel,
+    decode_batch,
+    decode_lora_add,
+)
 from replica.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -101,7 +108,16 @@ def run_worker_rank(spec: RankSpec) -> None:
             command, payload = channel.receive()
             if command == _STOP:
                 break
-            runner.forward_batch(decode_batch(payload))
+            if command == _LORA_ADD:  # rank 0 read and checked it: read this rank's copy
+                from replica.lora import read_adapter
+
+                slot, path = decode_lora_add(payload)
+                adapter = read_adapter(path, path, runner.lora_targets, config.max_lora_rank)
+                runner.add_lora(slot, adapter)
+            elif command == _LORA_REMOVE:
+                runner.remove_lora(payload[0])
+            else:
+                runner.forward_batch(decode_batch(payload))
     finally:
         runner.shutdown()
         _leave_group()
