@@ -54,7 +54,11 @@ def replica_options(config: ClusterConfig, model: ModelDeployment | None = None)
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTERS[config.routing.policy],
             request_router_kwargs=(
-                {"routing": config.routing.model_dump(), "block_size": engine.block_size}
+                {
+                    "routing": config.routing.model_dump(),
+                    "block_size": engine.block_size,
+                    "lora_capacity": engine.lora_capacity,
+                }
                 if config.routing.policy != "pow2"
                 else {}
             ),

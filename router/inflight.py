@@ -51,8 +51,8 @@ class InflightLoad:
     Adapters: the LoRA adapters this router sent requests for to each replica, the latest
     `lora_slots` per replica with when (`adapter_sent`): a replica loads an adapter for the
     request that needs it, so the next request for it should find it held there before the
-    replica's next report says so (and when reports are stale). `lora_slots` stands for the
-    replicas' max_cpu_loras, which their reports do not carry (EngineConfig's default).
+    replica's next report says so (and when reports are stale). `lora_slots` is the
+    replicas' max_cpu_loras (the deployment's request_router_kwargs give it).
     """
 
     def __init__(

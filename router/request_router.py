@@ -60,12 +60,17 @@ def _recorded_healthy(replica: RunningReplica) -> bool:
 
 class LoadAwareRouter(RequestRouter):
     def initialize_state(
-        self, routing: dict | None = None, block_size: int = 16, **_: object
+        self,
+        routing: dict | None = None,
+        block_size: int = 16,
+        lora_capacity: int = 4,
+        **_: object,
     ) -> None:
         register_router(self)
         self.routing_config = RoutingConfig.model_validate(routing or {})
         self.policy = Policy(self.routing_config)
-        self.inflight = InflightLoad()
+        # adapters a replica holds: its max_cpu_loras, for the router's tally of those it sent
+        self.inflight = InflightLoad(lora_slots=lora_capacity)
         self._rng = random.Random()
         register_inflight(self.inflight)
         self.kv: KVRouting | None = None

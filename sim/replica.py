@@ -123,6 +123,8 @@ class SimReplica:
         self.lora_users: dict[str, int] = {}  # adapter -> its requests on this replica
         self.lora_loading: dict[str, list[SimRequest]] = {}  # adapter -> requests waiting
         self.lora_loads = 0
+        # the scheduler reports the adapters held (RoutingStats.loras) as a replica's does
+        self.scheduler.lora_names = lambda: list(self.loras)
 
     # -- requests --------------------------------------------------------------------------
     def receive(self, now: float, req: SimRequest) -> None:
@@ -253,7 +255,6 @@ class SimReplica:
         stats = RoutingStats.of_scheduler(
             self.rid, now, self.scheduler.stats(), self.sim.config.engine, self.preemptions,
             num_kv_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
-            loras=tuple(self.loras),
         )  # fmt: skip
         delay = self.sim.settings.stats_delivery_s
         if delay <= 0:
