@@ -96,10 +96,15 @@ class LoRAManager:
         """Pin the request's adapter; start reading it when it is not held."""
         held = self._held.get(lora.name)
         if held is not None and held.path != lora.path:
-            raise LoRAError(
-                f"LoRA adapter {lora.name!r} is loaded from {held.path!r}; the request names "
-                f"{lora.path!r}"
-            )
+            if held.pins:
+                raise LoRAError(
+                    f"LoRA adapter {lora.name!r} is loaded from {held.path!r} and in use by "
+                    f"{len(held.pins)} requests; the request names {lora.path!r}"
+                )
+            # the name was unloaded and loaded again from another path (the ingress's
+            # registry): the old adapter goes, the new one is read below
+            self._drop(held)
+            held = None
         if held is not None:
             held.pins.add(request_id)
             self._held.move_to_end(lora.name)

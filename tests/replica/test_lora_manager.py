@@ -360,13 +360,22 @@ def test_bin_weights_and_a_regex_target_load_as_safetensors_do(tiny_llama_dir, a
     assert outs[0].output_token_ids == peft_greedy(tiny_llama_dir, source.path, tuple(prompt), 6)
 
 
-def test_a_request_naming_a_loaded_adapter_from_another_path_is_refused(lora_engine, adapters):
+def test_an_adapter_loaded_again_from_another_path_replaces_the_old_one(lora_engine, adapters):
+    """The name unloaded and loaded again from another path (the ingress's registry): a
+    replica still holding the old files drops them for the new ones while no request uses
+    them, and refuses (naming both paths) while one does."""
     a, b = adapters["attn4"], adapters["all8"]
     lora_engine.add_lora("same-name", a.path)
     try:
-        with pytest.raises(LoRAError, match="is loaded from") as info:
+        lora_engine.add(lora_request("old", LoRARequest("same-name", a.path), max_tokens=50))
+        with pytest.raises(LoRAError, match="is loaded from .* in use by 1") as info:
             lora_engine.add(lora_request("r", LoRARequest("same-name", b.path)))
         assert info.value.param == "model"
-        assert lora_engine.num_request_states == 0
+        run_to_end(lora_engine)
+        lora_engine.add(lora_request("new", LoRARequest("same-name", b.path)))
+        replaced = run_to_end(lora_engine)["new"]
+        lora_engine.add(lora_request("ref", b))
+        assert replaced == run_to_end(lora_engine)["ref"]
+        assert lora_engine.list_loras().count("same-name") == 1
     finally:
         assert lora_engine.remove_lora("same-name")
