@@ -39,17 +39,23 @@ def make_adapters(model: Path, root: Path, count: int, rank: int, targets) -> li
     return out
 
 
-def throughput(llm, prompts, output_len: int, loras) -> dict:
-    """One timed batch: every prompt with its adapter (None: the base model)."""
+def throughput(llm, prompts, output_len: int, loras, repeats: int) -> dict:
+    """The batch timed `repeats` times, every prompt with its adapter (None: the base model):
+    the median run's tokens/s, and every run's."""
     from replica.request import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), lora=loras[0])  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, lora=loras)
-    elapsed = time.perf_counter() - start
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, lora=loras)
+        elapsed = time.perf_counter() - start
+        runs.append(sum(len(o.output_token_ids) for o in outs) / elapsed)
     tokens = sum(len(o.output_token_ids) for o in outs)
-    return {"output_tokens": tokens, "seconds": round(elapsed, 4), "tok_s": tokens / elapsed}
+    median = statistics.median(runs)
+    return {"output_tokens": tokens, "seconds": round(tokens / median, 4), "tok_s": median,
+            "runs_tok_s": [round(r, 1) for r in runs]}  # fmt: skip
 
 
 def load_times(llm, adapters, repeats: int) -> dict:
@@ -79,13 +85,14 @@ def main() -> None:
     parser.add_argument("--targets", default="all", choices=["all", "attention"])
     parser.add_argument("--load-ranks", default="8,16,64")
     parser.add_argument("--load-repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch (median)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     parser.add_argument("--adapter-dir", default=None, help="where adapters are made/reused")
     parser.add_argument("--quick", action="store_true", help="8 requests x 16 tokens")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results)")
     args = parser.parse_args()
     if args.quick:
-        args.num_requests, args.output_len, args.load_repeats = 8, 16, 2
+        args.num_requests, args.output_len, args.load_repeats, args.repeats = 8, 16, 2, 1
 
     import numpy as np
     import torch
@@ -112,7 +119,7 @@ def main() -> None:
     base = [None] * len(prompts)
     runs = {}
     with LLM(model, **fields) as llm:
-        runs["base (LoRA off)"] = throughput(llm, prompts, args.output_len, base)
+        runs["base (LoRA off)"] = throughput(llm, prompts, args.output_len, base, args.repeats)
     max_rank = max([args.rank, *load_ranks])
     lora_fields = fields | {
         "enable_lora": True,
@@ -121,13 +128,13 @@ def main() -> None:
         "max_lora_rank": max_rank,
     }
     with LLM(model, **lora_fields) as llm:
-        runs["base (LoRA on)"] = throughput(llm, prompts, args.output_len, base)
+        runs["base (LoRA on)"] = throughput(llm, prompts, args.output_len, base, args.repeats)
         for lora in adapters:  # loaded before timing: the loads are timed separately
             llm.add_lora(lora.name, lora.path)
         for count in counts:
             loras = [adapters[i % count] for i in range(len(prompts))]
             runs[f"{count} adapter{'s' * (count > 1)}"] = throughput(
-                llm, prompts, args.output_len, loras
+                llm, prompts, args.output_len, loras, args.repeats
             )
     base_tok_s = runs["base (LoRA off)"]["tok_s"]
     for run in runs.values():
@@ -159,6 +166,7 @@ def main() -> None:
         "num_requests": args.num_requests,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
+        "repeats": args.repeats,
         "rank": args.rank,
         "targets": list(targets),
         "threads": torch.get_num_threads(),
