@@ -28,6 +28,7 @@ from replica.request import (
     EngineRequest,
     LoRARequest,
     RequestOutput,
+    Resume,
     extend_block_hashes,
     root_block_hash,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "EngineOverloaded",
     "EngineRequest",
     "LoRARequest",
+    "Resume",
     "root_block_hash",
     "GenerateRequest",
     "GrammarRejected",

@@ -94,6 +94,22 @@ _FINISH_REASONS = {
 
 
 @dataclass(frozen=True, slots=True)
+class Resume:
+    """What the client already has of a request whose replica was lost mid-stream (or drained):
+    the ingress sends the request again with it, and the new replica continues as the lost one
+    would have. The engine treats `output_token_ids` as output already generated (the request
+    starts as if preempted after them: recomputed, then sampling goes on), so max_tokens,
+    min_tokens, penalties, stop conditions, seeded sampling (drawn per position) and a grammar
+    (replayed over them) continue where they were; `output_text` is the text the client has
+    seen, so the replica's next delta starts right after it (no text repeated or lost, a stop
+    string spanning the cut still found)."""
+
+    output_token_ids: list[int]
+    output_text: str
+    num_migrations: int = 1  # how many times this request has moved (the ingress's limit)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One request as an engine takes it: built once by whoever admits it (the ingress's
     fan-out, the offline LLM, a test) and carried whole to the scheduler, whose Request holds
@@ -107,6 +123,7 @@ class EngineRequest:
     # time.monotonic() when the replica took it (the front stamps it when None)
     arrival_time: float | None = None
     lora: LoRARequest | None = None  # the adapter to run with; None: the base model
+    resume: Resume | None = None  # a request continued on another replica (migration)
 
     @property
     def num_prompt_tokens(self) -> int:
