@@ -48,7 +48,8 @@ class LoRAModel:
                 a_full, b = self._row_parallel(target, entries)
             else:
                 a_full, b = self._column_parallel(target, entries)
-            target.linear.lora.weights[slot] = (
+            target.linear.lora.set(
+                slot,
                 a_full.to(self.device, self.dtype).contiguous(),
                 (b.float() * scaling).to(self.device, self.dtype).contiguous(),
             )
@@ -78,7 +79,7 @@ class LoRAModel:
 
     def remove(self, slot: int) -> None:
         for linear in self.linears:
-            linear.lora.weights.pop(slot, None)
+            linear.lora.drop(slot)
         for name in [n for n, s in self.slot_of.items() if s == slot]:
             del self.slot_of[name]
 
@@ -88,7 +89,9 @@ class LoRAModel:
         return [0 if r.lora is None else slot_of[r.lora.name] for r in requests]
 
     def begin_step(self, slots: list[int], query_lens: list[int]) -> None:
-        self.context.batch = LoRABatch.of(slots, query_lens, self.device) if slots else None
+        self.context.batch = (
+            LoRABatch.of(slots, query_lens, self.device, self.dtype) if slots else None
+        )
 
     def end_step(self) -> None:
         self.context.batch = None
