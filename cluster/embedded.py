@@ -1,7 +1,8 @@
 """The embedded cluster of `stepserve serve` (no --address): a Ray cluster of its own on this
 machine in the Ray Serve mode below, the application deployed on it, a clear error (and one
 retry behind Ray's own proxy) when it does not come up, and the start-up report. `start` also
-joins an existing cluster (--address)."""
+joins an existing cluster (--address), after a probe that turns a refused token or an address
+where no cluster answers into a clear error in seconds."""
 
 from __future__ import annotations
 
@@ -243,8 +244,9 @@ def _timed(timings: dict, phase: str):
 def join_cluster(address: str) -> None:
     """ray.init onto the Ray cluster at `address` (--address), after a probe of its GCS that
     takes a fraction of a second: a cluster that refuses this process's token, or no cluster
-    at the address, is a StartupError naming the address and what to do (ray.init retries for
-    20 s and more before it gives up on either, with a traceback that names neither cause)."""
+    at the address, is a StartupError naming the address and what to do (Ray 2.60's ray.init
+    gave up after 20 s on a refused token, and was still waiting after 120 s where nothing
+    listened, with a ConnectionError that names neither cause)."""
     import ray
     from ray.exceptions import AuthenticationError
 
@@ -304,6 +306,12 @@ def probe_cluster(address: str, timeout_s: float = 5.0) -> str | None:
                 "Start the head there first (`ray start --head --port PORT`), or give the "
                 "address and port it printed; a firewall must let this machine reach that port"
             ) from None
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise StartupError(
+                f"what listens at {gcs} (--address {address}) is not a Ray cluster's GCS "
+                f"({exc.details()}): give the port `ray start --head --port` was given "
+                "(6379 by default), not Serve's or the dashboard's"
+            ) from None
     finally:
         channel.close()
     return gcs
@@ -317,14 +325,14 @@ def _token_advice(gcs: str, cause: str | None) -> str:
     from ray._raylet import AuthenticationTokenLoader
 
     have = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
-    if not is_token_auth_enabled():
+    if cause and not is_token_auth_enabled():
         sent = "this process sent no token (RAY_AUTH_MODE is not 'token'" + (
             "; a token is on this machine, but Ray sends it to an explicit address only with "
             "RAY_AUTH_MODE=token)"
             if have
             else ")"
         )
-    elif not have:
+    elif not have or not cause:
         sent = "RAY_AUTH_MODE=token, but this process found no token"
     else:
         sent = "the token this process sent is not the cluster's"
