@@ -120,6 +120,19 @@ def thread_settings(config: ClusterConfig, model: ModelDeployment | None = None)
     }
 
 
+# http.proxy_location -> Ray Serve's ProxyLocation (the serve config's `proxy_location`)
+SERVE_PROXY_LOCATIONS = {"head": "HeadOnly", "every_node": "EveryNode"}
+
+
+def serve_start_options(config: ClusterConfig) -> dict:
+    """serve.start's cluster-wide options for this config: where the HTTP proxies run and what
+    they listen on (the serve config's `proxy_location` and `http_options`)."""
+    return {
+        "proxy_location": SERVE_PROXY_LOCATIONS[config.http.proxy_location],
+        "http_options": {"host": config.http.host, "port": config.http.port},
+    }
+
+
 def ingress_actor_options(config: ClusterConfig) -> dict:
     """The ingress takes no CPU from the replicas' share and, by default, runs on the head
     node (a sliver of the resource Ray gives only the head), beside the HTTP proxy: a worker

@@ -1,7 +1,8 @@
 """The embedded cluster of `stepserve serve` (no --address): a Ray cluster of its own on this
 machine in the Ray Serve mode below, the application deployed on it, a clear error (and one
 retry behind Ray's own proxy) when it does not come up, and the start-up report. `start` also
-joins an existing cluster (--address)."""
+joins an existing cluster (--address), after a probe that turns a refused token or an address
+where no cluster answers into a clear error in seconds."""
 
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ def start(config: ClusterConfig, address: str | None = None, timings: dict | Non
     if ray.is_initialized() or address:
         if not ray.is_initialized():
             with _timed(timings, "ray"):
-                ray.init(address=address, logging_level="WARNING")
+                join_cluster(address)
         return _deploy(config, timings)
     # the serving port is ours to take: a clear error now, not HAProxy's or uvicorn's from
     # inside an actor later (a stale HAProxy of an earlier server is ended)
@@ -240,20 +241,134 @@ def _timed(timings: dict, phase: str):
         timings[phase] = round(time.perf_counter() - started, 2)
 
 
+def join_cluster(address: str) -> None:
+    """ray.init onto the Ray cluster at `address` (--address), after a probe of its GCS that
+    takes a fraction of a second: a cluster that refuses this process's token, or no cluster
+    at the address, is a StartupError naming the address and what to do (Ray 2.60's ray.init
+    gave up after 20 s on a refused token, and was still waiting after 120 s where nothing
+    listened, with a ConnectionError that names neither cause)."""
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    gcs = probe_cluster(address)
+    try:
+        ray.init(address=address, logging_level="WARNING")
+    except AuthenticationError as exc:  # token mode on, but no token found here
+        raise StartupError(_token_advice(gcs or address, _first_line(exc))) from None
+    except ConnectionError as exc:
+        raise StartupError(
+            f"could not join the Ray cluster at {gcs or address} (--address {address}): "
+            f"{_first_line(exc)}. Check that `ray start --head` runs there and that this "
+            "machine reaches its port"
+        ) from None
+
+
+def probe_cluster(address: str, timeout_s: float = 5.0) -> str | None:
+    """The GCS address `address` stands for ("auto": the cluster `ray start` began on this
+    machine), once its GCS has answered one call made as ray.init would make it (with this
+    process's token when token authentication is on). Raises StartupError when nothing answers
+    there or the cluster refuses the token; None where this Ray has no such call to make (its
+    internals moved: ray.init alone then says what is wrong)."""
+    from ray.exceptions import AuthenticationError
+
+    try:
+        import grpc
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray._private.services import canonicalize_bootstrap_address
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return None
+    try:
+        gcs = canonicalize_bootstrap_address(address)
+    except (ConnectionError, ValueError) as exc:  # "auto" with no cluster here; a bad address
+        raise StartupError(f"--address {address}: {_first_line(exc)}") from None
+    if gcs is None:  # "local": ray.init would start a cluster, not join one
+        raise StartupError(
+            f"--address {address} names no cluster to join: leave --address out to start one"
+        )
+    if address in ("auto", None):  # ray.init sends a token found here to a local cluster only
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    channel = init_grpc_channel(gcs)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+    except AuthenticationError:  # RAY_AUTH_MODE=token, and no token to send
+        raise StartupError(_token_advice(gcs, None)) from None
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise StartupError(_token_advice(gcs, exc.details())) from None
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise StartupError(
+                f"no Ray cluster answers at {gcs} (--address {address}): {exc.details()}. "
+                "Start the head there first (`ray start --head --port PORT`), or give the "
+                "address and port it printed; a firewall must let this machine reach that port"
+            ) from None
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise StartupError(
+                f"what listens at {gcs} (--address {address}) is not a Ray cluster's GCS "
+                f"({exc.details()}): give the port `ray start --head --port` was given "
+                "(6379 by default), not Serve's or the dashboard's"
+            ) from None
+    finally:
+        channel.close()
+    return gcs
+
+
+def _token_advice(gcs: str, cause: str | None) -> str:
+    """What to do when the cluster at `gcs` refused this process for Ray's token
+    authentication (`cause`: its answer), or when this process has no token to send (None),
+    given what this process had to send."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    from ray._raylet import AuthenticationTokenLoader
+
+    have = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
+    if cause and not is_token_auth_enabled():
+        sent = "this process sent no token (RAY_AUTH_MODE is not 'token'" + (
+            "; a token is on this machine, but Ray sends it to an explicit address only with "
+            "RAY_AUTH_MODE=token)"
+            if have
+            else ")"
+        )
+    elif not have or not cause:
+        sent = "RAY_AUTH_MODE=token, but this process found no token"
+    else:
+        sent = "the token this process sent is not the cluster's"
+    what = (
+        f"the Ray cluster at {gcs} uses token authentication and refused this process "
+        f"({cause[:120]})"
+        if cause
+        else f"this process cannot join the Ray cluster at {gcs}"
+    )
+    return (
+        f"{what}: {sent}. Give it the head's token, as every worker needs it for "
+        "`ray start`: export RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<`ray get-auth-token` on "
+        "the head> (or copy the head's ~/.ray/auth_token here); or start the whole cluster "
+        "without it (RAY_AUTH_MODE=disabled before every `ray start`). See docs/multinode.md, "
+        '"Token authentication"'
+    )
+
+
 def _deploy(config: ClusterConfig, timings: dict) -> str:
     from ray import serve
 
-    from cluster.app import build_app
+    from cluster.app import build_app, serve_start_options
 
+    options = serve_start_options(config)
     with _timed(timings, "serve"):
-        serve.start(http_options={"host": config.http.host, "port": config.http.port})
+        serve.start(**options)
     with _timed(timings, "application"):
         serve.run(build_app(config), name=config.name, route_prefix="/", blocking=False)
-    # On a joined cluster whose Serve already runs, its HTTP options stand (serve.start does
-    # not change them): the URL is where that Serve listens, which may not be --port
+    # On a joined cluster whose Serve already runs, its HTTP options and proxy location stand
+    # (serve.start does not change them): the URL is where that Serve listens, which may not
+    # be --port
     from ray.serve.context import _get_global_client
 
-    http = _get_global_client().http_config
+    client = _get_global_client()
+    _note_proxy_location(client, options["proxy_location"])
+    http = client.http_config
     bound, port = http.host or config.http.host, http.port or config.http.port
     if port != config.http.port:
         print(
@@ -264,6 +379,25 @@ def _deploy(config: ClusterConfig, timings: dict) -> str:
         )
     host = "127.0.0.1" if bound in ("0.0.0.0", "::") else bound
     return f"http://{host}:{port}"
+
+
+def _note_proxy_location(client, wanted: str) -> None:
+    """A line when the cluster's Serve runs its proxies elsewhere than `wanted` (a Serve that
+    was already running keeps its own proxy_location)."""
+    import ray
+
+    try:
+        running = ray.get(client._controller.get_proxy_location.remote(), timeout=30)
+    except Exception:  # informative only: serving does not depend on it
+        return
+    running = getattr(running, "value", running)
+    if running != wanted:
+        print(
+            f"stepserve: this cluster's Serve runs its HTTP proxies with proxy_location "
+            f"{running} (not {wanted}); it keeps that until Serve restarts (`serve shutdown`)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _stop_embedded() -> None:

@@ -55,6 +55,16 @@ class HttpConfig(BaseModel):
         "other nodes) or 'any' node Ray chooses (an ingress that lives on a worker dies "
         "with it)",
     )
+    proxy_location: Literal["head", "every_node"] = Field(
+        default="head",
+        description="where Ray Serve runs its HTTP proxies: 'head' (one, on the Ray head node: "
+        "clients reach every replica through it, and losing a worker node never cuts the "
+        "streams of the others) or 'every_node' (one on each node with a replica, for a load "
+        "balancer of your own in front of them all: a worker lost also cuts the streams "
+        "relayed through its proxy, whichever node their replica is on). Serve's "
+        "proxy_location HeadOnly or EveryNode; a Serve already running on a joined cluster "
+        "keeps its own",
+    )
 
 
 class AuthConfig(BaseModel):

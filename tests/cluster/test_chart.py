@@ -738,6 +738,54 @@ def test_worker_readiness_is_the_applications_health_and_the_rest_kuberays(chart
         assert "readinessProbe" not in ray_container(group["template"])
 
 
+def test_serve_runs_one_http_proxy_on_the_head_unless_every_node_is_asked_for(chart):
+    """http.proxy_location: the serve config's proxy_location (head: HeadOnly by default,
+    every_node: EveryNode), in a document Ray accepts, and the value the application gets.
+    KubeRay selects the API Service's pods itself (it labels every pod ray.io/serve=true and
+    ignores a selector of ours): a worker pod is an endpoint only while Ready, and its
+    readiness asks the serve port, where no proxy listens with HeadOnly."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.app import SERVE_PROXY_LOCATIONS
+
+    rayservice = only(render(chart), "RayService")
+    config = serve_config(rayservice)
+    assert config["proxy_location"] == "HeadOnly"
+    assert ServeDeploySchema.model_validate(config).proxy_location == "HeadOnly"
+    assert cluster_config(render(chart)).http.proxy_location == "head"
+    assert "selector" not in serve_service(rayservice)["spec"]
+    for group in worker_specs(rayservice):
+        assert ray_container(group["template"])["readinessProbe"]["httpGet"]["port"] == "serve"
+    assert set(SERVE_PROXY_LOCATIONS) == set(
+        HttpConfig.model_fields["proxy_location"].annotation.__args__
+    )
+    for location, serve_location in SERVE_PROXY_LOCATIONS.items():
+        docs = render(chart, {"http": {"proxy_location": location}})
+        assert serve_config(only(docs, "RayService"))["proxy_location"] == serve_location
+        assert cluster_config(docs).http.proxy_location == location
+
+
+def test_the_metrics_service_lists_workers_that_are_not_ready(chart):
+    """With the proxy on the head only, worker pods are not Ready (see above); their metrics
+    endpoints are published all the same."""
+    service = only(render(chart, MONITORING_ON), "Service", f"{RELEASE}-stepserve-metrics")
+    assert service["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_every_serve_config_in_deploy_puts_the_proxy_where_its_args_say():
+    """deploy/*.yaml: Serve's proxy_location (fixed when Serve starts) matches the
+    application's http.proxy_location, HeadOnly in the examples."""
+    from cluster.app import SERVE_PROXY_LOCATIONS
+
+    paths = sorted((REPO / "deploy").glob("serve_config*.yaml"))
+    assert len(paths) >= 2
+    for path in paths:
+        config = yaml.safe_load(path.read_text())
+        (app,) = config["applications"]
+        location = ClusterConfig.model_validate(app["args"]).http.proxy_location
+        assert config["proxy_location"] == SERVE_PROXY_LOCATIONS[location] == "HeadOnly", path
+
+
 # ---------------------------------------------------------------------------------------------
 # API keys and the model source
 # ---------------------------------------------------------------------------------------------

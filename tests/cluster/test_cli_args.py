@@ -325,3 +325,44 @@ def test_free_ports_are_outside_the_kernels_ephemeral_range(monkeypatch):
         assert other != taken
         with socket.socket() as s:
             s.bind(("127.0.0.1", other))
+
+
+def test_serve_starts_its_proxies_where_the_config_says_head_only_by_default(tmp_path):
+    """serve.start's options (stepserve serve, --address included): Serve's HeadOnly unless
+    the config asks for every_node."""
+    from cluster.app import serve_start_options
+
+    options = serve_start_options(parse("--host", "0.0.0.0", "--port", "8123"))
+    assert options == {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "0.0.0.0", "port": 8123},
+    }
+    path = tmp_path / "cluster.yaml"
+    path.write_text("http:\n  proxy_location: every_node\n")
+    assert serve_start_options(parse("--config", str(path)))["proxy_location"] == "EveryNode"
+    path.write_text("http:\n  proxy_location: everywhere\n")
+    with pytest.raises(ValueError, match="proxy_location"):
+        parse("--config", str(path))
+
+
+def test_an_address_where_no_cluster_answers_is_a_clear_error_in_seconds(tiny_llama_dir, capsys):
+    """`stepserve serve --address` where nothing listens: exit code 2 and a `stepserve:
+    error:` line naming the address and what to do, in seconds (ray.init itself waited more
+    than 120 s there, then raised a bare ConnectionError)."""
+    import time
+
+    import ray
+
+    from cluster.cli import main
+    from cluster.processes import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    code = main(["serve", "--model", str(tiny_llama_dir), "--address", address])
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("stepserve: error: no Ray cluster answers at "), err
+    assert f"(--address {address})" in err and "ray start --head" in err, err
+    assert elapsed < 15, elapsed
+    assert not ray.is_initialized()

@@ -367,3 +367,95 @@ def test_serve_starts_its_own_cluster_beside_a_running_ray_start_cluster():
             _end_group(embedded)
         _end_group(head)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _ray_start_head(ray_tmp: str, port: int, env: dict) -> subprocess.Popen:
+    """`ray start --head --block` on `port` with a Ray temp dir of its own, in a session of its
+    own (ended with _end_group), once its address file is written."""
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    cmd = [
+        ray_bin, "start", "--head", "--block", "--port", str(port), "--num-cpus", "0",
+        "--include-dashboard", "false", "--dashboard-agent-listen-port", str(free_port()),
+        "--object-store-memory", str(100 * 1024 * 1024), "--disable-usage-stats",
+    ]  # fmt: skip
+    head = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    address_file = Path(ray_tmp, "ray", "ray_current_cluster")
+    deadline = time.time() + 120
+    while not address_file.exists():
+        assert head.poll() is None, head.stdout.read()[-3000:]
+        assert time.time() < deadline, "ray start did not come up"
+        time.sleep(0.5)
+    return head
+
+
+def test_joining_a_cluster_that_wants_a_token_fails_fast_saying_what_to_do(
+    tiny_llama_dir, tmp_path
+):
+    """Ray 2.60: a head started where a token file exists (as one an earlier embedded
+    `stepserve serve` wrote to ~/.ray/auth_token) requires the token. `stepserve serve
+    --address` without it, or with another one, exits 2 within seconds with a `stepserve:
+    error:` line naming the address and the variables to set, not ray.init's ConnectionError
+    after 20 s; with the right token the probe lets it through."""
+    import shutil
+    import tempfile
+
+    from replica.cache import cache_root
+
+    token = "0123456789abcdef0123456789abcdef"
+    head_home, other_home = tmp_path / "head-home", tmp_path / "other-home"
+    (head_home / ".ray").mkdir(parents=True)
+    (head_home / ".ray" / "auth_token").write_text(token)
+    other_home.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="rayt", dir="/tmp")  # short: Ray's socket paths
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_", "RAY_AUTH_"))
+    }
+    base |= {"RAY_TMPDIR": ray_tmp, "STEPSERVE_CACHE": str(cache_root())}
+    port = free_port()
+    head = _ray_start_head(ray_tmp, port, base | {"HOME": str(head_home)})
+    try:
+        address = f"127.0.0.1:{port}"
+        serve = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(tiny_llama_dir),
+                 "--address", address]  # fmt: skip
+        repo = Path(__file__).resolve().parents[2]
+        cases = {
+            "no token": ({}, "this process sent no token"),
+            "another token": (
+                {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "f" * 32},
+                "the token this process sent is not the cluster's",
+            ),
+        }
+        for case, (extra, cause) in cases.items():
+            started = time.monotonic()
+            done = subprocess.run(
+                serve, env=base | {"HOME": str(other_home)} | extra, cwd=repo,
+                capture_output=True, text=True, timeout=180,
+            )  # fmt: skip
+            elapsed = time.monotonic() - started
+            out = done.stdout + done.stderr
+            assert done.returncode == 2, (case, out[-3000:])
+            (line,) = [x for x in out.splitlines() if x.startswith("stepserve: error:")]
+            assert "uses token authentication and refused this process" in line, (case, line)
+            assert f":{port}" in line and cause in line, (case, line)
+            assert "RAY_AUTH_MODE=token" in line and "RAY_AUTH_TOKEN" in line, (case, line)
+            assert "Traceback" not in out, (case, out[-3000:])
+            assert elapsed < 60, (case, elapsed)  # the interpreter's start and imports
+        probe = (
+            "import sys\nfrom cluster.embedded import probe_cluster\n"
+            "print(probe_cluster(sys.argv[1]))"
+        )
+        right = {"HOME": str(other_home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+        done = subprocess.run(
+            [sys.executable, "-c", probe, address], env=base | right, cwd=repo,
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().endswith(f":{port}"), done.stdout
+    finally:
+        _end_group(head, grace_s=45)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -147,7 +147,9 @@ resolve_cpu_threads); the replicas sharing a pod's cores are the first group's r
 {{- $ingress := dict "name" "Ingress" "num_replicas" (int (default 1 .Values.http.ingress_replicas)) }}
 {{- $deployments = append $deployments $ingress }}
 {{- $app := dict "name" .Values.name "import_path" "cluster.app:build_app" "route_prefix" "/" "args" (include "stepserve.clusterConfig" . | fromYaml) "deployments" $deployments }}
-{{- toYaml (dict "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app)) }}
+{{- /* where Serve runs its HTTP proxies (cluster/app.py SERVE_PROXY_LOCATIONS) */}}
+{{- $proxyLocation := get (dict "head" "HeadOnly" "every_node" "EveryNode") (default "head" .Values.http.proxy_location) }}
+{{- toYaml (dict "proxy_location" $proxyLocation "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app)) }}
 {{- end }}
 
 {{/*
