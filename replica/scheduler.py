@@ -173,7 +173,7 @@ class Scheduler:
         request.max_total_tokens = min(
             request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len
         )
-        if request.num_resumed_tokens:
+        if request.engine_request.resume is not None:
             status = self._replay_resumed(request)
             self.num_resumed_total += 1
             if status is not None:

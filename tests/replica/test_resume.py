@@ -327,7 +327,7 @@ def test_resume_through_the_engine_core_process(tiny_llama_dir, origin):
     at = next(i for i in range(4, len(text) - 2) if text.find(text[i : i + 2]) == i)
     params = dataclasses.replace(params, stop=[text[at : at + 2]])
     full = run(origin, request_of(PROMPTS[4], params))
-    cuts = (0, 3, len(full.deltas) - 1)
+    cuts = (0, 3, len(full.deltas) - 1, len(full.deltas))
 
     async def body():
         engine = ProcessEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu",
@@ -362,8 +362,9 @@ def test_resumed_requests_are_counted(target):
     before = target.stats()
     full = run(target, request_of(PROMPTS[0], GREEDY))
     run(target, request_of(PROMPTS[0], GREEDY, full.client_view(4)))
+    run(target, request_of(PROMPTS[0], GREEDY, full.client_view(0)))  # moved before a token
     after = target.stats()
-    assert after.num_resumed_total == before.num_resumed_total + 1
+    assert after.num_resumed_total == before.num_resumed_total + 2
     assert after.num_resumed_tokens_total == before.num_resumed_tokens_total + 4
 
 
