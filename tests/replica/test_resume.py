@@ -438,3 +438,27 @@ def test_a_resume_whose_text_does_not_match_its_tokens_is_refused(target):
                        r"at character 6"):  # fmt: skip
         target.add(request_of(PROMPTS[2], GREEDY, Resume(tokens, " helloXworld")))
     assert target.num_request_states == 0 and not target.has_unfinished()
+
+
+def test_resume_through_the_in_thread_engine(tiny_llama_dir, origin):
+    """The thread transport: a resume continues; one whose text does not match its tokens
+    ends its stream with the refusal (raised on the engine thread, delivered to the caller)."""
+    from replica.engine import AsyncEngine
+
+    full = run(origin, request_of(PROMPTS[3], SEEDED_TOP_K))
+
+    async def body():
+        engine = AsyncEngine(make_engine(tiny_llama_dir, engine_core="thread"))
+        try:
+            resumed = request_of(PROMPTS[3], SEEDED_TOP_K, full.client_view(5))
+            deltas = [d async for d in engine.generate(resumed)]
+            wrong = request_of(PROMPTS[3], SEEDED_TOP_K, Resume(full.tokens[:3], "nope"))
+            with pytest.raises(RequestRejected, match="differs from the decode"):
+                [d async for d in engine.generate(wrong)]
+            return Run(deltas)
+        finally:
+            engine.shutdown()
+
+    rest = asyncio.run(asyncio.wait_for(body(), 120))
+    assert full.client_view(5).output_token_ids + rest.tokens == full.tokens
+    assert full.client_view(5).output_text + rest.text == full.text
