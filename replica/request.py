@@ -220,9 +220,12 @@ class Request:
         self.grammar = None
         # with sampling_params.prompt_logprobs: entry i is prompt token i+1's (logprob, top-k),
         # filled as the prompt's chunks run; delivered with the first output
-        # (not on a resumed request: its client has them from the first replica)
+        # (not on a request resumed after a token: its client has them, they came with the
+        # first token)
         self.prompt_logprobs: list[tuple[float, dict[int, float]]] | None = (
-            [] if sampling_params.prompt_logprobs is not None and resume is None else None
+            []
+            if sampling_params.prompt_logprobs is not None and not self.num_resumed_tokens
+            else None
         )
 
     @property

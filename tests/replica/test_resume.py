@@ -117,7 +117,15 @@ def assert_resumes_exactly(origin, target, prompt, params, cuts=None, **fields) 
         assert rest.last.stop_reason == full.last.stop_reason, where
         assert rest.last.num_output_tokens == full.last.num_output_tokens, where
         assert all(d.num_prompt_tokens == len(prompt) for d in rest.deltas), where
-        assert all(d.prompt_logprobs is None for d in rest.deltas), where  # not sent again
+        # prompt logprobs come with the first token: not again once the client has one
+        if resume.output_token_ids or params.prompt_logprobs is None:
+            assert all(d.prompt_logprobs is None for d in rest.deltas), where
+        else:
+            got, want = rest.deltas[0].prompt_logprobs, full.deltas[0].prompt_logprobs
+            assert len(got) == len(want) == len(prompt) - 1, where
+            for (got_lp, got_top), (want_lp, want_top) in zip(got, want):
+                assert math.isclose(got_lp, want_lp, abs_tol=1e-4), where
+                assert got_top.keys() == want_top.keys(), where
         if params.logprobs is not None:
             expected = full.logprobs[len(resume.output_token_ids) :]
             assert len(rest.logprobs) == len(expected) == len(rest.tokens), where
