@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from replica.errors import RequestRejected
+
 # Prompt tokens kept as left context: some tokenizers (SentencePiece) drop a leading space when
 # a window is decoded on its own, so each window starts a few tokens earlier.
 _CONTEXT_TOKENS = 5
@@ -69,6 +71,24 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._ids)
             self._append(delta)
         return len(token_ids)
+
+    def resume(self, token_ids: list[int], text_sent: str) -> int:
+        """Replay a resumed request's output (migration) so decoding and the stop-string search
+        continue where the lost replica's were, the next delta starting right after
+        `text_sent`, the text its client has (shorter than the decode when that replica held
+        text back: an incomplete character, a possible stop string's start). Returns how many
+        resumed tokens follow a stop string found among them (the request ends there)."""
+        taken = self.add_tokens(token_ids)
+        if not self.text.startswith(text_sent):
+            at = len(os.path.commonprefix([self.text, text_sent]))
+            raise RequestRejected(
+                f"resumed output_text differs from the decode of output_token_ids at "
+                f"character {at} (text {text_sent[at : at + 20]!r}, decode "
+                f"{self.text[at : at + 20]!r})",
+                "resume",
+            )
+        self._emitted = len(text_sent)
+        return len(token_ids) - taken
 
     def _append(self, delta: str) -> None:
         start = max(0, len(self.text) - self._holdback)

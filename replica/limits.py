@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from replica.errors import RequestRejected
 from replica.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from replica.request import Resume
 
 
 @dataclass(frozen=True)
@@ -34,13 +38,45 @@ class EngineLimits:
         )
 
     def check(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, priority: int = 0
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int = 0,
+        resume: Resume | None = None,
     ) -> None:
         """Raise RequestRejected, `param` naming the field at fault, for a request this engine
         can never serve. The ingress runs its parts in its own order (router/ingress_core.py)."""
         self.check_prompt(prompt_token_ids)
         self.check_length(len(prompt_token_ids))
         self.check_request(len(prompt_token_ids), params, priority)
+        if resume is not None:
+            self.check_resume(len(prompt_token_ids), params, resume)
+
+    def check_resume(self, num_prompt_tokens: int, params: SamplingParams, resume: Resume) -> None:
+        """A resumed request's output (migration: request.Resume) within max_tokens and,
+        with the prompt, within max_model_len, each token in the vocabulary: a resume that
+        reaches either limit exactly ends at once ("length")."""
+        num_output = len(resume.output_token_ids)
+        if num_output > params.max_tokens:
+            raise RequestRejected(
+                f"resumed output has {num_output} tokens, more than max_tokens={params.max_tokens}",
+                "resume",
+            )
+        if num_prompt_tokens + num_output > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({num_prompt_tokens} tokens) + resumed output ({num_output} tokens) = "
+                f"{num_prompt_tokens + num_output} tokens, over max_model_len="
+                f"{self.max_model_len}",
+                "resume",
+            )
+        vocab = self.vocab_size
+        bad = next((i for i, t in enumerate(resume.output_token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(
+                f"resumed output token {bad} (id {resume.output_token_ids[bad]}) is outside "
+                f"the vocabulary [0, {vocab})",
+                "resume",
+            )
 
     def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         """A prompt of at least one token, each in the vocabulary."""

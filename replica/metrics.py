@@ -70,6 +70,9 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens", "Draft tokens accepted by verification."
         )
+        self.resumed_requests = counter(
+            "resumed_requests", "Requests resumed here from another replica (migration)."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._request_success = Counter(
@@ -119,6 +122,7 @@ class EngineMetrics:
             (self.spec_decode_num_drafts, "spec_num_drafts"),
             (self.spec_decode_num_draft_tokens, "spec_num_draft_tokens"),
             (self.spec_decode_num_accepted_tokens, "spec_num_accepted_tokens"),
+            (self.resumed_requests, "num_resumed_total"),
         )
         self._seen = dict.fromkeys((field for _, field in self._totals), 0)
         if engine is not None:  # in-process: observe each step on the engine thread

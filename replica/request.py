@@ -173,6 +173,7 @@ class Request:
         "speculate",
         "lora",
         "block_root",
+        "num_resumed_tokens",
     )
 
     def __init__(
@@ -199,6 +200,13 @@ class Request:
         self.block_root = root_block_hash(engine_request.lora)  # its block-hash chain's root
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # a resumed request (migration) starts as if preempted after its resumed output: those
+        # tokens count as output (max_tokens, min_tokens, penalties, stop checks) and are
+        # recomputed by prefill like a preempted request's
+        resume = engine_request.resume
+        self.num_resumed_tokens = 0 if resume is None else len(resume.output_token_ids)
+        if resume is not None:
+            self.all_token_ids.extend(resume.output_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
@@ -212,8 +220,12 @@ class Request:
         self.grammar = None
         # with sampling_params.prompt_logprobs: entry i is prompt token i+1's (logprob, top-k),
         # filled as the prompt's chunks run; delivered with the first output
+        # (not on a request resumed after a token: its client has them, they came with the
+        # first token)
         self.prompt_logprobs: list[tuple[float, dict[int, float]]] | None = (
-            [] if sampling_params.prompt_logprobs is not None else None
+            []
+            if sampling_params.prompt_logprobs is not None and not self.num_resumed_tokens
+            else None
         )
 
     @property

@@ -34,7 +34,7 @@ from replica.layers.cpu_kernels import (
     native_library,
 )
 from replica.layers.linear import TensorParallel, pack_linear_weights
-from replica.layers.sampler import Sampler
+from replica.layers.sampler import Sampler, seeded_uniform
 from replica.loader import load_hf_config, load_model
 from replica.lora import LoRAModel, LoRATargets, PeftAdapter
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
@@ -152,8 +152,8 @@ class ModelRunner:
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.step_times = StepTimes()  # of the latest execute()
         self.sampler = Sampler()
+        # unseeded requests' draws; a seeded request's come from (seed, position) alone
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.generators: dict[str, torch.Generator] = {}
         self.decode_graphs = None  # DecodeGraphs once the KV cache is final (CUDA)
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
@@ -430,8 +430,6 @@ class ModelRunner:
         """Run every scheduled chunk in one forward pass; sample where `sample` is set.
         `batch` is `prepare_batch(so)` when the caller built it already (the TP runner does,
         to broadcast it before every rank runs the forward)."""
-        for rid in so.finished_request_ids:
-            self.generators.pop(rid, None)
         if not so.scheduled:
             return RunnerOutput({}, None)
         start = time.perf_counter()
@@ -474,10 +472,10 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs or None, prompt_logprobs, spec_tokens)
 
     def _sample(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]):
-        """The sampler over the sampled rows: each request's params and generator, its tokens
+        """The sampler over the sampled rows: each request's params and seeded draw, its tokens
         (for penalties) and, for constrained requests, its grammar's allowed-token mask."""
         params = [s.request.sampling_params for s in to_sample]
-        generators = [self._generator(s) for s in to_sample]
+        draws = [_seeded_draw(s.request) for s in to_sample]
         requests = [s.request for s in to_sample]
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         bitmask = None
@@ -487,7 +485,7 @@ class ModelRunner:
         return self.sampler(
             logits,
             params,
-            generators,
+            draws,
             self.default_generator,
             histories=requests,
             token_bitmask=bitmask,
@@ -610,18 +608,6 @@ class ModelRunner:
         )
         return logits
 
-    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
-        """A seeded request's own generator, created at its first draw and kept until it
-        finishes (through preemptions), so its draws do not depend on the batch."""
-        params = s.request.sampling_params
-        if params.seed is None or params.temperature == 0.0:
-            return None
-        generator = self.generators.get(s.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            self.generators[s.request_id] = generator
-        return generator
-
     # -- LoRA adapters (replica/lora/) -------------------------------------------------------
     @property
     def lora_targets(self) -> LoRATargets:
@@ -647,5 +633,13 @@ class ModelRunner:
             self.kv_prefault.close()
             self.kv_prefault = None
         self.kv_caches = []
-        self.generators.clear()
         self.model = None
+
+
+def _seeded_draw(request) -> float | None:
+    """A seeded sampled request's uniform number for the token it samples now (at index
+    num_tokens); None for an unseeded or greedy one (the batch's generator serves it)."""
+    params = request.sampling_params
+    if params.seed is None or params.temperature == 0.0:
+        return None
+    return seeded_uniform(params.seed, request.num_tokens)

@@ -77,6 +77,10 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     loras: tuple[str, ...] = ()  # LoRA adapters held loaded (replica/lora/manager.py)
+    # requests resumed here from another replica (migration), and the resumed output tokens
+    # queued for recompute by prefill (prefix-cache hits included), totals since start
+    num_resumed_total: int = 0
+    num_resumed_tokens_total: int = 0
 
 
 def _sort_key(request: Request) -> tuple[int, float, int]:
@@ -129,6 +133,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_step: list[str] = []
         self.num_preemptions_total = 0
+        self.num_resumed_total = 0
+        self.num_resumed_tokens_total = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         # speculative decoding by prompt lookup for plain greedy requests (off at 0 tokens)
@@ -157,13 +163,23 @@ class Scheduler:
                     "max_tokens",
                 )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request) -> StepOutput | None:
+        """Queue a request. A resumed one (migration) whose resumed output already ends it
+        (EOS, a stop token, its grammar's end, max_tokens) is not queued: its final
+        StepOutput, with no new tokens, is returned for the caller to deliver."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         request.max_total_tokens = min(
             request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len
         )
+        if request.engine_request.resume is not None:
+            status = self._replay_resumed(request)
+            self.num_resumed_total += 1
+            if status is not None:
+                request.status = status
+                return StepOutput(request.request_id, [], status.finish_reason, request.stop_reason)
+            self.num_resumed_tokens_total += request.num_resumed_tokens
         if self.kv.enable_caching:
             request.update_block_hashes(self.block_size)
         request.status = RequestStatus.WAITING
@@ -174,6 +190,32 @@ class Scheduler:
         request.seq = self._num_added
         self.requests[request.request_id] = request
         self._enqueue(request)
+        return None
+
+    def _replay_resumed(self, request: Request) -> RequestStatus | None:
+        """Walk a resumed request's output as if it had been sampled here: its grammar
+        accepts each token, the stop conditions are checked after each. The finish status
+        the last token causes, if any; RequestRejected for a token the grammar refuses or one
+        that would have ended the request before the last."""
+        output = request.output_token_ids
+        grammar = request.grammar
+        for i, token in enumerate(output):
+            if grammar is not None and not grammar.accept(token):
+                raise RequestRejected(
+                    f"resumed output token {i} (id {token}) is not allowed by the request's "
+                    "structured-output grammar",
+                    "resume",
+                )
+            status = self._stop_status(request, token, request.num_prompt_tokens + i + 1)
+            if status is not None and i < len(output) - 1:
+                raise RequestRejected(
+                    f"resumed output token {i} (id {token}) ends the request "
+                    f"({status.finish_reason}), but {len(output) - 1 - i} more follow it",
+                    "resume",
+                )
+            if status is not None:
+                return status
+        return None
 
     def _enqueue(self, request: Request, preempted: bool = False) -> None:
         """Into the waiting queue: at the back (fcfs), at the front when preempted (fcfs: it
@@ -470,12 +512,18 @@ class Scheduler:
         request.all_token_ids.append(token)
         if self.kv.enable_caching:  # hashes matter only for prefix caching
             request.update_block_hashes(self.block_size)
-        params = request.sampling_params
         if request.grammar is not None and not request.grammar.accept(token):
             # the mask allows only tokens the grammar accepts; should this ever fail, the
             # output cannot match, so it must not end as a clean "stop"
             logger.error("request %s: sampled token %d outside its grammar", request, token)
             return RequestStatus.FINISHED_LENGTH
+        return self._stop_status(request, token, request.num_tokens)
+
+    @staticmethod
+    def _stop_status(request: Request, token: int, num_tokens: int) -> RequestStatus | None:
+        """The finish status `token` causes as the request's `num_tokens`-th token (its
+        grammar already advanced over it), if any."""
+        params = request.sampling_params
         if not params.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
@@ -483,7 +531,7 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if request.grammar is not None and request.grammar.terminated:
             return RequestStatus.FINISHED_STOPPED
-        if request.num_tokens >= request.max_total_tokens:
+        if num_tokens >= request.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -513,4 +561,6 @@ class Scheduler:
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             loras=tuple(self.lora_names()),
+            num_resumed_total=self.num_resumed_total,
+            num_resumed_tokens_total=self.num_resumed_tokens_total,
         )

@@ -23,6 +23,7 @@ from replica.request import (
     RequestOutput,
     RequestStatus,
     SamplingParams,
+    StepOutput,
 )
 from replica.runner_protocol import Runner
 from replica.scheduler import Scheduler, SchedulerStats
@@ -131,6 +132,8 @@ class Engine:
             getattr(self.runner, "kv_group_windows", ()),  # a hybrid model: a table per group
         )
         self._requests: dict[str, Request] = {}  # unfinished, by id
+        # resumed requests that ended on their resumed output: delivered by the next step
+        self._ended_at_add: list[StepOutput] = []
         # LoRA adapters (replica/lora/manager.py): an LRU of them, loaded on demand; the
         # scheduler skips a request until its adapter is in
         self.loras = None
@@ -178,7 +181,9 @@ class Engine:
 
     def check_request(self, request: EngineRequest) -> None:
         """Raise RequestRejected (a user error) for a request that can never be served."""
-        self.limits.check(request.prompt_token_ids, request.sampling, request.priority)
+        self.limits.check(
+            request.prompt_token_ids, request.sampling, request.priority, request.resume
+        )
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of a structured request (cached), or None for a free one;
@@ -193,25 +198,34 @@ class Engine:
     def add(self, request: EngineRequest, compiled_grammar=None) -> Request:
         """Queue a request its sender checked (`check_request`). A structured one's grammar is
         compiled here unless the caller compiled it already (`compile_grammar`, off the
-        stepping thread: engine/driver.py)."""
+        stepping thread: engine/driver.py). A resumed one (migration) whose resumed output
+        already ends it is not queued: its final output comes with the next step."""
         rid = request.request_id
         state = Request(request, self.eos_token_ids)
         params = request.sampling
         if params.structured is not None:
             compiled = compiled_grammar or self.compile_grammar(params)
             state.grammar = self.structured.new_state(params.structured, compiled)
-        if request.lora is not None:
-            self._lora_manager(request.lora.name).acquire(rid, request.lora)
-            try:
-                self.scheduler.add_request(state)
-            except BaseException:
-                self.loras.release(rid, request.lora)
-                raise
-        else:
-            self.scheduler.add_request(state)
+        processor = self.output_processor
+        if processor is not None:  # primed with a resumed request's output (may reject it)
+            processor.add(rid, state.prompt_token_ids, params, request.resume)
+        try:
+            if request.lora is not None:
+                self._lora_manager(request.lora.name).acquire(rid, request.lora)
+                try:
+                    ended = self.scheduler.add_request(state)
+                except BaseException:
+                    self.loras.release(rid, request.lora)
+                    raise
+            else:
+                ended = self.scheduler.add_request(state)
+        except BaseException:
+            if processor is not None:
+                processor.drop(rid)
+            raise
         self._requests[rid] = state
-        if self.output_processor is not None:
-            self.output_processor.add(rid, state.prompt_token_ids, params)
+        if ended is not None:
+            self._ended_at_add.append(ended)
         return state
 
     def add_request(
@@ -251,7 +265,7 @@ class Engine:
             self.output_processor.drop(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._ended_at_add)
 
     @property
     def num_request_states(self) -> int:
@@ -269,18 +283,32 @@ class Engine:
             self._fail_requests(loras.poll())
         scheduler_output = self.scheduler.schedule()
         self.last_schedule_time = time.perf_counter() - t0
+        ended, self._ended_at_add = self._ended_at_add, []
         if scheduler_output.is_empty:
-            if loras is not None and loras.loading:  # nothing runs until an adapter is in
-                loras.wait(0.01)
-            return []
-        runner_output = self.runner.execute(scheduler_output)
-        step_outputs = self.scheduler.update_from_output(
-            scheduler_output,
-            runner_output.sampled,
-            runner_output.logprobs,
-            runner_output.prompt_logprobs,
-            runner_output.spec_tokens,
-        )
+            if not ended:
+                if loras is not None and loras.loading:  # nothing runs until an adapter is in
+                    loras.wait(0.01)
+                return []
+            step_outputs = []
+        else:
+            runner_output = self.runner.execute(scheduler_output)
+            step_outputs = self.scheduler.update_from_output(
+                scheduler_output,
+                runner_output.sampled,
+                runner_output.logprobs,
+                runner_output.prompt_logprobs,
+                runner_output.spec_tokens,
+            )
+        outputs = self._outputs(ended + step_outputs)
+        if self.step_listeners:
+            elapsed = time.perf_counter() - t0
+            for listener in self.step_listeners:
+                listener(self, scheduler_output, outputs, elapsed)
+        return outputs
+
+    def _outputs(self, step_outputs: list[StepOutput]) -> list[RequestOutput]:
+        """The RequestOutputs of the scheduler's per-request results, text filled in (and
+        stop strings applied) when this engine detokenizes."""
         outputs = []
         processor = self.output_processor
         for step in step_outputs:
@@ -309,10 +337,6 @@ class Engine:
             if out.finished:
                 self._forget(step.request_id)
             outputs.append(out)
-        if self.step_listeners:
-            elapsed = time.perf_counter() - t0
-            for listener in self.step_listeners:
-                listener(self, scheduler_output, outputs, elapsed)
         return outputs
 
     def _fail_requests(self, errors: list[tuple[str, BaseException]]) -> None:

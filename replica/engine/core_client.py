@@ -150,7 +150,9 @@ class ProcessEngine(StreamingEngine):
         await self._tokenizer.wait()  # loading only for a request in the replica's first second
 
     def _submit(self, request: EngineRequest) -> None:
-        self.processor.add(request.request_id, request.prompt_token_ids, request.sampling)
+        self.processor.add(
+            request.request_id, request.prompt_token_ids, request.sampling, request.resume
+        )
         self._send(Add(request))
 
     def abort(self, request_id: str) -> None:

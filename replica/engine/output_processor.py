@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from replica.detokenizer import IncrementalDetokenizer
-from replica.request import RequestOutput, SamplingParams
+from replica.request import RequestOutput, Resume, SamplingParams
 
 
 class OutputProcessor:
@@ -17,22 +17,39 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer  # or a LazyTokenizer, resolved at the first request
         self._detoks: dict[str, IncrementalDetokenizer] = {}
+        # resumed requests whose resumed output holds a stop string: the tokens after it
+        # (the request ends at its first output, as it would have on the lost replica)
+        self._past_stop: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._detoks)
 
-    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        resume: Resume | None = None,
+    ) -> None:
+        """Hold a request's detokenizer; a resumed one's is primed with its resumed output
+        (RequestRejected when `resume.output_text` is not what those tokens decode to)."""
         from replica.tokenizer import loaded
 
-        self._detoks[request_id] = IncrementalDetokenizer(
+        detok = IncrementalDetokenizer(
             loaded(self.tokenizer),
             list(prompt_token_ids),
             params.stop,
             params.include_stop_str_in_output,
         )
+        if resume is not None:
+            past_stop = detok.resume(list(resume.output_token_ids), resume.output_text)
+            if past_stop:
+                self._past_stop[request_id] = past_stop
+        self._detoks[request_id] = detok
 
     def drop(self, request_id: str) -> None:
         self._detoks.pop(request_id, None)
+        self._past_stop.pop(request_id, None)
 
     def process(self, out: RequestOutput) -> tuple[RequestOutput | None, bool]:
         """`out` with its text delta filled in, and whether a stop string ended it here (the
@@ -44,7 +61,8 @@ class OutputProcessor:
         taken = detok.add_tokens(out.new_token_ids)
         # the engine must finish the request when the stop string ended it here
         stopped = out.finish_reason is None and detok.stop_string is not None
-        dropped = len(out.new_token_ids) - taken
+        # tokens past the stop string: of this delta, and of a resumed output holding one
+        dropped = len(out.new_token_ids) - taken + self._past_stop.pop(out.request_id, 0)
         if stopped or (dropped > 0 and detok.stop_string is not None):
             # a delta of several tokens (accepted draft tokens) may go past the token that
             # completed the stop string, even past one that ended the request (max_tokens,
@@ -58,4 +76,5 @@ class OutputProcessor:
         out.new_text = detok.take_delta(finished=out.finished)
         if out.finished:  # pop: the caller's thread may have dropped it meanwhile (an abort)
             self._detoks.pop(out.request_id, None)
+            self._past_stop.pop(out.request_id, None)
         return out, stopped

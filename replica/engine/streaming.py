@@ -97,7 +97,9 @@ class StreamingEngine:
             raise EngineOverloaded("replica is draining and takes no new requests")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        self.limits.check(request.prompt_token_ids, request.sampling, request.priority)
+        self.limits.check(
+            request.prompt_token_ids, request.sampling, request.priority, request.resume
+        )
         # Every request this replica holds has a stream (registered here at once, so a burst
         # that lands within one step is counted in full). Those beyond the seats that can run
         # are waiting: all max_num_seqs seats, unless the last step already left requests
@@ -117,7 +119,11 @@ class StreamingEngine:
         await self._prepare()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        self._submit(request.arrived())
+        try:
+            self._submit(request.arrived())
+        except BaseException:  # refused on the way in (a resume whose text does not match)
+            self._streams.pop(rid, None)
+            raise
         finished = False
         try:
             held: BaseException | None = None  # an error queued behind deltas, raised next

@@ -1,6 +1,6 @@
 """Token sampling for one step: the logits processors, then greedy, or temperature / min-p /
-top-k / top-p then a draw; seeded requests draw from their own torch.Generator so their output
-does not depend on the batch.
+top-k / top-p then a draw; a seeded request's draw is a hash of (seed, position), so its output
+does not depend on the batch or on where it ran before.
 
 Order of processing (vLLM V1's):
 
@@ -17,7 +17,10 @@ Order of processing (vLLM V1's):
 7. Greedy rows (temperature 0) take the argmax of the processed logits. Others: divide by the
    temperature, drop (-inf) every token whose probability at that temperature is below
    min_p * the row's top probability, then top-k, then top-p, then draw (inverse transform: one
-   uniform number per row against the cumulative probabilities).
+   uniform number per row against the cumulative probabilities). A seeded row's number is
+   `seeded_uniform(seed, position)`: a function of the seed and the position of the token
+   drawn alone, so its tokens depend neither on the batch, nor on preemptions, nor on the
+   replica that draws them (a request resumed elsewhere continues its stream exactly).
 
 Steps 2-6 are `process_logits`, step 7's masking is `sampling_logits`. Each processor is one
 batched tensor pass over the rows that use it (gathered, processed, written back) and costs
@@ -70,14 +73,15 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        draws: Sequence[float | None],
         default_generator: torch.Generator | None = None,
         *,
         histories: Sequence[TokenHistory] | None = None,
         token_bitmask: TokenBitmask | None = None,
     ) -> SamplerOutput:
-        """Sample one token per row of `logits` [B, V]. `generators[i]` is row i's own
-        generator (seeded request) or None (drawn from `default_generator` in one op).
+        """Sample one token per row of `logits` [B, V]. `draws[i]` is row i's own uniform
+        number in [0, 1) (a seeded request's `seeded_uniform`) or None (drawn from
+        `default_generator`, all such rows in one op).
         `histories[i]` is row i's request, needed only when a row uses penalties or
         min_tokens; `token_bitmask` masks the rows it names (see the module docstring)."""
         greedy = [p.temperature == 0.0 for p in params]
@@ -97,7 +101,7 @@ class Sampler:
         if all_greedy:
             sampled = processed.argmax(dim=-1)
         else:
-            sampled = self._sample(processed, params, greedy, generators, default_generator)
+            sampled = self._sample(processed, params, greedy, draws, default_generator)
         token_ids = sampled.tolist()
         return SamplerOutput(token_ids, self._logprobs(raw, params, sampled))
 
@@ -106,7 +110,7 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         greedy: list[bool],
-        generators: list[torch.Generator | None],
+        draws: Sequence[float | None],
         default_generator: torch.Generator | None,
     ) -> torch.Tensor:
         device = logits.device
@@ -114,19 +118,19 @@ class Sampler:
         # Inverse transform: one uniform u per row picks the first token whose cumulative
         # probability exceeds u times the row's total (float64 sums keep the tail's tiny
         # probabilities). One random number per row, where the exponential race drew V: a
-        # seeded row's generator advances by one draw per token whatever the batch, and a row
-        # costs a cumulative sum rather than V draws from its generator (~2 ms at V=49152 on a
-        # CPU, per row and step).
-        u = torch.empty(len(params), dtype=torch.float64, device=device)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            draws = torch.rand(
-                len(unseeded), dtype=torch.float64, device=device, generator=default_generator
+        # seeded row's number is computed from (seed, position) in the caller, and a row costs
+        # a cumulative sum rather than V draws (~2 ms at V=49152 on a CPU, per row and step).
+        unseeded = [i for i, d in enumerate(draws) if d is None]
+        if not unseeded:
+            u = torch.tensor(draws, dtype=torch.float64, device=device)
+        else:
+            u = torch.rand(
+                len(draws), dtype=torch.float64, device=device, generator=default_generator
             )
-            u.index_copy_(0, torch.tensor(unseeded, device=device), draws)
-        for i, generator in enumerate(generators):
-            if generator is not None:
-                u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)[0]
+            if len(unseeded) < len(draws):
+                seeded = [i for i, d in enumerate(draws) if d is not None]
+                values = torch.tensor([draws[i] for i in seeded], dtype=torch.float64)
+                u[torch.tensor(seeded, device=device)] = values.to(device)
         sampled = draw_inverse_cdf(probs, u)
         if any(greedy):
             greedy_rows = torch.tensor(greedy, device=device)
@@ -156,6 +160,27 @@ class Sampler:
             else:
                 out.append((chosen[i], dict(zip(top_ids[i][:k], top_values[i][:k]))))
         return out
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer over x + the golden-ratio increment: 64 well-mixed bits."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) a request seeded with `seed` draws the token at `position`
+    (its index in prompt + output) with: a counter-based draw, the same whatever was drawn
+    before, so a seeded stream is reproduced after a preemption, in any batch, and on another
+    replica that resumes it. Seeds s and s + 1 (the ingress's n > 1 choices) give unrelated
+    streams: the seed is mixed on its own before the position joins it."""
+    key = _mix64((_mix64(seed & _MASK64) + position) & _MASK64)
+    return (key >> 11) * (1.0 / (1 << 53))
 
 
 def draw_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import dataclasses
 from replica.config import EngineConfig
 from replica.contracts import GenerateRequest
 from replica.engine import AsyncEngine, Engine, wire
-from replica.request import EngineRequest, SamplingParams, StructuredOutput
+from replica.request import EngineRequest, LoRARequest, Resume, SamplingParams, StructuredOutput
 from router.fanout import ReplicaCalls
 from router.policy import Policy, RoutingConfig
 from router.protocol import ChatCompletionRequest
@@ -22,7 +22,9 @@ def every_field_set() -> EngineRequest:
     """An EngineRequest with no field at its default."""
     params = SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop=["x"],
                             logit_bias={4: 1.0}, structured=StructuredOutput("regex", "a+"))  # fmt: skip
-    request = EngineRequest([5, 6, 7], params, "rid", priority=2, arrival_time=12.5)
+    request = EngineRequest([5, 6, 7], params, "rid", priority=2, arrival_time=12.5,
+                            lora=LoRARequest("ad", "/adapters/ad"),
+                            resume=Resume([8, 9], "ab", num_migrations=2))  # fmt: skip
     defaults = EngineRequest([1], SamplingParams(), "")
     for field in dataclasses.fields(EngineRequest):
         assert getattr(request, field.name) != getattr(defaults, field.name), field.name
@@ -56,8 +58,9 @@ def test_the_core_wire_carries_every_field():
 
 def test_the_scheduler_holds_the_request_as_sent(tiny_llama_dir):
     config = EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    # no adapter on this replica; a resume of no tokens yet (its text must match its tokens)
     request = dataclasses.replace(every_field_set(), sampling=SamplingParams(max_tokens=50),
-                                  priority=0)  # fmt: skip
+                                  priority=0, lora=None, resume=Resume([], "", 2))  # fmt: skip
     engine = AsyncEngine(Engine(config))
 
     async def body():

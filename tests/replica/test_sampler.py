@@ -16,6 +16,7 @@ from replica.layers.sampler import (
     draw_inverse_cdf,
     process_logits,
     sampling_logits,
+    seeded_uniform,
     unpack_bitmask,
 )
 from replica.request import Request, SamplingParams
@@ -110,15 +111,15 @@ def test_seeded_row_does_not_depend_on_the_rest_of_the_batch():
     )
 
     def draws(batch_rows: list[int], steps: int = 20) -> list[int]:
-        generators = {i: torch.Generator().manual_seed(params[i].seed) for i in (0, 1, 2)}
         default = torch.Generator().manual_seed(99)
         out = []
-        for _ in range(steps):
+        for position in range(steps):
+            row_draws = [
+                None if params[i].seed is None else seeded_uniform(params[i].seed, position)
+                for i in batch_rows
+            ]
             result = sampler(
-                logits[batch_rows],
-                [params[i] for i in batch_rows],
-                [generators.get(i) for i in batch_rows],
-                default,
+                logits[batch_rows], [params[i] for i in batch_rows], row_draws, default
             )
             out.append(result.token_ids[batch_rows.index(0)])
         return out
@@ -127,6 +128,21 @@ def test_seeded_row_does_not_depend_on_the_rest_of_the_batch():
     assert draws([3, 0, 1]) == alone
     assert draws([2, 4, 1, 3, 0]) == alone
     assert len(set(alone)) > 1  # really sampled, not greedy
+
+
+def test_seeded_uniform_depends_on_seed_and_position_only():
+    first = [seeded_uniform(7, p) for p in range(2000)]
+    assert first == [seeded_uniform(7, p) for p in range(2000)]
+    assert all(0.0 <= u < 1.0 for u in first)
+    assert len(set(first)) == len(first)
+    # roughly uniform: each tenth of [0, 1) holds about a tenth of the draws
+    tenths = [sum(1 for u in first if k / 10 <= u < (k + 1) / 10) for k in range(10)]
+    assert min(tenths) > 140 and max(tenths) < 260, tenths
+    # the ingress's n > 1 choices use seeds s, s + 1, ...: no shifted copy of one another
+    shifted = [seeded_uniform(8, p) for p in range(2000)]
+    assert not set(first[1:]) & set(shifted)
+    # the extremes of the seed range are valid seeds
+    assert seeded_uniform(-1, 0) != seeded_uniform(2**63 - 1, 0)
 
 
 def test_logprobs_come_from_the_raw_distribution():
@@ -212,8 +228,10 @@ def _check_against_reference(
             assert torch.equal(processed[i], plain[i])
 
     def draws(x: torch.Tensor, ps: list[SamplingParams], **kwargs) -> list[list[int]]:
-        generators = [torch.Generator().manual_seed(100 + i) for i in range(batch)]
-        return [sampler(x, ps, generators, **kwargs).token_ids for _ in range(10)]
+        return [
+            sampler(x, ps, [seeded_uniform(100 + i, s) for i in range(batch)], **kwargs).token_ids
+            for s in range(10)
+        ]
 
     got = draws(logits, params, histories=requests, token_bitmask=token_bitmask)
     assert got == draws(processed, plain_params)
@@ -631,7 +649,7 @@ def test_seeded_request_reproduces_across_runs_batches_and_preemption(
     assert crowded.outputs[3] == alone
 
     # the seeded request is the newest, so the pool squeeze preempts it after it has sampled
-    # some tokens: its generator must survive that
+    # some tokens: its draws depend on positions alone, so recompute changes nothing
     long_prompts = [[(31 * i + 7 * j) % 500 + 3 for j in range(3 + 2 * i)] for i in range(3)]
     long_params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)] * 3
     squeezed = run_generation(
@@ -649,16 +667,14 @@ def test_seeded_request_reproduces_across_runs_batches_and_preemption(
     assert run_generation(tiny_llama_dir, [PROMPT], other_seed, block_size=4).outputs[0] != alone
 
 
-def test_runner_drops_generators_of_finished_requests_only(tiny_llama_dir, run_generation):
+def test_identical_seeded_requests_in_one_batch_draw_identical_tokens(
+    tiny_llama_dir, run_generation
+):
     run = run_generation(
         tiny_llama_dir, [PROMPT, PROMPT], [SEEDED, SEEDED], request_ids=["a", "b"], block_size=4
     )
     assert run.outputs[0] == run.outputs[1]
-    runner = run.runner
-    # the scheduler reports finished ids on the step after they end; none ran after the last
-    assert set(runner.generators) <= {"a", "b"}
-    runner.execute(run.scheduler.schedule())  # an empty step still delivers finished ids
-    assert runner.generators == {}
+    assert not hasattr(run.runner, "generators")  # no per-request sampling state to leak
 
 
 def test_greedy_logprobs_match_transformers(tiny_qwen2_dir, run_generation):
