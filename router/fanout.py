@@ -39,7 +39,7 @@ from router.errors import (
 )
 from router.inflight import note_finished, note_first_token
 from router.kv_routing import note_cached, note_gone
-from router.migration import Delivered, Migrations, continued
+from router.migration import Delivered, Migrations
 from router.policy import Policy
 
 # (choice index, the choice's request as the ingress built it: every field but its id)
@@ -168,8 +168,6 @@ class ReplicaCalls:
                         if streamed:
                             note_first_token(request.request_id)
                         note_cached(request.request_id, out.num_cached_tokens)
-                    if moves:
-                        out = continued(out)
                     gap = delivered.add(out)
                     if gap is not None:
                         self.migrations.observe_gap(gap)

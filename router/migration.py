@@ -55,25 +55,6 @@ class Delivered:
         return Resume(list(self.token_ids), self.text, num_migrations)
 
 
-def continued(out: RequestOutput) -> RequestOutput:
-    """A resumed call's delta as its client should see it: the prompt's logprobs went out with
-    the first send's first delta already."""
-    if out.prompt_logprobs is None:
-        return out
-    return RequestOutput(
-        request_id=out.request_id,
-        new_token_ids=out.new_token_ids,
-        new_text=out.new_text,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_output_tokens=out.num_output_tokens,
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
-        new_logprobs=out.new_logprobs,
-        num_cached_tokens=out.num_cached_tokens,
-        num_preemptions=out.num_preemptions,
-    )
-
-
 class Migrations:
     """An ingress's migration limit and its tallies: migrations by reason, and a histogram of
     the gaps they left in their clients' streams (time from the last delta before the loss to
