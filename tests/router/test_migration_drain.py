@@ -1,7 +1,7 @@
 """The replica's side of a drain that migrates (replica/deployment.py): once Serve begins its
 shutdown and drain_migrate_after_s has passed, a replica ends its unfinished streams with
 ReplicaDraining, which crosses processes whole and which the ingress continues elsewhere; a
-stream still waiting for its first output is handed back at once. A fake engine; the real
+stream still waiting for its first output is handed back too. A fake engine; the real
 drain is tests/integration/test_migration.py's scale-down."""
 
 from __future__ import annotations
@@ -107,11 +107,8 @@ def test_a_stream_before_its_first_output_is_handed_back_at_once(monkeypatch):
 
     try:
         exc = asyncio.run(scenario())
-        assert (
-            isinstance(exc, ReplicaDraining)
-            and waiting[:1] != []
-            and not any(isinstance(o, RequestOutput) for o in waiting)
-        )  # only its Accepted went out
+        assert isinstance(exc, ReplicaDraining), exc
+        assert not any(isinstance(o, RequestOutput) for o in waiting)  # an Accepted at most
         assert llm.engine.closed == ["queued"]
     finally:
         llm._metrics_stop.set()
