@@ -111,6 +111,7 @@ class LLMServer:
 
     # draining: set once unfinished requests are handed back (_watch_shutdown); the event wakes
     # the streams still waiting for their first output, in the loop that serves them
+    _hands_back = False  # a drain hands requests back (the watcher runs)
     _handing_back = False
     _hand_back_event: asyncio.Event | None = None
     _serving_loop: asyncio.AbstractEventLoop | None = None
@@ -184,6 +185,7 @@ class LLMServer:
                     self.replica_id,
                 )
             else:
+                self._hands_back = True
                 threading.Thread(
                     target=self._watch_shutdown,
                     args=(drain_migrate_after_s,),
@@ -256,6 +258,8 @@ class LLMServer:
     async def _first_output(self, first: asyncio.Future, request: GenerateRequest):
         """The first output (StopAsyncIteration: none), or ReplicaDraining raised when the
         replica hands its requests back before it comes."""
+        if not self._hands_back:
+            return await asyncio.shield(first)
         if self._hand_back_event is None:
             self._serving_loop = asyncio.get_running_loop()
             self._hand_back_event = asyncio.Event()
@@ -290,7 +294,7 @@ class LLMServer:
                 return
             yield out
             async for out in outputs:
-                if self._handing_back:
+                if self._handing_back and not out.finished:  # a last delta still goes out
                     raise self._hand_back(request)
                 yield out
         finally:

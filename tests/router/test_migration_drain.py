@@ -44,6 +44,7 @@ def server(engine: Engine, monkeypatch, shutting_down: threading.Event) -> LLMSe
     llm = object.__new__(LLMServer)
     llm.engine, llm.replica_id = engine, "replica-a"
     llm._metrics_stop = threading.Event()
+    llm._hands_back = True  # as __init__ sets it when it starts the watcher
     monkeypatch.setattr(deployment, "SHUTDOWN_POLL_S", 0.01)
     monkeypatch.setattr(deployment, "serve_shutting_down", shutting_down.is_set)
     return llm
