@@ -204,7 +204,12 @@ async def read_stream(client, url, body, headers, plan: Plan, leave: bool) -> di
     )
     if leave and ok:  # it ended before we got to leave: a normal completion
         return {"status": 200, "outcome": COMPLETED}
-    return {"status": 200, "outcome": COMPLETED if ok else UNEXPECTED}
+    if ok:
+        return {"status": 200, "outcome": COMPLETED}
+    # what was wrong: no [DONE], a choice without its finish, or tokens other than asked for
+    got = usage["completion_tokens"] if usage is not None else None
+    return {"status": 200, "outcome": UNEXPECTED, "done": done, "finished": len(finished),
+            "completion_tokens": got, "expected_tokens": plan.n * plan.max_tokens}  # fmt: skip
 
 
 async def soak(url: str, args) -> tuple[list[dict], dict]:
