@@ -74,8 +74,10 @@ class ReplicaCalls:
     ) -> None:
         """Raise `exc` unless the call may be sent again (see the module's docstring); else
         note the retry and pause (the router learns of a loss, a full queue drains)."""
-        if (replica_lost(exc) or replica_handed_back(exc)) and send + 1 < max_sends:
+        if replica_lost(exc) and send + 1 < max_sends:
             pause, why = RETRY_PAUSE_S, "its replica was lost"
+        elif replica_handed_back(exc) and send + 1 < max_sends:
+            pause, why = RETRY_PAUSE_S, "its replica handed it back (draining)"
         elif replica_full(exc) and time.monotonic() - first_sent < FULL_RETRY_S:
             pause, why = min(RETRY_PAUSE_S * 2**send, FULL_PAUSE_MAX_S), "its replica was full"
         else:

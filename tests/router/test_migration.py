@@ -35,6 +35,9 @@ class ActorDiedError(Exception):  # what Ray raises, matched by name (router/err
     pass
 
 
+REPLICA_ACTOR = "SERVE_REPLICA::app#LLMServer#r0dead"  # the actor Ray's errors name
+
+
 def words(prompt: list[int], max_tokens: int) -> list[str]:
     """The fake model's whole answer to a prompt, one piece of text per token."""
     return [f"w{prompt[0]}.{i} " for i in range(max_tokens)]
@@ -64,7 +67,7 @@ class Replicas:
         done = len(request.resume.output_token_ids) if request.resume is not None else 0
         for n, position in enumerate(range(done, len(answer))):
             if fail_after is not None and n == fail_after:
-                raise exc("replica gone")
+                raise exc(f"replica gone: {REPLICA_ACTOR} died")
             token = 1000 * request.prompt_token_ids[0] + position
             last = position == len(answer) - 1
             yield RequestOutput(
@@ -138,6 +141,19 @@ def test_a_stream_lost_mid_way_continues_from_what_its_client_has():
     assert second.prompt_token_ids == first.prompt_token_ids and second.sampling == first.sampling
     assert c.migrations.counts == {"lost": 1, "drained": 0} and c.retries == 0
     assert c.migrations.gap_count == 1
+
+
+def test_each_migration_logs_the_request_the_lost_replica_the_tokens_sent_and_the_count(caplog):
+    replicas = Replicas([(2, ActorDiedError), (3, ReplicaDraining)])
+    with caplog.at_level("INFO", logger="ray.serve"):
+        stream(calls(replicas), choice([3], max_tokens=8))
+    lines = [r.getMessage() for r in caplog.records if "continuing it on" in r.getMessage()]
+    origin = replicas.sent[0].request_id
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"request {origin}: replica r0dead was lost (")
+    assert "after 2 tokens reached the client" in lines[0] and "(migration 1)" in lines[0]
+    assert lines[1].startswith(f"request {origin}: replica r0dead handed it back (draining)")
+    assert "after 5 tokens reached the client" in lines[1] and "(migration 2)" in lines[1]
 
 
 def test_a_stream_moves_again_and_ends_with_a_clear_error_past_the_limit():
