@@ -5,6 +5,7 @@ stats, and failing its health check when the engine is dead."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -49,6 +50,8 @@ METRICS_PUSH_TIMEOUT_S = 10.0
 GIL_SWITCH_INTERVAL_S = 0.0005
 # how often a replica that hands its streams back when draining looks for Serve's shutdown
 SHUTDOWN_POLL_S = 0.25
+# how often a draining replica asks Serve whether another replica runs to take its requests
+SUCCESSOR_POLL_S = 1.0
 
 
 def usable_cpus() -> int:
@@ -101,6 +104,19 @@ def serve_shutting_down() -> bool | None:
     except Exception:
         return None
     return flag if isinstance(flag, bool) else None
+
+
+def successor_running() -> bool:
+    """Whether this replica's deployment has a RUNNING replica (this one, shutting down, is
+    STOPPING): a request handed back needs one. Not when the application is being deleted."""
+    try:
+        context = serve.get_replica_context()
+        app = serve.status().applications[context.app_name]
+        if app.status == "DELETING":
+            return False
+        return app.deployments[context.deployment].replica_states.get("RUNNING", 0) > 0
+    except Exception:
+        return False
 
 
 class LLMServer:
@@ -231,7 +247,9 @@ class LLMServer:
     # -- handing requests back when draining ---------------------------------------------
     def _watch_shutdown(self, grace_s: float) -> None:
         """Wait for Serve's shutdown of this replica, then `grace_s` more for requests to
-        finish; then hand the unfinished ones back (the streams raise ReplicaDraining)."""
+        finish; then hand the unfinished ones back (the streams raise ReplicaDraining), once
+        another replica of the deployment runs to take them (none when the whole
+        application is deleted: then the drain waits for them, as without hand-backs)."""
         while not self._metrics_stop.wait(SHUTDOWN_POLL_S):
             if serve_shutting_down():
                 break
@@ -244,10 +262,14 @@ class LLMServer:
         )
         if self._metrics_stop.wait(grace_s):
             return
+        while not successor_running():
+            if self._metrics_stop.wait(SUCCESSOR_POLL_S):
+                return
         self._handing_back = True
         loop, event = self._serving_loop, self._hand_back_event
         if loop is not None and event is not None:
-            loop.call_soon_threadsafe(event.set)  # wakes the streams still before their first
+            with contextlib.suppress(RuntimeError):  # a loop closed has no stream to wake
+                loop.call_soon_threadsafe(event.set)  # the streams before their first output
 
     def _hand_back(self, request: GenerateRequest) -> ReplicaDraining:
         return ReplicaDraining(

@@ -3,7 +3,9 @@ the tiny llama), real HTTP. A replica actor killed while streams run on both: ev
 completes in its own response with no error event, each greedy stream (and a seeded sampled one)
 with the text the same request gets undisturbed, and the ingress counts the migrations and
 their gaps on /metrics. A scale-down from 2 replicas to 1 while long streams run: the draining
-replica hands its streams back after http.drain_migrate_after_s and every one completes.
+replica hands its streams back after http.drain_migrate_after_s and every one completes. The
+application deleted (every replica draining, none to take a stream): the drain waits for its
+streams instead.
 
 The text-identity checks need replicas that honour `resume` (replica/request.py Resume: the
 engine branch); until then a migrated stream starts over on its new replica and they fail."""
@@ -161,6 +163,7 @@ class Keepers:
         self.progress: dict[int, int] = {}  # text events per stream, by seed
         self.current: dict[int, int] = {}  # the seed each keeper runs now
         self.at_loss: list[dict] = []
+        self.ended: list[tuple[float, dict]] = []  # (when, result) of every stream
         self.tasks = [asyncio.ensure_future(self._keep(k)) for k in range(N_STREAMS)]
 
     async def _keep(self, k: int) -> None:
@@ -168,6 +171,7 @@ class Keepers:
         while True:
             self.current[k] = seed
             result = await stream(self.client, self.url, seed, self.progress)
+            self.ended.append((time.monotonic(), result))
             if self.loss.is_set():
                 self.at_loss.append(result)
                 return
@@ -261,16 +265,19 @@ def test_a_scale_down_hands_long_streams_to_the_survivor(cluster):
             keepers = Keepers(client, url)
             await keepers.under_way(2)
             started = time.monotonic()
-            redeploy = asyncio.ensure_future(
-                asyncio.to_thread(serve.run, app, name=APP, route_prefix="/")
+            # streams keep coming until the old replicas are gone, so each old replica holds
+            # streams when its grace ends, however fast this host decodes
+            await asyncio.wait_for(
+                asyncio.to_thread(serve.run, app, name=APP, route_prefix="/"), timeout=180
             )
-            results = await keepers.results()
-            await asyncio.wait_for(redeploy, timeout=180)
             # the old replicas are gone: drained by handing their streams over, not by waiting
             while helpers.llm_replica_states(APP) != {"RUNNING": 1}:
                 assert time.monotonic() - started < REPLICA_DRAIN_TIMEOUT_S
                 await asyncio.sleep(0.2)
-            return results
+            await keepers.results()
+            # every stream that ended since the scale-down began (each keeper checked that
+            # those before the last completed)
+            return [result for ended, result in keepers.ended if ended > started]
 
     results = asyncio.run(asyncio.wait_for(scenario(), timeout=300))
     check_completed(results)
@@ -278,3 +285,28 @@ def test_a_scale_down_hands_long_streams_to_the_survivor(cluster):
     handed_back = migration_log("handed it back (draining)")
     assert len(handed_back) > handed_back_before, "no stream was handed back: it proved nothing"
     check_identical(results, url)  # waits for the engine branch
+
+
+def test_deleting_the_app_lets_its_streams_finish_rather_than_hand_them_back(cluster):
+    """serve.delete (what SIGTERM leads to) drains every replica: no replica would take a
+    stream handed back, so the drain waits for the streams, which finish. Runs last: it ends
+    the module's app."""
+    url = cluster["url"]
+    helpers.wait_llm_replicas_running(APP, 1, timeout_s=180)
+    handed_back_before = len(migration_log("handed it back (draining)"))
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(180)) as client:
+            keepers = Keepers(client, url)
+            await keepers.under_way(1)
+            deleting = asyncio.ensure_future(asyncio.to_thread(serve.delete, APP))
+            results = await keepers.results()
+            outlasted = not deleting.done()
+            await asyncio.wait_for(deleting, timeout=180)
+            return results, outlasted
+
+    results, outlasted = asyncio.run(asyncio.wait_for(scenario(), timeout=300))
+    check_completed(results)
+    assert all(r["usage"]["completion_tokens"] == LONG for r in results), results
+    assert outlasted, "the deletion ended before the streams: it proved nothing"
+    assert len(migration_log("handed it back (draining)")) == handed_back_before

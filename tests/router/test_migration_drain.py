@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+import time
 
 import pytest
 
@@ -47,6 +48,7 @@ def server(engine: Engine, monkeypatch, shutting_down: threading.Event) -> LLMSe
     llm._hands_back = True  # as __init__ sets it when it starts the watcher
     monkeypatch.setattr(deployment, "SHUTDOWN_POLL_S", 0.01)
     monkeypatch.setattr(deployment, "serve_shutting_down", shutting_down.is_set)
+    monkeypatch.setattr(deployment, "successor_running", lambda: True)
     return llm
 
 
@@ -111,6 +113,35 @@ def test_a_stream_before_its_first_output_is_handed_back_at_once(monkeypatch):
         assert isinstance(exc, ReplicaDraining), exc
         assert not any(isinstance(o, RequestOutput) for o in waiting)  # an Accepted at most
         assert llm.engine.closed == ["queued"]
+    finally:
+        llm._metrics_stop.set()
+
+
+def test_with_no_replica_to_take_them_the_streams_are_not_handed_back(monkeypatch):
+    """The whole application deleted (SIGTERM): no other replica runs, so a hand-back would
+    cut the streams; the drain waits for them until one runs."""
+    shutting_down, successor = threading.Event(), threading.Event()
+    llm = server(Engine(n=60, step_s=0.02), monkeypatch, shutting_down)
+    monkeypatch.setattr(deployment, "SUCCESSOR_POLL_S", 0.01)
+    monkeypatch.setattr(deployment, "successor_running", successor.is_set)
+    threading.Thread(target=llm._watch_shutdown, args=(0.0,), daemon=True).start()
+    got: list = []
+
+    async def scenario():
+        task = asyncio.ensure_future(read(llm, "last", got))
+        while not got:
+            await asyncio.sleep(0.01)
+        shutting_down.set()
+        return await asyncio.wait_for(task, timeout=30)
+
+    try:
+        assert asyncio.run(scenario()) is None  # it ran to its end
+        assert len(got) == 60 and not llm._handing_back
+        successor.set()  # a replica runs again: what is left is handed back
+        deadline = time.monotonic() + 30
+        while not llm._handing_back:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
     finally:
         llm._metrics_stop.set()
 
