@@ -1,9 +1,12 @@
 """Soak: a few thousand mixed requests against a loopback cluster this script starts, with
 random client disconnects and aborts, bad input, missing API keys and one replica killed
 midway. At the end every request must be accounted for (completed, or a clear error: a 4xx
-naming the problem, a 429 with Retry-After, a 503 "replica failed", or ended by the client on
-purpose), every KV block free and no request state left in any replica or the ingress. Prints
-the figures and writes bench/results/soak.json; exits 1 if anything is unaccounted or leaked.
+naming the problem, a 429 with Retry-After, or ended by the client on purpose), every KV block
+free and no request state left in any replica or the ingress. The killed replica's streams
+migrate to the survivor (http.migration_limit, --migration-limit): none may end "replica
+failed" (a 503 or an error event) unless migration is off (--migration-limit 0), and the
+ingress's migrations and retries are reported. Prints the figures and writes
+bench/results/soak.json; exits 1 if anything is unaccounted, failed or leaked.
 
 With --multinode the cluster is a head and one worker node per replica (several raylets on
 this machine), and what dies is the busiest replica's whole node; a fresh node joins
@@ -201,7 +204,12 @@ async def read_stream(client, url, body, headers, plan: Plan, leave: bool) -> di
     )
     if leave and ok:  # it ended before we got to leave: a normal completion
         return {"status": 200, "outcome": COMPLETED}
-    return {"status": 200, "outcome": COMPLETED if ok else UNEXPECTED}
+    if ok:
+        return {"status": 200, "outcome": COMPLETED}
+    # what was wrong: no [DONE], a choice without its finish, or tokens other than asked for
+    got = usage["completion_tokens"] if usage is not None else None
+    return {"status": 200, "outcome": UNEXPECTED, "done": done, "finished": len(finished),
+            "completion_tokens": got, "expected_tokens": plan.n * plan.max_tokens}  # fmt: skip
 
 
 async def soak(url: str, args) -> tuple[list[dict], dict]:
@@ -289,6 +297,14 @@ def lose_busiest_node(nodes, replicas: int, rejoin_after_s: float) -> dict:
     }
 
 
+def ingress_tally() -> dict:
+    """The ingress's migrations (by reason) and calls sent again before their first output."""
+    from ray import serve
+
+    stats = serve.get_deployment_handle("Ingress", app_name=APP).stats.remote().result(timeout_s=30)
+    return {"migrations": stats["migrations"], "replica_retries": stats["replica_retries"]}
+
+
 def wait_recovered(replicas: int, timeout_s: float) -> tuple[float, dict[str, dict], int]:
     """Wait for `replicas` RUNNING replicas, each idle with every KV block free, and an idle
     ingress. Returns (seconds waited, final replica stats, ingress in-flight count)."""
@@ -346,6 +362,13 @@ def main() -> int:
         "busiest replica's whole node is killed and a fresh node joins --rejoin-after-s later",
     )
     parser.add_argument("--rejoin-after-s", type=float, default=15.0)
+    parser.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="http.migration_limit: moves of a stream whose replica was lost (0: none, the "
+        "killed replica's streams end 'replica failed')",
+    )
     args = parser.parse_args()
     args.out = args.out or (RESULTS.with_name("soak_multinode.json") if args.multinode else RESULTS)
     args.nodes = None
@@ -356,7 +379,11 @@ def main() -> int:
             "engine": engine_fields(model),
             "replicas": args.replicas,
             "num_cpus_per_replica": 0.5,
-            "http": {"host": "127.0.0.1", "max_pending_requests": 64},
+            "http": {
+                "host": "127.0.0.1",
+                "max_pending_requests": 64,
+                "migration_limit": args.migration_limit,
+            },
             "auth": {"api_keys": [API_KEY]},
             "routing": {"stats_period_s": 0.5},
         }
@@ -379,6 +406,7 @@ def main() -> int:
         results, kill = asyncio.run(soak(url, args))
         duration = time.monotonic() - t0
         recovery_s, final_stats, ingress_inflight = wait_recovered(args.replicas, timeout_s=180)
+        tally = ingress_tally()
 
     outcomes = Counter(r["outcome"] for r in results)
     by_kind = {
@@ -395,6 +423,11 @@ def main() -> int:
         "by_kind": by_kind,
         "unexpected_examples": unexpected[:10],
         "killed_replica": kill,
+        # what the kill cost clients: requests that ended "replica failed" (0 with migration),
+        # streams moved to the survivor, calls sent again before their first output
+        "replica_failed": outcomes.get(REPLICA_FAILED, 0),
+        "migrations": tally["migrations"],
+        "replica_retries": tally["replica_retries"],
         "recovery_s": round(recovery_s, 1),
         "replicas_at_end": len(final_stats),
         "kv_blocks_free_at_end": {
@@ -416,6 +449,7 @@ def main() -> int:
             "replicas": args.replicas,
             "multinode": args.multinode,
             "rejoin_after_s": args.rejoin_after_s if args.multinode else None,
+            "migration_limit": args.migration_limit,
             "model": args.model,
             "seed": args.seed,
             "engine": engine_fields(Path(args.model)) | {"model": args.model},
@@ -429,6 +463,7 @@ def main() -> int:
         and len(final_stats) == args.replicas
         and ingress_inflight == 0
         and bool(kill)
+        and (args.migration_limit == 0 or not outcomes.get(REPLICA_FAILED))
     )
     summary["pass"] = ok
     args.out.parent.mkdir(parents=True, exist_ok=True)

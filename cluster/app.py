@@ -18,8 +18,10 @@ from router.ingress import make_ingress_deployment
 from router.settings import IngressSettings, ModelSettings
 
 # On scale-down, redeploy or shutdown a replica takes no new requests and waits this long for
-# its in-flight ones (Serve's graceful shutdown). The ingress waits longer, so that it can still
-# relay what the replicas send until their last moment, an error event included.
+# its in-flight ones (Serve's graceful shutdown); after http.drain_migrate_after_s it hands the
+# unfinished ones back and the ingress continues them on other replicas, so a drain is that
+# short unless migration is off. The ingress waits longer, so that it can still relay what the
+# replicas send until their last moment, an error event included.
 REPLICA_DRAIN_TIMEOUT_S = 60.0
 INGRESS_DRAIN_TIMEOUT_S = REPLICA_DRAIN_TIMEOUT_S + 15.0
 
@@ -167,13 +169,25 @@ def ingress_settings(config: ClusterConfig) -> IngressSettings:
     )
 
 
+def drain_migrate_after_s(config: ClusterConfig) -> float | None:
+    """How long a draining replica lets its requests run before handing the rest back to the
+    ingress (a migration): http.drain_migrate_after_s, None (wait for them, up to
+    REPLICA_DRAIN_TIMEOUT_S) when migration is off or the grace would outlast the drain."""
+    after = config.http.drain_migrate_after_s
+    if config.http.migration_limit == 0 or after is None or after >= REPLICA_DRAIN_TIMEOUT_S:
+        return None
+    return after
+
+
 def build_app(args: ClusterConfig) -> serve.Application:
     config = args if isinstance(args, ClusterConfig) else ClusterConfig.model_validate(args)
     llm_apps = {}
     for model in config.deployments():
         llm = serve.deployment(LLMServer).options(**replica_options(config, model))
         llm_apps[model.served_name()] = llm.bind(
-            model.engine.model_dump(), kv_events=config.routing.kv_events
+            model.engine.model_dump(),
+            kv_events=config.routing.kv_events,
+            drain_migrate_after_s=drain_migrate_after_s(config),
         )
     ingress = make_ingress_deployment().options(
         num_replicas=config.http.ingress_replicas,

@@ -18,6 +18,7 @@ from replica.errors import (
     EngineOverloaded,
     GrammarRejected,
     LoRAError,
+    ReplicaDraining,
     RequestRejected,
 )
 from replica.hub import find_hub, get_hub
@@ -68,6 +69,7 @@ __all__ = [
     "PreemptionRate",
     "REMOVED",
     "RequestOutput",
+    "ReplicaDraining",
     "RequestRejected",
     "LoRAError",
     "RoutingStats",

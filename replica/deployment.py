@@ -5,6 +5,7 @@ stats, and failing its health check when the engine is dead."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -29,6 +30,7 @@ from replica.contracts import (
 from replica.engine import AsyncEngine, Engine
 from replica.engine.core_client import ProcessEngine
 from replica.engine.wire import CoreOp
+from replica.errors import ReplicaDraining
 from replica.hub import get_hub
 from replica.kv_publisher import KVEventPublisher
 from replica.metrics import EngineMetrics
@@ -46,6 +48,10 @@ METRICS_PUSH_TIMEOUT_S = 10.0
 # ops) or the core's reader (engine_core="process": it detokenizes each step). Python's
 # default 5 ms switch interval makes each wait up to that long; 0.5 ms keeps hand-offs short.
 GIL_SWITCH_INTERVAL_S = 0.0005
+# how often a replica that hands its streams back when draining looks for Serve's shutdown
+SHUTDOWN_POLL_S = 0.25
+# how often a draining replica asks Serve whether another replica runs to take its requests
+SUCCESSOR_POLL_S = 1.0
 
 
 def usable_cpus() -> int:
@@ -87,10 +93,51 @@ def resolve_cpu_threads(settings: dict) -> int:
     return max(1, usable_cpus() // max(int(settings.get("replicas_per_machine") or 1), 1))
 
 
-class LLMServer:
-    """Deployment class (wrapped with serve.deployment by cluster/app.py)."""
+def serve_shutting_down() -> bool | None:
+    """Whether Ray Serve has begun this replica's graceful shutdown (scale-down, redeploy, the
+    application deleted). Serve tells a replica's code nothing until the drain is over (then it
+    calls __del__), so this reads the flag Serve's replica actor sets as the shutdown starts;
+    None where it cannot be read (outside a Serve replica, a Ray whose internals differ)."""
+    try:
+        worker = ray._private.worker.global_worker
+        flag = worker.actors[worker.actor_id]._replica_impl._shutting_down
+    except Exception:
+        return None
+    return flag if isinstance(flag, bool) else None
 
-    def __init__(self, engine_config: dict, kv_events: bool = False) -> None:
+
+def successor_running() -> bool:
+    """Whether this replica's deployment has a RUNNING replica (this one, shutting down, is
+    STOPPING): a request handed back needs one. Not when the application is being deleted."""
+    try:
+        context = serve.get_replica_context()
+        app = serve.status().applications[context.app_name]
+        if app.status == "DELETING":
+            return False
+        return app.deployments[context.deployment].replica_states.get("RUNNING", 0) > 0
+    except Exception:
+        return False
+
+
+class LLMServer:
+    """Deployment class (wrapped with serve.deployment by cluster/app.py).
+    `drain_migrate_after_s`: when Serve drains this replica, the requests still unfinished
+    this long after the drain began are handed back (ReplicaDraining), for the ingress to
+    continue on another replica (router/fanout.py); None: they are waited for."""
+
+    # draining: set once unfinished requests are handed back (_watch_shutdown); the event wakes
+    # the streams still waiting for their first output, in the loop that serves them
+    _hands_back = False  # a drain hands requests back (the watcher runs)
+    _handing_back = False
+    _hand_back_event: asyncio.Event | None = None
+    _serving_loop: asyncio.AbstractEventLoop | None = None
+
+    def __init__(
+        self,
+        engine_config: dict,
+        kv_events: bool = False,
+        drain_migrate_after_s: float | None = None,
+    ) -> None:
         config = EngineConfig.model_validate(engine_config)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         try:
@@ -147,6 +194,20 @@ class LLMServer:
             self.metrics = EngineMetrics(self.engine.engine, model_name, self.replica_id)
         self._metrics_stop = threading.Event()
         threading.Thread(target=self._push_metrics, name="metrics-push", daemon=True).start()
+        if drain_migrate_after_s is not None:
+            if serve_shutting_down() is None:
+                logger.warning(
+                    "replica %s: cannot see Serve's shutdown; a drain waits for its requests",
+                    self.replica_id,
+                )
+            else:
+                self._hands_back = True
+                threading.Thread(
+                    target=self._watch_shutdown,
+                    args=(drain_migrate_after_s,),
+                    name="drain-watch",
+                    daemon=True,
+                ).start()
         port = os.environ.get("STEPSERVE_METRICS_PORT")
         if port:  # one scrape target per pod in Kubernetes (the chart sets this)
             try:
@@ -183,10 +244,63 @@ class LLMServer:
     def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return self.engine.generate(request)
 
+    # -- handing requests back when draining ---------------------------------------------
+    def _watch_shutdown(self, grace_s: float) -> None:
+        """Wait for Serve's shutdown of this replica, then `grace_s` more for requests to
+        finish; then hand the unfinished ones back (the streams raise ReplicaDraining), once
+        another replica of the deployment runs to take them (none when the whole
+        application is deleted: then the drain waits for them, as without hand-backs)."""
+        while not self._metrics_stop.wait(SHUTDOWN_POLL_S):
+            if serve_shutting_down():
+                break
+        else:
+            return
+        logger.info(
+            "replica %s: draining; requests unfinished in %.1f s are handed back to the ingress",
+            self.replica_id,
+            grace_s,
+        )
+        if self._metrics_stop.wait(grace_s):
+            return
+        while not successor_running():
+            if self._metrics_stop.wait(SUCCESSOR_POLL_S):
+                return
+        self._handing_back = True
+        loop, event = self._serving_loop, self._hand_back_event
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # a loop closed has no stream to wake
+                loop.call_soon_threadsafe(event.set)  # the streams before their first output
+
+    def _hand_back(self, request: GenerateRequest) -> ReplicaDraining:
+        return ReplicaDraining(
+            f"replica {self.replica_id} is draining and handed request {request.request_id} back",
+            self.replica_id,
+        )
+
+    async def _first_output(self, first: asyncio.Future, request: GenerateRequest):
+        """The first output (StopAsyncIteration: none), or ReplicaDraining raised when the
+        replica hands its requests back before it comes."""
+        if not self._hands_back:
+            return await asyncio.shield(first)
+        if self._hand_back_event is None:
+            self._serving_loop = asyncio.get_running_loop()
+            self._hand_back_event = asyncio.Event()
+            if self._handing_back:
+                self._hand_back_event.set()
+        waiter = asyncio.ensure_future(self._hand_back_event.wait())
+        try:
+            await asyncio.wait({first, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not first.done():
+            raise self._hand_back(request)
+        return first.result()
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput | Accepted]:
         """RequestOutput deltas of one choice, after an Accepted when the first of them takes
         longer than ACCEPTED_NOTICE_S; a refusal (queue full, draining, a bad request) raises
-        before anything is sent. Cancellation aborts the request."""
+        before anything is sent, and a draining replica that hands its requests back raises
+        ReplicaDraining wherever the stream is. Cancellation aborts the request."""
         outputs = self._outputs(request)
         first = asyncio.ensure_future(anext(outputs))
         # a constrained request's grammar compiles first, and a grammar that cannot compile is
@@ -197,11 +311,13 @@ class LLMServer:
             if not done:
                 yield Accepted(request.request_id)
             try:
-                out = await asyncio.shield(first)
+                out = await self._first_output(first, request)
             except StopAsyncIteration:
                 return
             yield out
             async for out in outputs:
+                if self._handing_back and not out.finished:  # a last delta still goes out
+                    raise self._hand_back(request)
                 yield out
         finally:
             if not first.done():  # cancelled while waiting: the engine's stream aborts it
@@ -213,9 +329,13 @@ class LLMServer:
 
     async def generate_all(self, request: GenerateRequest) -> RequestOutput:
         """The whole answer as one RequestOutput (all deltas merged): what a non-streaming
-        client needs, without a message per token. Cancellation aborts the request."""
+        client needs, without a message per token. Cancellation aborts the request; a draining
+        replica that hands its requests back raises ReplicaDraining (the ingress sends the call
+        again from scratch: nothing of it reached the client)."""
         result = None
         async for out in self._outputs(request):
+            if self._handing_back:
+                raise self._hand_back(request)
             result = out if result is None else result.merge(out)
         return result
 

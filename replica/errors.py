@@ -41,3 +41,18 @@ class LoRAError(RequestRejected):
 
     def __init__(self, message: str, param: str | None = "model") -> None:
         super().__init__(message, param)
+
+
+class ReplicaDraining(RuntimeError):
+    """The replica is shutting down (scale-down, redeploy) and hands an unfinished request back
+    rather than keep its drain waiting: the ingress continues it on another replica from what
+    its client already has (a migration, not a failure; router/fanout.py). `replica_id` names
+    the replica that let it go."""
+
+    def __init__(self, message: str, replica_id: str = "") -> None:
+        super().__init__(message)
+        self.replica_id = replica_id
+
+    def __reduce__(self):
+        # as RequestRejected: `replica_id` must survive crossing Ray
+        return (type(self), (str(self), self.replica_id))

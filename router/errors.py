@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 from fastapi.responses import JSONResponse, Response
 
-from replica.api import EngineDeadError, EngineOverloaded, RequestRejected
+from replica.api import EngineDeadError, EngineOverloaded, ReplicaDraining, RequestRejected
 from router.protocol import error_body, validation_error_body
 
 logger = logging.getLogger("ray.serve")
@@ -84,6 +85,34 @@ def replica_lost(exc: BaseException) -> bool:
     return type(root_cause(exc)).__name__ in REPLICA_LOST
 
 
+def replica_handed_back(exc: BaseException) -> bool:
+    """Whether a draining replica gave a call back unfinished (ReplicaDraining): it goes on
+    on another replica, a migration that is no failure."""
+    return isinstance(root_cause(exc), ReplicaDraining)
+
+
+class MigrationLimitReached(RuntimeError):
+    """A stream lost its replica once more after http.migration_limit migrations: it ends with
+    this error (503) rather than move again."""
+
+
+# a Serve replica actor's name: SERVE_REPLICA::<app>#<deployment>#<replica id>
+_REPLICA_ACTOR = re.compile(r"SERVE_REPLICA::[^#\s]+#[^#\s]+#(\w+)")
+
+
+def lost_replica(exc: BaseException) -> str:
+    """The replica a call lost, as far as its error tells (for the log): a draining replica
+    names itself, Ray's errors name the replica's actor."""
+    cause = root_cause(exc)
+    if isinstance(cause, ReplicaDraining) and cause.replica_id:
+        return cause.replica_id
+    found = _REPLICA_ACTOR.search(str(cause))
+    if found:
+        return found.group(1)
+    actor_id = getattr(cause, "actor_id", None)
+    return f"actor {actor_id}" if actor_id else "unknown"
+
+
 def classify_error(exc: BaseException) -> HTTPError:
     """Map what a replica (or Ray) raised to the HTTP error a client should see."""
     exc = root_cause(exc)
@@ -96,6 +125,10 @@ def classify_error(exc: BaseException) -> HTTPError:
         return HTTPError(
             429, f"server overloaded: {exc}", "rate_limit_error", headers={"Retry-After": "1"}
         )
+    if isinstance(exc, MigrationLimitReached):
+        return HTTPError(503, f"replica failed: {exc}", "service_unavailable")
+    if isinstance(exc, ReplicaDraining):
+        return HTTPError(503, f"replica draining: {exc}", "service_unavailable")
     if isinstance(exc, EngineDeadError) or name in REPLICA_LOST | {"ActorUnschedulableError"}:
         return HTTPError(503, f"replica failed: {exc}", "service_unavailable")
     if isinstance(exc, ValueError):

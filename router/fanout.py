@@ -6,15 +6,22 @@ prompts) at once; each request's first token and end are reported to the routers
 A call that failed before anything of it reached the client is sent again when the failure was
 the replica's, not the request's: its replica was lost (actor died, node gone: Serve's router
 drops a replica whose call raised ActorDiedError, LoadAwareRouter avoids one found
-unreachable), up to MAX_SENDS sends; or its replica was momentarily full or draining (the
+unreachable), up to MAX_SENDS sends (a unary call, which reaches its client only whole, also
+at most 1 + http.migration_limit); or its replica was momentarily full or draining (the
 ingress had admitted it by its own expected wait), with growing pauses for up to FULL_RETRY_S
-(a stream's headers wait for that: router/streaming.py's STREAM_HOLD_S)."""
+(a stream's headers wait for that: router/streaming.py's STREAM_HOLD_S).
+
+A stream whose replica is lost after some of it reached the client migrates: it is sent to
+another replica as the same choice with `resume` (the tokens and text the client has), and that
+replica's deltas continue the same stream, up to http.migration_limit times per choice
+(router/migration.py keeps what was delivered; then the stream ends with
+MigrationLimitReached). A draining replica that hands a call back (ReplicaDraining) is
+migrated the same way, without counting against the limit: the replica asked for it."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import time
 import uuid
@@ -22,13 +29,17 @@ from collections.abc import AsyncIterator
 
 from replica.api import Accepted, EngineRequest, GenerateRequest, RequestOutput
 from router.errors import (
+    MigrationLimitReached,
     ReplicaCallCancelled,
     cancelled_from_inside,
+    lost_replica,
     replica_full,
+    replica_handed_back,
     replica_lost,
 )
 from router.inflight import note_finished, note_first_token
 from router.kv_routing import note_cached, note_gone
+from router.migration import Delivered, Migrations
 from router.policy import Policy
 
 # (choice index, the choice's request as the ingress built it: every field but its id)
@@ -47,20 +58,26 @@ FULL_PAUSE_MAX_S = 0.4
 
 
 class ReplicaCalls:
-    def __init__(self, handle, policy: Policy, block_size: int) -> None:
+    def __init__(
+        self, handle, policy: Policy, block_size: int, migrations: Migrations | None = None
+    ) -> None:
         self.handle = handle
         self.stream_handle = handle.options(stream=True)
         self.policy = policy
         self.block_size = block_size
         self.retries = 0  # calls sent again after their replica was lost or full (metrics)
+        # the migration limit and tallies (shared by an ingress's models)
+        self.migrations = migrations if migrations is not None else Migrations()
 
     async def _again(
-        self, exc: BaseException, send: int, first_sent: float, request_id: str
+        self, exc: BaseException, send: int, first_sent: float, request_id: str, max_sends: int
     ) -> None:
         """Raise `exc` unless the call may be sent again (see the module's docstring); else
         note the retry and pause (the router learns of a loss, a full queue drains)."""
-        if replica_lost(exc) and send + 1 < MAX_SENDS:
+        if replica_lost(exc) and send + 1 < max_sends:
             pause, why = RETRY_PAUSE_S, "its replica was lost"
+        elif replica_handed_back(exc) and send + 1 < max_sends:
+            pause, why = RETRY_PAUSE_S, "its replica handed it back (draining)"
         elif replica_full(exc) and time.monotonic() - first_sent < FULL_RETRY_S:
             pause, why = min(RETRY_PAUSE_S * 2**send, FULL_PAUSE_MAX_S), "its replica was full"
         else:
@@ -72,6 +89,37 @@ class ReplicaCalls:
             request_id, why, type(exc).__name__, send + 2,
         )  # fmt: skip
         await asyncio.sleep(pause)
+
+    async def _migrate(
+        self, exc: BaseException, delivered: Delivered, moves: int, lost_moves: int, origin: str
+    ) -> bool:
+        """Raise unless a stream that reached its client in part may move on (see the module's
+        docstring); else note the migration, log it and pause as a retry does. Returns whether
+        it counts against the limit (its replica was lost, not drained)."""
+        handed_back = replica_handed_back(exc)
+        if not handed_back:
+            if not replica_lost(exc):
+                raise exc
+            limit = self.migrations.limit
+            if limit == 0:
+                raise exc  # migration is off: the stream ends with its replica's failure
+            if lost_moves >= limit:
+                raise MigrationLimitReached(
+                    f"request {origin} lost its replica ({type(exc).__name__}) after "
+                    f"{lost_moves} migration(s), the limit (http.migration_limit = {limit})"
+                ) from exc
+        delivered.lost()
+        self.migrations.note("drained" if handed_back else "lost")
+        own_serve_request_id()  # the next send is a call of its own to Serve's router
+        logger.info(
+            "request %s: replica %s %s after %d tokens reached the client; continuing it on "
+            "another replica (migration %d)",
+            origin, lost_replica(exc),
+            "handed it back (draining)" if handed_back else f"was lost ({type(exc).__name__})",
+            len(delivered.token_ids), moves + 1,
+        )  # fmt: skip
+        await asyncio.sleep(RETRY_PAUSE_S)
+        return not handed_back
 
     def request(self, choice: EngineRequest) -> GenerateRequest:
         """One send of a choice: the request whole, a fresh id and the routing hints."""
@@ -85,7 +133,8 @@ class ReplicaCalls:
 
     def one_stream(self, choice: EngineRequest) -> AsyncIterator[RequestOutput | Accepted]:
         """The deltas of one choice, with the replica's Accepted (if it sent one) passed on;
-        a call its replica lost or refused before any output is sent again."""
+        a call its replica lost or refused before any output is sent again, one lost after
+        that migrates."""
         return self._call(choice, streamed=True)
 
     async def _call(
@@ -93,10 +142,19 @@ class ReplicaCalls:
     ) -> AsyncIterator[RequestOutput | Accepted]:
         """One choice's call, streamed (its deltas) or unary (its whole output, one item),
         with the replica's Accepted passed on. The one retry loop: a call its replica lost or
-        refused before any output reached the caller is sent again (`_again`)."""
+        refused before any output reached the caller is sent again (`_again`); a stream lost
+        after that continues on another replica from what was delivered (`_migrate`)."""
         first_sent = time.monotonic()
-        for send in itertools.count():
-            request = self.request(choice)
+        delivered = Delivered()
+        origin = ""  # the first send's request id: the one the log names
+        sends = moves = lost_moves = 0  # sends before any output; migrations (all, lost)
+        max_sends = MAX_SENDS if streamed else min(MAX_SENDS, 1 + self.migrations.limit)
+        while True:
+            sent = choice
+            if delivered.started:
+                sent = dataclasses.replace(choice, resume=delivered.resume(moves))
+            request = self.request(sent)
+            origin = origin or request.request_id
             first = True
             try:
                 if streamed:
@@ -112,25 +170,30 @@ class ReplicaCalls:
                         if streamed:
                             note_first_token(request.request_id)
                         note_cached(request.request_id, out.num_cached_tokens)
+                    gap = delivered.add(out)
+                    if gap is not None:
+                        self.migrations.observe_gap(gap)
                     yield out
                 return
             except asyncio.CancelledError:
                 if not cancelled_from_inside():
                     raise  # this call was cancelled (its client left)
-                exc = ReplicaCallCancelled(
+                lost: BaseException = ReplicaCallCancelled(
                     f"the call of request {request.request_id} was cancelled"
                 )
-                if not first:  # the client has some of it: the stream ends with the error
-                    raise exc from None
-                lost = exc
             except Exception as exc:
-                if not first:  # the client has some of it: the stream ends with the error
-                    raise
                 lost = exc
             finally:
                 note_finished(request.request_id)
                 note_gone(request.request_id)
-            await self._again(lost, send, first_sent, request.request_id)
+            if delivered.finished:
+                return  # lost after its last delta: the caller has it all
+            if not delivered.started:
+                await self._again(lost, sends, first_sent, request.request_id, max_sends)
+                sends += 1
+                continue
+            lost_moves += await self._migrate(lost, delivered, moves, lost_moves, origin)
+            moves += 1
 
     async def complete_all(self, jobs: list[Job]) -> list[tuple[int, RequestOutput]]:
         """Every job run to completion concurrently, one unary call each (a non-streaming

@@ -91,6 +91,7 @@ class Ingress:
             "routers": inflight_state(),
             "kv_routing": kv_routing_state(),
             "replica_retries": self.core.retries,
+            "migrations": dict(self.core.migrations.counts),
             "grammar_engine_loaded": grammar_engine_loaded(),
             "rejected_specs": self.core.num_rejected_specs,
         }
@@ -147,8 +148,10 @@ class Ingress:
             # this application's replicas that its routers know alive (all, before they know)
             live = [entry["replica_id"] for entry in replica_readiness()] or None
             texts = await hub.expositions.remote(replica_ids=live)
-        # this ingress's own counters: calls resent after a lost replica, KV-event routing
+        # this ingress's own counters: calls resent after a lost replica, streams migrated,
+        # KV-event routing
         own = retries_exposition(self.ingress_id, self.core.retries)
+        own += self.core.migrations.exposition(self.ingress_id)
         own += kv_exposition(self.ingress_id)
         return Response(merge_expositions([*texts, own]), media_type=CONTENT_TYPE_LATEST)
 

@@ -25,6 +25,7 @@ from router.fanout import Job
 from router.guard import RequestGuard
 from router.lora_admin import LoRAAdmin
 from router.lora_registry import Adapter, AdapterDirectory
+from router.migration import Migrations
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +53,8 @@ class IngressCore:
             handles = {settings.model_name: handles}
         self.guard = RequestGuard(settings.http, settings.auth)
         self.admission = Admission()  # admission by expected wait (router/admission.py)
+        # streams continued on another replica: one limit and one tally for every model
+        self.migrations = Migrations(settings.http.migration_limit)
         self.models: dict[str, ServedModel] = {
             ms.name: ServedModel(
                 ms,
@@ -61,6 +64,7 @@ class IngressCore:
                 settings.http.keepalive_s,
                 tokenizer if ms.name == settings.model_name else None,
                 then=freeze_heap,
+                migrations=self.migrations,
             )
             for ms in settings.models
         }

@@ -11,6 +11,7 @@ from replica.api import EngineLimits, LazyTokenizer, freeze_heap
 from router.admission import Admission
 from router.dialects import ChatDialect, CompletionDialect, Dialect
 from router.fanout import ReplicaCalls
+from router.migration import Migrations
 from router.policy import Policy, RoutingConfig
 from router.settings import ModelSettings
 from router.streaming import Answers
@@ -27,9 +28,11 @@ class ServedModel:
         keepalive_s: float,
         tokenizer=None,
         then=freeze_heap,
+        migrations: Migrations | None = None,
     ) -> None:
         """`tokenizer`: one to use (tests); else the model's loads in the background, and
-        `then` runs once it has loaded (the ingress freezes its heap)."""
+        `then` runs once it has loaded (the ingress freezes its heap). `migrations`: the
+        ingress's migration limit and tallies (router/migration.py)."""
         self.settings = settings
         self.name = settings.name
         self.engine = settings.engine
@@ -47,7 +50,7 @@ class ServedModel:
             self._loading = LazyTokenizer(settings.model_dir, resolve=True).preload(then=then)
         else:
             self._use_tokenizer(tokenizer)
-        self.calls = ReplicaCalls(handle, Policy(routing), settings.engine.block_size)
+        self.calls = ReplicaCalls(handle, Policy(routing), settings.engine.block_size, migrations)
         self.answers = Answers(self.calls, admission, keepalive_s)
         self._info: dict | None = None
         self._limits: EngineLimits | None = None

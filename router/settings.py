@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from replica.config import EngineConfig
 from router.policy import RoutingConfig
 
+# migrations of one stream after its replica was lost mid-stream (router/migration.py)
+DEFAULT_MIGRATION_LIMIT = 3
+
 
 class HttpConfig(BaseModel):
     """The HTTP edge: where the ingress listens and what it admits."""
@@ -41,6 +44,24 @@ class HttpConfig(BaseModel):
         le=60,
         description="an admitted stream gets an SSE comment after this many seconds without "
         "an event (queued, or a long step), so clients and proxies see it is alive",
+    )
+    migration_limit: int = Field(
+        default=DEFAULT_MIGRATION_LIMIT,
+        ge=0,
+        description="times one stream may move to another replica after its replica was lost "
+        "mid-stream (actor died, node gone): it continues from the tokens its client has, in "
+        "the same response; past the limit it ends with an error event. Also bounds how often "
+        "a lost non-streaming call is sent again. 0: no migration (a stream under way ends "
+        "with an error event when its replica is lost)",
+    )
+    drain_migrate_after_s: float | None = Field(
+        default=5.0,
+        ge=0,
+        description="a draining replica (scale-down, redeploy, shutdown) lets its running "
+        "requests finish for this many seconds, then hands the rest back: they continue on "
+        "another replica (a migration), so a drain ends in bounded time without cutting a "
+        "stream. None: it waits for them (up to the graceful shutdown timeout). Ignored when "
+        "migration_limit is 0",
     )
     ingress_replicas: int = Field(
         default=1,

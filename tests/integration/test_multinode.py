@@ -3,8 +3,8 @@
 CPU each, so each worker holds one replica): replicas spread over the workers, a tensor-parallel
 replica's ranks share a node (and answer like the tp=1 engine; a dead rank fails the stream and
 the health check), the ingress stays on the head; a worker node killed mid-load
-loses only its own streams (each ends with an error event, none hangs), the survivor keeps
-serving, the routers, KV index and metrics forget the dead replica, and a node that joins later
+loses no stream (each of its streams migrates to the survivor and completes, with the text an
+undisturbed run gets), the survivor keeps serving, the routers, KV index and metrics forget the dead replica, and a node that joins later
 takes the replacement; with autoscaling, a scale-up lands on a node that joined after the
 application started."""
 
@@ -82,9 +82,10 @@ def body(tokens: int, seed: int, stream: bool) -> dict:
 
 
 async def stream(client: httpx.AsyncClient, url: str, seed: int) -> dict:
-    """A long stream read to its end: status, completion tokens (its usage), the error event
-    if any, whether [DONE] came."""
-    result = {"status": None, "tokens": None, "error": None, "done": False}
+    """A long stream read to its end: status, completion tokens (its usage), its text, the
+    error event if any, whether [DONE] came."""
+    result = {"seed": seed, "status": None, "tokens": None, "text": "", "error": None,
+              "done": False}  # fmt: skip
     async with client.stream("POST", f"{url}/v1/completions", json=body(LONG, seed, True)) as r:
         result["status"] = r.status_code
         if r.status_code != 200:
@@ -97,8 +98,10 @@ async def stream(client: httpx.AsyncClient, url: str, seed: int) -> dict:
             event = json.loads(data)
             if "error" in event:
                 result["error"] = event["error"]["message"]
-            elif event.get("usage"):
-                result["tokens"] = event["usage"]["completion_tokens"]
+            else:
+                result["text"] += "".join(c["text"] for c in event["choices"])
+                if event.get("usage"):
+                    result["tokens"] = event["usage"]["completion_tokens"]
     return result
 
 
@@ -222,11 +225,12 @@ def test_replicas_spread_over_the_workers_and_the_ingress_stays_on_the_head(node
     assert ingress_stats()["node_id"] == cluster.head_id
 
 
-def test_a_lost_worker_node_loses_only_its_streams_and_a_new_node_takes_the_replacement(
+def test_a_lost_worker_nodes_streams_migrate_and_complete_and_a_new_node_takes_the_replacement(
     nodes, tiny_llama_dir
 ):
     cluster, url = nodes["cluster"], nodes["url"]
     wait_running(2)
+    migrated_before = ingress_stats()["migrations"]["lost"]
     stats = helpers.replica_stats(APP, 2)
     node_of = {rid: s["node_id"] for rid, s in stats.items()}
     n_streams = 8
@@ -276,20 +280,15 @@ def test_a_lost_worker_node_loses_only_its_streams_and_a_new_node_takes_the_repl
 
     victim, after, runs, ended_s = asyncio.run(scenario())
     survivor = next(rid for rid in node_of if rid != victim["replica_id"])
-    # the streams that ended before the kill completed (each keeper checked its own); of those
-    # in flight at the kill, every one is accounted for: completed, or ended with an error
-    # event naming the loss
+    # the streams that ended before the kill completed (each keeper checked its own); those in
+    # flight at the kill completed too: the victim's moved to the survivor (http.migration_limit)
     results = [r for after_kill, r in runs if after_kill]
-    completed = [r for r in results if r["done"] and r["error"] is None]
-    failed = [r for r in results if r["error"] is not None]
-    assert len(completed) + len(failed) == len(results) == n_streams, results
-    assert all(r["status"] == 200 for r in results), results
-    # the victim's streams failed, the survivor's completed (which stream ran where is not
-    # visible to a client, and streams arriving when the stats were read may have joined the
-    # victim before the kill: so not an exact count)
-    assert failed and completed, (victim, results)
-    assert all(r["tokens"] == LONG for r in completed), completed
-    assert all("replica failed" in r["error"] for r in failed), failed
+    assert len(results) == n_streams, results
+    for r in results:
+        assert r["status"] == 200 and r["done"] and r["error"] is None, r | {"text": "..."}
+    # which stream ran where is not visible to a client, and streams arriving when the stats
+    # were read may have joined the victim before the kill: so not an exact count
+    assert ingress_stats()["migrations"]["lost"] > migrated_before, "no stream migrated"
     assert ended_s < 90, ended_s
     assert all(status == 200 for _, status, _ in after), after
     # the dead replica is gone from Serve, the routers' tallies, the KV index and the metrics
@@ -320,6 +319,17 @@ def test_a_lost_worker_node_loses_only_its_streams_and_a_new_node_takes_the_repl
     assert {s["node_id"] for s in stats.values()} == {node_of[survivor], joined.node_id}
     r = httpx.post(f"{url}/v1/completions", json=body(4, 7, False), timeout=60)
     assert r.status_code == 200, r.text
+    # each stream that lived through the kill has the text and usage of the same request run
+    # undisturbed (greedy): waits for the engine branch (replicas that honour `resume`)
+
+    async def undisturbed():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as client:
+            return await asyncio.gather(*(stream(client, url, r["seed"]) for r in results))
+
+    for r, ref in zip(results, asyncio.run(undisturbed()), strict=True):
+        assert ref["tokens"] == LONG and ref["error"] is None, ref
+        assert r["text"] == ref["text"], (r["seed"], len(r["text"]), len(ref["text"]))
+        assert r["tokens"] == LONG, r["tokens"]
 
 
 def kv_index() -> list[dict]:

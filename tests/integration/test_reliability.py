@@ -78,6 +78,10 @@ def make_config(model_dir: Path, port: int, replicas: int = 2, **http) -> Cluste
                 "max_pending_requests": MAX_PENDING,
                 "max_body_bytes": MAX_BODY,
                 "max_tokens_cap": MAX_MODEL_LEN,
+                # the behaviour without migration: a lost replica ends the streams it had under
+                # way with an error event, a drain waits for its streams (with migration on,
+                # tests/integration/test_migration.py)
+                "migration_limit": 0,
                 **http,
             },
             "auth": {"api_keys": [CONFIG_KEY]},

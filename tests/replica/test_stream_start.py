@@ -147,7 +147,7 @@ class Handle:
         if len(self.sends) == 1:
             raise type("ActorDiedError", (Exception,), {})("replica gone")
         for token in range(3):
-            yield types.SimpleNamespace(token=token, num_cached_tokens=0)
+            yield RequestOutput(req.request_id, [token], str(token), 3, token + 1)
 
 
 def test_fan_out_passes_accepted_on_and_resends_a_call_lost_after_it():
@@ -161,4 +161,4 @@ def test_fan_out_passes_accepted_on_and_resends_a_call_lost_after_it():
     got = asyncio.run(run())
     assert len(handle.sends) == 2 and calls.retries == 1
     assert isinstance(got[0], Accepted) and isinstance(got[1], Accepted)
-    assert [o.token for o in got[2:]] == [0, 1, 2]
+    assert [o.new_token_ids[0] for o in got[2:]] == [0, 1, 2]

@@ -1,5 +1,6 @@
 """A lost or full replica, from the ingress's side: a call whose replica actor died before its
-first output is sent again (router/fanout.py), a stream already under way is not; one refused
+first output is sent again (router/fanout.py), a stream already under way is not when migration
+is off (tests/router/test_migration.py: when it is on); one refused
 by a full replica is sent again for a while; the router skips a replica its calls found dead or
 unreachable (router/request_router.py). Fake handles and replicas: the real thing is
 tests/integration/test_multinode.py's node loss and tests/integration/test_reliability.py's burst."""
@@ -16,6 +17,7 @@ pytest.importorskip("ray")
 from replica.request import EngineOverloaded, EngineRequest, SamplingParams  # noqa: E402
 from router import fanout  # noqa: E402
 from router.fanout import MAX_SENDS, ReplicaCalls  # noqa: E402
+from router.migration import Migrations  # noqa: E402
 from router.policy import Policy, RoutingConfig  # noqa: E402
 from router.request_router import LoadAwareRouter  # noqa: E402
 from tests.helpers import cancel_after_first  # noqa: E402
@@ -28,6 +30,8 @@ class ActorDiedError(Exception):  # what Ray raises, matched by name (router/err
 class Out:
     def __init__(self, token: int) -> None:
         self.token, self.num_cached_tokens = token, 0
+        self.new_token_ids, self.new_text, self.finished = [token], f"t{token}", False
+        self.prompt_logprobs = None
 
 
 class FakeHandle:
@@ -65,9 +69,10 @@ def no_pause(monkeypatch):
     monkeypatch.setattr(fanout, "RETRY_PAUSE_S", 0.0)
 
 
-def calls(script) -> tuple[ReplicaCalls, FakeHandle]:
+def calls(script, migration_limit: int = 3) -> tuple[ReplicaCalls, FakeHandle]:
     handle = FakeHandle(script)
-    return ReplicaCalls(handle, Policy(RoutingConfig()), block_size=16), handle
+    migrations = Migrations(migration_limit)
+    return ReplicaCalls(handle, Policy(RoutingConfig()), 16, migrations), handle
 
 
 def choice(prompt: list[int]) -> EngineRequest:
@@ -92,8 +97,9 @@ def test_a_stream_whose_replica_died_before_its_first_output_is_sent_again():
     assert c.retries == 1
 
 
-def test_a_stream_under_way_is_not_sent_again():
-    c, handle = calls([(1, ActorDiedError)])
+def test_a_stream_under_way_is_not_sent_again_when_migration_is_off():
+    """http.migration_limit = 0; with migration on, tests/router/test_migration.py."""
+    c, handle = calls([(1, ActorDiedError)], migration_limit=0)
     with pytest.raises(ActorDiedError):
         collect(c)
     assert len(handle.sends) == 1 and c.retries == 0
@@ -170,7 +176,7 @@ def test_a_call_cancelled_by_ray_counts_as_a_lost_replica_not_as_the_streams_own
     unary, handle = calls([(0, asyncio.CancelledError)])
     assert asyncio.run(unary.complete_all([(0, choice([1, 2]))]))[0][1].token == 7
     assert len(handle.sends) == 2
-    after, handle = calls([(1, asyncio.CancelledError)])
+    after, handle = calls([(1, asyncio.CancelledError)], migration_limit=0)
     with pytest.raises(ReplicaCallCancelled) as info:
         collect(after)
     assert len(handle.sends) == 1
