@@ -302,7 +302,11 @@ def ingress_tally() -> dict:
     from ray import serve
 
     stats = serve.get_deployment_handle("Ingress", app_name=APP).stats.remote().result(timeout_s=30)
-    return {"migrations": stats["migrations"], "replica_retries": stats["replica_retries"]}
+    return {
+        "migrations": stats["migrations"],
+        "migration_gaps": stats.get("migration_gaps"),
+        "replica_retries": stats["replica_retries"],
+    }
 
 
 def wait_recovered(replicas: int, timeout_s: float) -> tuple[float, dict[str, dict], int]:
@@ -427,6 +431,9 @@ def main() -> int:
         # streams moved to the survivor, calls sent again before their first output
         "replica_failed": outcomes.get(REPLICA_FAILED, 0),
         "migrations": tally["migrations"],
+        # each migration's gap in its client's stream: the new replica's prefill of prompt +
+        # tokens sent, and its wait for a seat
+        "migration_gaps": tally["migration_gaps"],
         "replica_retries": tally["replica_retries"],
         "recovery_s": round(recovery_s, 1),
         "replicas_at_end": len(final_stats),

@@ -78,7 +78,9 @@ class Ingress:
         except Exception:
             self.ingress_id, self.app_name = "ingress", "default"
         # the adapters loaded at run time, shared by every ingress replica of the application
-        registry = get_registry(self.app_name) if ray.is_initialized() else None
+        # (no registry actor for an application whose models have LoRA off: nothing to load)
+        lora = any(model.engine.lora_enabled for model in settings.models)
+        registry = get_registry(self.app_name) if lora and ray.is_initialized() else None
         self.core = IngressCore(llm_handles, settings, registry=registry)
         freeze_heap()  # started: Ray, Serve, FastAPI (again after the tokenizer's load)
 
@@ -92,6 +94,7 @@ class Ingress:
             "kv_routing": kv_routing_state(),
             "replica_retries": self.core.retries,
             "migrations": dict(self.core.migrations.counts),
+            "migration_gaps": self.core.migrations.gap_summary(),
             "grammar_engine_loaded": grammar_engine_loaded(),
             "rejected_specs": self.core.num_rejected_specs,
         }

@@ -81,6 +81,11 @@ class Migrations:
         self.gap_count += 1
         self.gap_sum_s += seconds
 
+    def gap_summary(self) -> dict:
+        """The gaps' count and mean (seconds; None before the first)."""
+        mean = self.gap_sum_s / self.gap_count if self.gap_count else None
+        return {"count": self.gap_count, "mean_s": None if mean is None else round(mean, 4)}
+
     def exposition(self, ingress_id: str) -> bytes:
         """The tallies in Prometheus's text format, labelled with the ingress replica."""
         label = f'ingress="{ingress_id}"'
