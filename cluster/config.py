@@ -13,7 +13,7 @@ the list either way."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -68,24 +68,34 @@ PER_MODEL_FIELDS = (
 )
 
 
+# A model deployment's size, stated once: the top level's (the one model, or every entry's
+# default) and each `models` entry's.
+Replicas = Annotated[int, Field(ge=1, description="fixed replica count (no autoscaling)")]
+CpusPerReplica = Annotated[
+    float, Field(ge=0, description="CPUs Ray reserves for each engine replica")
+]
+ThreadsPerReplica = Annotated[
+    int | None,
+    Field(
+        ge=1,
+        description="torch threads of a CPU replica; null: num_cpus_per_replica when >= 1, "
+        "else the usable cores divided among all the replicas of every model",
+    ),
+]
+MaxOngoingRequests = Annotated[
+    int, Field(ge=1, description="Ray Serve's cap of requests in flight per replica")
+]
+
+
 class ModelDeployment(_Strict):
     """One served model: its engine and its LLMServer deployment's size (cluster/app.py)."""
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    replicas: int = Field(default=1, ge=1, description="fixed replica count (no autoscaling)")
+    replicas: Replicas = 1
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
-    num_cpus_per_replica: float = Field(
-        default=0.5, ge=0, description="CPUs Ray reserves for each engine replica"
-    )
-    cpu_threads_per_replica: int | None = Field(
-        default=None,
-        ge=1,
-        description="torch threads of a CPU replica; null: num_cpus_per_replica when >= 1, "
-        "else the usable cores divided among all the replicas of every model",
-    )
-    max_ongoing_requests: int = Field(
-        default=256, ge=1, description="Ray Serve's cap of requests in flight per replica"
-    )
+    num_cpus_per_replica: CpusPerReplica = 0.5
+    cpu_threads_per_replica: ThreadsPerReplica = None
+    max_ongoing_requests: MaxOngoingRequests = 256
 
     def served_name(self) -> str:
         return self.engine.served_name()
@@ -118,23 +128,14 @@ class ClusterConfig(_Strict):
         "engine is layered over the top-level engine. Empty: the top-level fields are the one "
         "model",
     )
-    replicas: int = Field(default=1, ge=1, description="fixed replica count (no autoscaling)")
+    replicas: Replicas = 1
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     http: HttpConfig = Field(default_factory=HttpConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
-    num_cpus_per_replica: float = Field(
-        default=0.5, ge=0, description="CPUs Ray reserves for each engine replica"
-    )
-    cpu_threads_per_replica: int | None = Field(
-        default=None,
-        ge=1,
-        description="torch threads of a CPU replica; null: num_cpus_per_replica when >= 1, "
-        "else the usable cores divided among the replicas",
-    )
-    max_ongoing_requests: int = Field(
-        default=256, ge=1, description="Ray Serve's cap of requests in flight per replica"
-    )
+    num_cpus_per_replica: CpusPerReplica = 0.5
+    cpu_threads_per_replica: ThreadsPerReplica = None
+    max_ongoing_requests: MaxOngoingRequests = 256
     log_prompts: bool = Field(
         default=False, description="log the prompt token counts of each request"
     )

@@ -94,6 +94,26 @@ class MultiNode:
         self.cluster.remove_node(node, allow_graceful=False)
 
 
+def zero_cpu_head_cluster(system_config: dict | None = None):
+    """A Ray cluster on this machine (ray.cluster_utils.Cluster) whose head has no CPUs, so
+    replicas land on the worker nodes the caller adds; started with the busy-host settings
+    `stepserve serve` uses."""
+    from ray.cluster_utils import Cluster
+
+    from cluster.cli import BUSY_HOST_RAY_ENV, environ_during
+
+    head = {
+        "num_cpus": 0,
+        "object_store_memory": RAY_OBJECT_STORE_BYTES,
+        "include_dashboard": False,
+    }
+    if system_config is not None:
+        head["_system_config"] = system_config
+    env = {k: v for k, v in BUSY_HOST_RAY_ENV.items() if k not in os.environ}
+    with environ_during(env):
+        return Cluster(initialize_head=True, head_node_args=head)
+
+
 @contextlib.contextmanager
 def multinode_serve(port: int, workers: int = 2, worker_cpus: float = 1.0) -> Iterator[MultiNode]:
     """A head (0 CPUs) and `workers` worker nodes, Serve's proxy on the head only at
@@ -101,21 +121,8 @@ def multinode_serve(port: int, workers: int = 2, worker_cpus: float = 1.0) -> It
     Shut down afterwards."""
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
-    from cluster.cli import BUSY_HOST_RAY_ENV, environ_during
-
-    env = {k: v for k, v in BUSY_HOST_RAY_ENV.items() if k not in os.environ}
-    with environ_during(env):
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "object_store_memory": RAY_OBJECT_STORE_BYTES,
-                "include_dashboard": False,
-                "_system_config": FAST_NODE_DEATH,
-            },
-        )
+    cluster = zero_cpu_head_cluster(FAST_NODE_DEATH)
     nodes = MultiNode(cluster, worker_cpus)
     try:
         for _ in range(workers):

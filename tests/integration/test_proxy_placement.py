@@ -5,8 +5,6 @@ asking for every_node is told that the running Serve keeps its location."""
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
 
@@ -17,8 +15,8 @@ from ray import serve  # noqa: E402
 
 from cluster import app as cluster_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from cluster.embedded import BUSY_HOST_RAY_ENV, environ_during, start  # noqa: E402
-from tests.helpers import RAY_OBJECT_STORE_BYTES, free_port  # noqa: E402
+from cluster.embedded import start  # noqa: E402
+from tests.helpers import MultiNode, free_port, zero_cpu_head_cluster  # noqa: E402
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})  # the head has none: on the worker
@@ -30,19 +28,8 @@ class NodeOfReplica:
 
 
 def test_address_mode_puts_the_http_proxy_on_the_head_only(monkeypatch, capsys):
-    from ray.cluster_utils import Cluster
-
-    env = {k: v for k, v in BUSY_HOST_RAY_ENV.items() if k not in os.environ}
-    with environ_during(env):
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "object_store_memory": RAY_OBJECT_STORE_BYTES,
-                "include_dashboard": False,
-            },
-        )
-        worker = cluster.add_node(num_cpus=1, object_store_memory=RAY_OBJECT_STORE_BYTES)
+    cluster = zero_cpu_head_cluster()
+    worker = MultiNode(cluster, worker_cpus=1).add_worker()
     head_id = cluster.head_node.node_id
     port = free_port()
     config = ClusterConfig.model_validate(
