@@ -69,10 +69,13 @@ class LoRABatch:
                 else:
                     ranges.append((row, row + n))
             row += n
-        rows_of = {
-            slot: [r for s, e in ranges for r in range(s, e)] for slot, ranges in spans.items()
+        # row lists only where they are used: the bundle's few rows and scattered groups (a
+        # prompt chunk's thousands of rows stay a slice)
+        small = {
+            slot: _rows(ranges)
+            for slot, ranges in spans.items()
+            if sum(e - s for s, e in ranges) <= BUNDLE_MAX_ROWS
         }
-        small = {s: rows for s, rows in rows_of.items() if len(rows) <= BUNDLE_MAX_ROWS}
         bundle = None
         if len(small) >= 2 and len(small) >= BUNDLE_MIN_FILL * max(small):
             bundle = _bundle(small, device, dtype)
@@ -83,8 +86,13 @@ class LoRABatch:
             if len(ranges) == 1:
                 groups.append((slot, slice(*ranges[0])))
             else:
-                groups.append((slot, torch.tensor(rows_of[slot], dtype=torch.long, device=device)))
+                rows = torch.tensor(_rows(ranges), dtype=torch.long, device=device)
+                groups.append((slot, rows))
         return cls(groups, bundle)
+
+
+def _rows(ranges: list[tuple[int, int]]) -> list[int]:
+    return [r for start, end in ranges for r in range(start, end)]
 
 
 def _bundle(small: dict[int, list[int]], device: torch.device, dtype: torch.dtype) -> LoRABundle:
