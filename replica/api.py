@@ -28,6 +28,7 @@ from replica.metrics import merge_expositions
 from replica.request import (
     EngineRequest,
     LoRARequest,
+    PoolingRequest,
     RequestOutput,
     Resume,
     extend_block_hashes,
@@ -57,6 +58,7 @@ __all__ = [
     "EngineOverloaded",
     "EngineRequest",
     "LoRARequest",
+    "PoolingRequest",
     "Resume",
     "root_block_hash",
     "GenerateRequest",

@@ -208,6 +208,26 @@ class EngineConfig(BaseModel):
         description="Adapters served from start (vLLM's --lora-modules name=path): each "
         "replica loads them when it starts.",
     )
+    reasoning_parser: Literal["none", "deepseek_r1", "qwen3"] = Field(
+        default="none",
+        description="How the model marks its thinking (vLLM's --reasoning-parser names): the "
+        "thinking text is returned as reasoning_content, content holds the answer, and "
+        "structured outputs and tool calls apply after the thinking ends. none: no reasoning "
+        "split (all text is content).",
+    )
+    tool_call_parser: Literal[
+        "auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"
+    ] = Field(
+        default="auto",
+        description="The format the model writes tool calls in (vLLM's --tool-call-parser "
+        "names); parsed into tool_calls and enforced by the grammar for tool_choice required "
+        "or named. auto: chosen from the model's chat template (hermes when it says nothing).",
+    )
+    pooling_type: Literal["last", "mean"] = Field(
+        default="last",
+        description="How /v1/embeddings pools the prompt's final hidden states: the last "
+        "token's (Qwen3-Embedding and most decoder embedders) or their mean.",
+    )
     max_queue_len: int = Field(
         default=4096,
         ge=1,

@@ -110,6 +110,19 @@ class Resume:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolingRequest:
+    """An embeddings request (/v1/embeddings): its prompt is run as a prompt-only request in
+    the same batches as generation (prefill, no token sampled) and the final hidden states
+    (after the model's last norm) pooled into one vector: the last prompt token's ("last") or
+    the mean over the prompt ("mean"); L2-normalized when `normalize`; truncated to its first
+    `dimensions` values (Matryoshka models) when given, before normalizing."""
+
+    kind: str = "last"  # "last" | "mean"
+    normalize: bool = True
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One request as an engine takes it: built once by whoever admits it (the ingress's
     fan-out, the offline LLM, a test) and carried whole to the scheduler, whose Request holds
@@ -124,6 +137,10 @@ class EngineRequest:
     arrival_time: float | None = None
     lora: LoRARequest | None = None  # the adapter to run with; None: the base model
     resume: Resume | None = None  # a request continued on another replica (migration)
+    pooling: PoolingRequest | None = None  # an embeddings request: pool, sample nothing
+    # the W3C traceparent of the ingress span this request's engine spans continue (tracing
+    # on); None: not traced
+    traceparent: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -303,6 +320,8 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int = 0
     # on the first delta, when requested: per prompt token after the first, its logprobs
     prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # a pooling request's (EngineRequest.pooling) vector, on its one (finished) delta
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -328,4 +347,5 @@ class RequestOutput(msgspec.Struct, array_like=True, gc=False):
             num_cached_tokens=later.num_cached_tokens,
             num_preemptions=later.num_preemptions,
             prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            embedding=later.embedding,
         )

@@ -108,6 +108,8 @@ class ChatChoiceLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
+    # the thinking of a reasoning model (EngineConfig.reasoning_parser), vLLM's field
+    reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
@@ -146,6 +148,7 @@ class DeltaMessage(BaseModel):
     """The first chunk of each choice carries role="assistant"; later ones only content."""
 
     role: Literal["assistant"] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking, as it streams
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
