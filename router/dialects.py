@@ -5,6 +5,7 @@ endpoint's whole answer (`response`) and, through a per-stream `StreamShape`, it
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from pydantic import BaseModel
 
 from replica.api import RequestOutput
 from router.protocol import (
+    SSE_DONE,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionResponse,
@@ -32,6 +34,7 @@ from router.protocol import (
     UsageInfo,
     chat_completion_id,
     completion_id,
+    error_body,
     sse_event,
 )
 from router.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
@@ -162,6 +165,17 @@ class StreamShape:
 
     def usage(self, usage: UsageInfo) -> BaseModel:
         raise NotImplementedError
+
+    # how chunks go on the wire (the Responses API sends its own events: router/responses_api.py)
+    def render(self, chunks: list[BaseModel]) -> str:
+        return "".join(sse_event(c) for c in chunks)
+
+    def failure(self, err) -> str:
+        """The event of a failure after the stream began (an HTTPError's message and type)."""
+        return f"data: {json.dumps(error_body(err.message, err.type, err.status))}\n\n"
+
+    def end(self) -> str:
+        return SSE_DONE
 
 
 # -- /v1/completions --------------------------------------------------------------------------

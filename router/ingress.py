@@ -1,7 +1,7 @@
 """The HTTP ingress as a Ray Serve deployment: FastAPI routes over one IngressCore
 (router/ingress_core.py), which checks, tokenizes and hands each request to its answer
-(router/streaming.py) on the model it names; also the ingress's /metrics, /health, /v1/models
-and the LoRA adapter endpoints (router/lora_admin.py)."""
+(router/streaming.py) on the model it names; also the ingress's /metrics, /health, /v1/models,
+the LoRA adapter endpoints (router/lora_admin.py) and /v1/responses (router/responses_api.py)."""
 
 import asyncio
 
@@ -28,6 +28,8 @@ from router.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from router.protocol.responses_api import ResponsesRequest
+from router.responses_api import retrieve_response, serve_responses
 from router.settings import IngressSettings
 from router.streaming import _KEEPALIVE, Ticket, _paced, _until  # noqa: F401  (tests)
 
@@ -112,6 +114,14 @@ class Ingress:
     )
     async def chat_completions(self, request: Request) -> Response:
         return await guarded(self.core.serve_request, request, True)
+
+    @fastapi_app.post("/v1/responses", openapi_extra=request_body_spec(ResponsesRequest))
+    async def responses(self, request: Request) -> Response:
+        return await guarded(serve_responses, self.core, request)
+
+    @fastapi_app.get("/v1/responses/{response_id}")
+    async def get_response(self, request: Request, response_id: str) -> Response:
+        return await guarded(retrieve_response, self.core, request, response_id)
 
     @fastapi_app.post("/tokenize", openapi_extra=request_body_spec(TokenizeRequest))
     async def tokenize(self, request: Request) -> Response:

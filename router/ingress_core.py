@@ -395,7 +395,10 @@ class IngressCore:
             headers={"Retry-After": str(verdict.retry_after_s)},
         )
 
-    async def serve_request(self, request: Request, chat: bool) -> Response:
+    async def serve_request(self, request: Request, chat: bool, endpoint=None) -> Response:
+        """A generating request: /v1/completions, /v1/chat/completions, or another API run as
+        a chat request (`endpoint`: reads the body as one and wraps the chat dialect that
+        shapes the answer: router/responses_api.py)."""
         self.guard.check_auth(request)
         # before any parsing: an overloaded server spends nothing on it
         slot = self.guard.admit(self.guard.client_key(request))
@@ -403,9 +406,12 @@ class IngressCore:
         ticket = None
         try:
             deadline_s = self.deadline_s(request)
-            req = await self.read_request(
-                request, ChatCompletionRequest if chat else CompletionRequest
-            )
+            if endpoint is not None:
+                req = await endpoint.read(self, request)
+            else:
+                req = await self.read_request(
+                    request, ChatCompletionRequest if chat else CompletionRequest
+                )
             self.refuse_unknown(req.unknown_fields)
             if req.ignored_fields:
                 self.warn_ignored(req.ignored_fields)
@@ -424,6 +430,8 @@ class IngressCore:
             self.admission.enter(ticket.key, req.priority)
             echo = None if chat else self.echoes(req, prompts, model)
             dialect = model.dialect(chat, req.model or model.name)
+            if endpoint is not None:
+                dialect = endpoint.dialect(dialect, req)
             owns_slot = not req.stream  # a stream frees its slot, however it ends
             try:
                 return await model.answers.answer(jobs, dialect, req, ticket, echo, expected_wait)

@@ -3,7 +3,6 @@ the replicas (router/fanout.py), paced with keep-alives while a replica holds it
 output, and cut at the request's deadline."""
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -17,7 +16,7 @@ from router.admission import Admission
 from router.dialects import Choice, Dialect, Echo, token_logprobs, without_generated
 from router.errors import HTTPError, classify_error
 from router.fanout import FULL_RETRY_S, Job, ReplicaCalls
-from router.protocol import SSE_DONE, ChatCompletionRequest, UsageInfo, error_body, sse_event
+from router.protocol import ChatCompletionRequest, UsageInfo
 
 logger = logging.getLogger("ray.serve")
 
@@ -112,7 +111,7 @@ class Answers:
                 if not out.new_text and not out.finished and not token_ids and not echo:
                     continue
                 lps = token_logprobs(out) if wants_logprobs else None
-                events = "".join(sse_event(c) for c in shape.chunks(index, out, lps))
+                events = shape.render(shape.chunks(index, out, lps))
                 if not events:
                     continue  # a tool call still being buffered
                 started = True
@@ -120,7 +119,7 @@ class Answers:
                 pending = ""
             if req.include_usage:
                 usage = UsageInfo.of(self._prompt_tokens(jobs, req.n), completion_tokens)
-                pending += sse_event(shape.usage(usage))
+                pending += shape.render([shape.usage(usage)])
             if pending:
                 started = True
                 yield pending
@@ -131,11 +130,13 @@ class Answers:
                 raise
             err = classify_error(exc)
             logger.warning("stream %s failed: %s", shape.id, err.message)
-            yield f"data: {json.dumps(error_body(err.message, err.type, err.status))}\n\n"
+            yield shape.failure(err)
         finally:
             self.admission.leave(ticket.key)
             ticket.slot.release()
-        yield SSE_DONE
+        end = shape.end()
+        if end:
+            yield end
 
     async def answer(self, jobs, dialect, req, ticket, echo, expected_wait) -> Response:
         """The SSE stream or the aggregated answer of an admitted request. A stream owns the
