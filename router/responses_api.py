@@ -150,15 +150,10 @@ def response_object(
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {
-        "type": "reasoning",
-        "id": item_id,
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}]
-        if text or status != "in_progress"
-        else [],
-        "status": status,
-    }
+    """A reasoning item: the thinking as reasoning_text (none yet when it opens), no summary."""
+    opening = status == "in_progress" and not text
+    content = [] if opening else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def output_text(text: str) -> dict:

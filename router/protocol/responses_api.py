@@ -32,7 +32,9 @@ CHAT_EXTRAS = (
 )
 # accepted and ignored: they cannot change an answer here (the chat endpoint's list, but
 # metadata and store are Responses fields of their own: echoed, see ResponsesRequest)
-IGNORED_FIELDS = {k: v for k, v in ACCEPTED_IGNORED_FIELDS.items() if k not in ("metadata",)}
+IGNORED_FIELDS = {
+    k: v for k, v in ACCEPTED_IGNORED_FIELDS.items() if k not in ("metadata", "store")
+}
 # what an input message's text parts may be; any other part (images, files, audio) is refused
 _TEXT_PARTS = ("input_text", "output_text")
 

@@ -430,3 +430,59 @@ def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
     assert events[-2].type == "error" and events[-2].message == "replica lost"
     assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
     assert events[-1].response.error.message == "replica lost"
+
+
+# -- through the ingress's stream (router/streaming.py's Answers) --------------------------------
+class FakeCalls:
+    """Replica calls that send `outs` for choice 0, then fail when `fail` is set."""
+
+    def __init__(self, outs, fail: bool = False) -> None:
+        self.outs, self.fail = outs, fail
+
+    async def fan_out(self, jobs):
+        for out in self.outs:
+            yield 0, out
+        if self.fail:
+            raise RuntimeError("the replica broke")
+
+
+def answer_stream(calls, **body) -> str:
+    import asyncio
+
+    from replica.api import EngineRequest, SamplingParams
+    from router.admission import Admission
+    from router.streaming import Answers, Ticket
+
+    body.setdefault("stream", True)
+    req = request(**body).chat_request()
+    answers = Answers(calls, Admission(), keepalive_s=30)
+    ticket = Ticket(types.SimpleNamespace(release=lambda: None), deadline_s=60)
+    answers.admission.enter(ticket.key)
+    jobs = [(0, EngineRequest([1, 2, 3], SamplingParams(max_tokens=8), request_id=""))]
+    wrapped = ResponsesDialect(ChatDialect(CharTokenizer(), "tiny"), req.source)
+
+    async def run() -> str:
+        return "".join([e async for e in answers.stream(jobs, wrapped, req, ticket)])
+
+    return asyncio.run(run())
+
+
+def test_the_ingress_stream_sends_responses_events_and_no_done():
+    outs = [
+        RequestOutput("r", [1], "Hel", 3, 1),
+        RequestOutput("r", [2, 3], "lo", 3, 3, finish_reason="stop"),
+    ]
+    text = answer_stream(FakeCalls(outs))
+    assert "[DONE]" not in text
+    events, final = check_stream(text)
+    assert final.output_text == "Hello" and final.status == "completed"
+    assert final.usage.input_tokens == 3 and final.usage.output_tokens == 3
+
+
+def test_a_replica_failure_mid_stream_ends_with_response_failed():
+    text = answer_stream(FakeCalls([RequestOutput("r", [1], "Hel", 3, 1)], fail=True))
+    events = [EVENTS.validate_python(e) for e in parse_sse(text)]
+    assert [e.type for e in events][-3:] == ["response.output_text.delta", "error",
+                                             "response.failed"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "[DONE]" not in text and events[-1].response.error.message
