@@ -37,8 +37,6 @@ class ResponsesEndpoint:
     """What IngressCore.serve_request takes for /v1/responses: how to read the body (as the
     chat request it runs as) and how to wrap the chat dialect that shapes its answer."""
 
-    chat = True
-
     async def read(self, core, request) -> Any:
         data = await core.guard.read_json(request)
         try:
