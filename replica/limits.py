@@ -98,6 +98,16 @@ class EngineLimits:
                 "prompt",
             )
 
+    def check_pooling_length(self, num_prompt_tokens: int, index: int | None = None) -> None:
+        """A pooling (embeddings) request's prompt within max_model_len: nothing is generated,
+        so it may fill it. `index`: the input's place in its request, named in the error."""
+        if num_prompt_tokens > self.max_model_len:
+            which = "input" if index is None else f"input {index}"
+            raise RequestRejected(
+                f"{which} has {num_prompt_tokens} tokens, over max_model_len={self.max_model_len}",
+                "input",
+            )
+
     def check_request(self, num_prompt_tokens: int, params: SamplingParams, priority: int) -> None:
         """What the sampling parameters ask of this engine: the scheduling policy for a
         priority, the KV blocks for max_tokens, logit_bias's tokens in the vocabulary."""

@@ -15,6 +15,7 @@ from replica.engine.output_processor import OutputProcessor
 from replica.engine.wire import StepReport
 from replica.errors import LoRAError
 from replica.limits import EngineLimits
+from replica.pooling import check_pooling
 from replica.request import (
     EngineRequest,
     GrammarRejected,
@@ -181,6 +182,13 @@ class Engine:
 
     def check_request(self, request: EngineRequest) -> None:
         """Raise RequestRejected (a user error) for a request that can never be served."""
+        if request.pooling is not None:  # nothing generated: the prompt may fill the context
+            check_pooling(request.pooling)
+            limits = self.limits
+            limits.check_prompt(request.prompt_token_ids)
+            limits.check_pooling_length(request.num_prompt_tokens)
+            limits.check_blocks(request.num_prompt_tokens, 0)
+            return
         self.limits.check(
             request.prompt_token_ids, request.sampling, request.priority, request.resume
         )
@@ -298,6 +306,7 @@ class Engine:
                 runner_output.logprobs,
                 runner_output.prompt_logprobs,
                 runner_output.spec_tokens,
+                runner_output.pooled,
             )
         outputs = self._outputs(ended + step_outputs)
         if self.step_listeners:
@@ -327,6 +336,7 @@ class Engine:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_preemptions=request.num_preemptions,
                 prompt_logprobs=step.prompt_logprobs,
+                embedding=step.embedding,
             )
             if processor is not None:
                 out, stopped = processor.process(out)
