@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from replica.errors import RequestRejected
+from replica.pooling import check_pooling
 from replica.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from replica.request import Resume
+    from replica.request import PoolingRequest, Resume
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,18 @@ class EngineLimits:
         params: SamplingParams,
         priority: int = 0,
         resume: Resume | None = None,
+        pooling: PoolingRequest | None = None,
     ) -> None:
         """Raise RequestRejected, `param` naming the field at fault, for a request this engine
-        can never serve. The ingress runs its parts in its own order (router/ingress_core.py)."""
+        can never serve. The ingress runs its parts in its own order (router/ingress_core.py,
+        router/embeddings.py). A pooling request generates nothing: its prompt may fill
+        max_model_len, and its sampling parameters are not read."""
+        if pooling is not None:
+            check_pooling(pooling)
+            self.check_prompt(prompt_token_ids)
+            self.check_pooling_length(len(prompt_token_ids))
+            self.check_blocks(len(prompt_token_ids), 0)
+            return
         self.check_prompt(prompt_token_ids)
         self.check_length(len(prompt_token_ids))
         self.check_request(len(prompt_token_ids), params, priority)

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from ray import serve
 
 from replica.api import find_hub, freeze_heap, grammar_engine_loaded, merge_expositions
+from router.embeddings import serve_embeddings
 from router.errors import guarded
 from router.inflight import inflight_state, replica_readiness
 from router.ingress_core import IngressCore
@@ -23,6 +24,7 @@ from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
@@ -112,6 +114,10 @@ class Ingress:
     )
     async def chat_completions(self, request: Request) -> Response:
         return await guarded(self.core.serve_request, request, True)
+
+    @fastapi_app.post("/v1/embeddings", openapi_extra=request_body_spec(EmbeddingRequest))
+    async def embeddings(self, request: Request) -> Response:
+        return await guarded(serve_embeddings, self.core, request)
 
     @fastapi_app.post("/tokenize", openapi_extra=request_body_spec(TokenizeRequest))
     async def tokenize(self, request: Request) -> Response:

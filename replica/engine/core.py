@@ -15,7 +15,6 @@ from replica.engine.output_processor import OutputProcessor
 from replica.engine.wire import StepReport
 from replica.errors import LoRAError
 from replica.limits import EngineLimits
-from replica.pooling import check_pooling
 from replica.request import (
     EngineRequest,
     GrammarRejected,
@@ -182,15 +181,12 @@ class Engine:
 
     def check_request(self, request: EngineRequest) -> None:
         """Raise RequestRejected (a user error) for a request that can never be served."""
-        if request.pooling is not None:  # nothing generated: the prompt may fill the context
-            check_pooling(request.pooling)
-            limits = self.limits
-            limits.check_prompt(request.prompt_token_ids)
-            limits.check_pooling_length(request.num_prompt_tokens)
-            limits.check_blocks(request.num_prompt_tokens, 0)
-            return
         self.limits.check(
-            request.prompt_token_ids, request.sampling, request.priority, request.resume
+            request.prompt_token_ids,
+            request.sampling,
+            request.priority,
+            request.resume,
+            request.pooling,
         )
 
     def compile_grammar(self, params: SamplingParams):
