@@ -1,6 +1,6 @@
 """Embeddings from the final hidden states (after the model's last norm) of pooling requests
-(EngineRequest.pooling): the rows each step contributes (`pool_spans`, `pool_rows`), and the
-vector a request's pooled rows end as (`finish_embedding`). Also what a checkpoint declares
+(EngineRequest.pooling): the sums of the rows each step contributes (`pool_rows`, over the
+runner's StepBatch.pool_spans), and the vector a request's sum ends as (`finish_embedding`). Also what a checkpoint declares
 about its embeddings (`embedding_info`): its width and Matryoshka dimensions."""
 
 from __future__ import annotations

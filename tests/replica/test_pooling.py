@@ -306,3 +306,16 @@ def test_lora_adapter_embeddings_equal_peft(tiny_llama_dir, tmp_path):
     assert_close(outs["l0"][1].embedding, want)
     assert_close(outs["l1"][1].embedding, hf_embedding(tiny_llama_dir, prompt))
     assert not torch.allclose(want, hf_embedding(tiny_llama_dir, prompt), atol=1e-3)
+
+
+def test_offline_llm_embed(tiny_llama_dir):
+    from replica.engine import LLM
+
+    with LLM(tiny_llama_dir, device="cpu", num_kv_blocks=64, pooling_type="mean") as llm:
+        texts = ["hello there", "a longer sentence to embed"]
+        vectors = llm.embed(texts + [[5, 6, 7]], normalize=False)
+        generated = llm.generate("hello", greedy_params(3))[0].output_token_ids
+    ids = [llm.tokenizer.encode(t) for t in texts] + [[5, 6, 7]]
+    for vector, prompt in zip(vectors, ids):
+        assert_close(vector, hf_embedding(tiny_llama_dir, prompt, "mean", False))
+    assert len(generated) == 3
