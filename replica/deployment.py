@@ -163,6 +163,7 @@ class LLMServer:
                 torch.set_num_threads(usable_cpus())
             self.engine = AsyncEngine(Engine(config))
         self.config = config
+        self._embedding: dict | None = None  # model_info's "embedding", read once
         # where this replica's start went: the worker process's boot and imports until this
         # constructor ran, then the engine's phases (Engine.startup_s)
         self.startup_s = {
@@ -339,6 +340,15 @@ class LLMServer:
             result = out if result is None else result.merge(out)
         return result
 
+    def _embedding_info(self) -> dict:
+        if self._embedding is None:
+            from replica.loader import load_hf_config
+            from replica.pooling import embedding_info
+
+            info = embedding_info(load_hf_config(self.config.model_dir()))
+            self._embedding = {**info, "pooling_type": self.config.pooling_type}
+        return self._embedding
+
     def model_info(self) -> dict:
         info = self.engine.info
         return {
@@ -350,6 +360,8 @@ class LLMServer:
             "replica_id": self.replica_id,
             "startup_s": self.startup_s,
             "weight_bytes": info.weight_bytes,
+            # what /v1/embeddings checks `dimensions` against (replica/pooling.py)
+            "embedding": self._embedding_info(),
             "lora": {
                 "enabled": self.config.lora_enabled,
                 "max_loras": self.config.max_loras,

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from replica.errors import RequestRejected
+from replica.pooling import check_pooling
 from replica.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from replica.request import Resume
+    from replica.request import PoolingRequest, Resume
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,18 @@ class EngineLimits:
         params: SamplingParams,
         priority: int = 0,
         resume: Resume | None = None,
+        pooling: PoolingRequest | None = None,
     ) -> None:
         """Raise RequestRejected, `param` naming the field at fault, for a request this engine
-        can never serve. The ingress runs its parts in its own order (router/ingress_core.py)."""
+        can never serve. The ingress runs its parts in its own order (router/ingress_core.py,
+        router/embeddings.py). A pooling request generates nothing: its prompt may fill
+        max_model_len, and its sampling parameters are not read."""
+        if pooling is not None:
+            check_pooling(pooling)
+            self.check_prompt(prompt_token_ids)
+            self.check_pooling_length(len(prompt_token_ids))
+            self.check_blocks(len(prompt_token_ids), 0)
+            return
         self.check_prompt(prompt_token_ids)
         self.check_length(len(prompt_token_ids))
         self.check_request(len(prompt_token_ids), params, priority)
@@ -96,6 +106,16 @@ class EngineLimits:
                 f"prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
                 f"within max_model_len={self.max_model_len}",
                 "prompt",
+            )
+
+    def check_pooling_length(self, num_prompt_tokens: int, index: int | None = None) -> None:
+        """A pooling (embeddings) request's prompt within max_model_len: nothing is generated,
+        so it may fill it. `index`: the input's place in its request, named in the error."""
+        if num_prompt_tokens > self.max_model_len:
+            which = "input" if index is None else f"input {index}"
+            raise RequestRejected(
+                f"{which} has {num_prompt_tokens} tokens, over max_model_len={self.max_model_len}",
+                "input",
             )
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams, priority: int) -> None:

@@ -191,6 +191,8 @@ class Request:
         "lora",
         "block_root",
         "num_resumed_tokens",
+        "pooling",
+        "pooled",
     )
 
     def __init__(
@@ -214,6 +216,10 @@ class Request:
         # set by the scheduler: drafts are proposed for it (replica/spec_decode.py)
         self.speculate = False
         self.lora = engine_request.lora  # the adapter it runs with (None: the base model)
+        # an embeddings request: its prompt runs, nothing is sampled; `pooled` sums its rows'
+        # final hidden states as its chunks run (replica/pooling.py)
+        self.pooling = engine_request.pooling
+        self.pooled = None
         self.block_root = root_block_hash(engine_request.lora)  # its block-hash chain's root
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -268,6 +274,14 @@ class Request:
         return (self.priority, self.arrival_time, self.seq)
 
     @property
+    def needs_every_prompt_row(self) -> bool:
+        """Whether every prompt position must be computed (prefix-cache hits would skip rows
+        wanted): prompt logprobs still wanted, or a mean-pooled embedding."""
+        return self.needs_prompt_logprobs or (
+            self.pooling is not None and self.pooling.kind == "mean"
+        )
+
+    @property
     def needs_prompt_logprobs(self) -> bool:
         """Whether prompt logprobs are wanted and not all computed yet (the prompt then runs in
         full: prefix-cache hits would skip the positions whose logits are needed)."""
@@ -297,6 +311,7 @@ class StepOutput:
     new_logprobs: list[tuple[float, dict[int, float]]] | None = None
     # with the first token, when requested: per prompt token after the first, its logprobs
     prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, when it finishes
 
     @property
     def finished(self) -> bool:

@@ -39,6 +39,7 @@ from replica.loader import load_hf_config, load_model
 from replica.lora import LoRAModel, LoRATargets, PeftAdapter
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
 from replica.models.windows import all_layers_window
+from replica.pooling import pool_rows
 from replica.quant.weights import set_activations, weight_bytes
 from replica.runner_protocol import RunnerOutput
 from replica.scheduler import ScheduledRequest, SchedulerOutput
@@ -74,6 +75,10 @@ class StepBatch:
     group_block_ids: list[list[list[int]]] = field(default_factory=list)
     # per request: its LoRA adapter's slot (0: the base model); empty when LoRA is off
     lora_slots: list[int] = field(default_factory=list)
+    # per pooling request's rows this step (rank 0 only): (first row, rows) of the flat
+    # stream whose final hidden states it sums (replica/pooling.py), and whose they are
+    pool_spans: list[tuple[int, int]] = field(default_factory=list)
+    pool_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -436,14 +441,18 @@ class ModelRunner:
         if batch is None:
             batch = self.prepare_batch(so)
         layout_time = time.perf_counter() - start
-        logits = self.forward_batch(batch)
+        logits, pooled = self._forward_step(batch)
         self.step_times.prepare += layout_time
-        if logits is None or self.tp.rank != 0:  # every rank joins the logits gather
+        if self.tp.rank != 0:  # every rank joins the logits gather
             return RunnerOutput({}, None)
+        if logits is None:
+            return RunnerOutput({}, None, pooled=pooled)
         sample_start = time.perf_counter()
         # prepare_batch's row layout: sampled requests' last rows, drafted requests' rows,
         # prompt-logprob rows
         to_sample = [s for s in so.scheduled if s.sample and not s.draft]
+        if so.pooling:  # a pooling request's prompt end samples nothing
+            to_sample = [s for s in to_sample if s.request.pooling is None]
         drafted = [s for s in so.scheduled if s.draft]
         num_sampled = len(to_sample)
         num_draft_rows = sum(len(s.draft) + 1 for s in drafted)
@@ -469,7 +478,7 @@ class ModelRunner:
                 sampled[s.request_id] = tokens[0]
         # on CUDA the forward's kernels finish here: the sampled tokens' .tolist() waits for them
         self.step_times.sample = time.perf_counter() - sample_start
-        return RunnerOutput(sampled, logprobs or None, prompt_logprobs, spec_tokens)
+        return RunnerOutput(sampled, logprobs or None, prompt_logprobs, spec_tokens, pooled)
 
     def _sample(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]):
         """The sampler over the sampled rows: each request's params and seeded draw, its tokens
@@ -553,11 +562,12 @@ class ModelRunner:
             query_lens.append(s.num_tokens)
             block_ids.append(s.block_ids)
         draft_rows: list[int] = []
+        pooling = so.pooling
         for s in so.scheduled:  # logits rows in the scheduler's order, wherever the rows are
             end = first_row[id(s)] + s.num_tokens
             if s.draft:
                 draft_rows.extend(range(end - len(s.draft) - 1, end))
-            elif s.sample:
+            elif s.sample and not (pooling and s.request.pooling is not None):
                 sample_rows.append(end - 1)
         sample_rows += draft_rows
         for s, n in self._prompt_logprob_rows(so):
@@ -565,20 +575,45 @@ class ModelRunner:
         groups = []
         if self.kv_groups.hybrid:  # per group, each request's table
             groups = [list(tables) for tables in zip(*(s.group_block_ids for s in scheduled))]
-        return StepBatch(input_ids, starts, query_lens, block_ids, sample_rows, groups, lora_slots)
+        batch = StepBatch(input_ids, starts, query_lens, block_ids, sample_rows, groups, lora_slots)
+        if pooling:
+            self._pool_spans(so, first_row, batch)
+        return batch
 
-    @torch.inference_mode()
+    @staticmethod
+    def _pool_spans(so: SchedulerOutput, first_row: dict[int, int], batch: StepBatch) -> None:
+        """Each pooling request's rows to sum this step: its chunk's rows ("mean"), or its
+        prompt's last row once the chunk reaches it ("last")."""
+        for s in so.scheduled:
+            pooling = s.request.pooling
+            if pooling is None:
+                continue
+            first = first_row[id(s)]
+            if pooling.kind == "mean":
+                batch.pool_spans.append((first, s.num_tokens))
+            elif s.sample:
+                batch.pool_spans.append((first + s.num_tokens - 1, 1))
+            else:
+                continue
+            batch.pool_ids.append(s.request_id)
+
     def forward_batch(self, batch: StepBatch) -> torch.Tensor | None:
         """The forward pass of one step on this rank; the logits of the sampled rows (full
         vocabulary after the TP gather), or None when no row is sampled. Times its phases in
         `step_times` (prepare: the input tensors; forward: the model and the LM head)."""
+        return self._forward_step(batch)[0]
+
+    @torch.inference_mode()
+    def _forward_step(self, batch: StepBatch) -> tuple[torch.Tensor | None, dict | None]:
+        """forward_batch's logits, and the pooled rows of the batch's pooling requests (by
+        request id; None when it has none)."""
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(batch):
+        if graphs is not None and not batch.pool_spans and graphs.fits(batch):
             start = time.perf_counter()
             logits = graphs.run(batch)
             now = time.perf_counter()
             self.step_times = StepTimes(prepare=0.0, forward=now - start)
-            return logits
+            return logits, None
         with self._isa_scope:  # this runner's instruction-set level (native kernels' build)
             start = time.perf_counter()
             ids, positions, meta = self._prepare_inputs(
@@ -603,10 +638,13 @@ class ModelRunner:
             logits = (
                 None if rows is None else self.model.compute_logits(hidden.index_select(0, rows))
             )
+            pooled = None
+            if batch.pool_spans:  # the final norm's output: what an embedding pools
+                pooled = dict(zip(batch.pool_ids, pool_rows(hidden, batch.pool_spans)))
         self.step_times = StepTimes(
             prepare=forward_start - start, forward=time.perf_counter() - forward_start
         )
-        return logits
+        return logits, pooled
 
     # -- LoRA adapters (replica/lora/) -------------------------------------------------------
     @property

@@ -22,6 +22,9 @@ class RunnerOutput:
     # per request that ran a draft (ScheduledRequest.draft): its new tokens, the accepted draft
     # tokens then the model's own; `sampled` holds the first of them
     spec_tokens: dict[str, list[int]] | None = None
+    # per pooling request (embeddings) that ran rows this step: their final hidden states'
+    # float32 sum (replica/pooling.py pool_rows)
+    pooled: dict | None = None
 
 
 @runtime_checkable

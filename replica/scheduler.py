@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from replica.config import EngineConfig
 from replica.kv_cache import KVCacheManager
 from replica.kv_hybrid import HybridKVCacheManager
-from replica.limits import check_fits
+from replica.limits import EngineLimits, check_fits
+from replica.pooling import finish_embedding
 from replica.request import LoRARequest, Request, RequestRejected, RequestStatus, StepOutput
 from replica.spec_decode import NgramProposer, speculation_allowed
 
@@ -58,6 +59,8 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # requests that ended since the previous step (runner drops their per-request state)
     finished_request_ids: list[str] = field(default_factory=list)
+    # a pooling request (embeddings) may be in the step: the runner looks for them only then
+    pooling: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -137,6 +140,7 @@ class Scheduler:
         self.num_resumed_tokens_total = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_pooling = 0  # unfinished pooling requests (embeddings)
         # speculative decoding by prompt lookup for plain greedy requests (off at 0 tokens)
         self.proposer = (
             NgramProposer(
@@ -147,11 +151,21 @@ class Scheduler:
         )
 
     # -- requests in and out --------------------------------------------------------------
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise RequestRejected when a request of this shape could never complete."""
-        check_fits(
-            num_prompt_tokens, max_tokens, self.max_model_len, self.block_size, self.kv.num_blocks
-        )
+    def check_request(self, num_prompt_tokens: int, max_tokens: int, pooling: bool = False) -> None:
+        """Raise RequestRejected when a request of this shape could never complete. A pooling
+        request (max_tokens 0: nothing is generated) may fill max_model_len."""
+        if pooling:
+            limits = EngineLimits(self.max_model_len, 0, self.kv.num_blocks, self.block_size)
+            limits.check_pooling_length(num_prompt_tokens)
+            limits.check_blocks(num_prompt_tokens, 0)
+        else:
+            check_fits(
+                num_prompt_tokens,
+                max_tokens,
+                self.max_model_len,
+                self.block_size,
+                self.kv.num_blocks,
+            )
         if self.hybrid:  # blocks in every KV group
             total = min(num_prompt_tokens + max_tokens, self.max_model_len)
             need = self.kv.max_blocks(total, self.max_num_batched_tokens)
@@ -169,10 +183,10 @@ class Scheduler:
         StepOutput, with no new tokens, is returned for the caller to deliver."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
-        request.max_total_tokens = min(
-            request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len
-        )
+        pooling = request.pooling is not None
+        max_tokens = 0 if pooling else request.sampling_params.max_tokens
+        self.check_request(request.num_prompt_tokens, max_tokens, pooling)
+        request.max_total_tokens = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
         if request.engine_request.resume is not None:
             status = self._replay_resumed(request)
             self.num_resumed_total += 1
@@ -183,9 +197,12 @@ class Scheduler:
         if self.kv.enable_caching:
             request.update_block_hashes(self.block_size)
         request.status = RequestStatus.WAITING
-        request.speculate = self.proposer is not None and speculation_allowed(
-            request.sampling_params
+        request.speculate = (
+            self.proposer is not None
+            and not pooling
+            and speculation_allowed(request.sampling_params)
         )
+        self.num_pooling += pooling
         self._num_added += 1
         request.seq = self._num_added
         self.requests[request.request_id] = request
@@ -257,6 +274,8 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        if request.pooling is not None:
+            self.num_pooling -= 1
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
         self._finished_since_step.append(request.request_id)
@@ -347,6 +366,7 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(s.num_tokens for s in scheduled)
         out.finished_request_ids = self._finished_since_step
         self._finished_since_step = []
+        out.pooling = self.num_pooling > 0
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, threshold: int) -> None:
@@ -377,8 +397,8 @@ class Scheduler:
                     break
                 budget += restored
                 continue
-            if request.needs_prompt_logprobs:
-                hits, num_hit_tokens = [], 0  # every prompt position's logits are wanted
+            if request.needs_every_prompt_row:
+                hits, num_hit_tokens = [], 0  # every prompt position's output is wanted
             else:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
@@ -450,6 +470,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.pooled = None  # its rows run again
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self._enqueue(request, preempted=True)
@@ -461,16 +482,20 @@ class Scheduler:
         logprobs: dict[str, tuple[float, dict[int, float]]] | None = None,
         prompt_logprobs: dict[str, tuple[int, list[tuple[float, dict[int, float]]]]] | None = None,
         spec_tokens: dict[str, list[int]] | None = None,
+        pooled: dict | None = None,
     ) -> list[StepOutput]:
         """Append each sampled token, apply stop conditions, free finished requests.
         `prompt_logprobs`: per request, (index of the first entry, entries) computed this step
         for its prompt tokens (see Request.prompt_logprobs). `spec_tokens`: per request that
         ran a draft, its new tokens (the accepted draft tokens, then the model's own); they
-        are taken one by one until one of them ends the request."""
+        are taken one by one until one of them ends the request. `pooled`: per pooling
+        request that ran rows this step, their summed hidden states (replica/pooling.py)."""
         if prompt_logprobs:
             self._record_prompt_logprobs(prompt_logprobs)
         outputs = []
         any_finished = False
+        if pooled:
+            any_finished = self._pool(scheduler_output, pooled, outputs)
         for sched in scheduler_output.scheduled:
             request = sched.request
             token = sampled.get(sched.request_id)
@@ -506,6 +531,25 @@ class Scheduler:
         if any_finished:  # one pass instead of a list.remove per finished request
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _pool(self, scheduler_output: SchedulerOutput, pooled: dict, outputs: list) -> bool:
+        """Add each pooling request's rows of this step to its sum; one whose prompt has run
+        to its end finishes ("stop") with its embedding. Whether any finished."""
+        any_finished = False
+        for sched in scheduler_output.scheduled:
+            request = sched.request
+            rows = pooled.get(sched.request_id)
+            if rows is None or request.is_finished:
+                continue
+            request.pooled = rows if request.pooled is None else request.pooled + rows
+            if not sched.sample:
+                continue  # a prefill chunk that did not reach the prompt's end
+            embedding = finish_embedding(request.pooled, request.pooling, request.num_tokens)
+            request.pooled = None
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(StepOutput(request.request_id, [], "stop", embedding=embedding))
+            any_finished = True
+        return any_finished
 
     def _append_token(self, request: Request, token: int) -> RequestStatus | None:
         """Append one new token; the finished status it causes, if any."""

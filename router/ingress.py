@@ -1,7 +1,8 @@
 """The HTTP ingress as a Ray Serve deployment: FastAPI routes over one IngressCore
 (router/ingress_core.py), which checks, tokenizes and hands each request to its answer
 (router/streaming.py) on the model it names; also the ingress's /metrics, /health, /v1/models,
-the LoRA adapter endpoints (router/lora_admin.py) and /v1/responses (router/responses_api.py)."""
+the LoRA adapter endpoints (router/lora_admin.py), /v1/responses (router/responses_api.py) and
+/v1/embeddings (router/embeddings.py)."""
 
 import asyncio
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel
 from ray import serve
 
 from replica.api import find_hub, freeze_heap, grammar_engine_loaded, merge_expositions
+from router.embeddings import serve_embeddings
 from router.errors import guarded
 from router.inflight import inflight_state, replica_readiness
 from router.ingress_core import IngressCore
@@ -23,6 +25,7 @@ from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
@@ -122,6 +125,10 @@ class Ingress:
     @fastapi_app.get("/v1/responses/{response_id}")
     async def get_response(self, request: Request, response_id: str) -> Response:
         return await guarded(retrieve_response, self.core, request, response_id)
+
+    @fastapi_app.post("/v1/embeddings", openapi_extra=request_body_spec(EmbeddingRequest))
+    async def embeddings(self, request: Request) -> Response:
+        return await guarded(serve_embeddings, self.core, request)
 
     @fastapi_app.post("/tokenize", openapi_extra=request_body_spec(TokenizeRequest))
     async def tokenize(self, request: Request) -> Response:

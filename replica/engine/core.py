@@ -182,7 +182,11 @@ class Engine:
     def check_request(self, request: EngineRequest) -> None:
         """Raise RequestRejected (a user error) for a request that can never be served."""
         self.limits.check(
-            request.prompt_token_ids, request.sampling, request.priority, request.resume
+            request.prompt_token_ids,
+            request.sampling,
+            request.priority,
+            request.resume,
+            request.pooling,
         )
 
     def compile_grammar(self, params: SamplingParams):
@@ -298,6 +302,7 @@ class Engine:
                 runner_output.logprobs,
                 runner_output.prompt_logprobs,
                 runner_output.spec_tokens,
+                runner_output.pooled,
             )
         outputs = self._outputs(ended + step_outputs)
         if self.step_listeners:
@@ -327,6 +332,7 @@ class Engine:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 num_preemptions=request.num_preemptions,
                 prompt_logprobs=step.prompt_logprobs,
+                embedding=step.embedding,
             )
             if processor is not None:
                 out, stopped = processor.process(out)

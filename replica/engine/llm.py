@@ -1,4 +1,5 @@
-"""Offline batch generation, as in vLLM: `LLM(model=DIR, **engine_fields).generate(...)`."""
+"""Offline batch generation, as in vLLM: `LLM(model=DIR, **engine_fields).generate(...)`, and
+embeddings: `.embed(...)`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from pathlib import Path
 
 from replica.config import EngineConfig
 from replica.engine.core import Engine
-from replica.request import LoRARequest, RequestOutput, SamplingParams
+from replica.request import (
+    EngineRequest,
+    LoRARequest,
+    PoolingRequest,
+    RequestOutput,
+    SamplingParams,
+)
 
 
 @dataclass
@@ -108,6 +115,36 @@ class LLM:
             )
             for rid, ids in prompt_ids.items()
         ]
+
+    def embed(
+        self,
+        prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> list[list[float]]:
+        """One embedding per prompt, as /v1/embeddings gives them: the final hidden states
+        pooled by the engine's pooling_type, cut to `dimensions`, L2-normalized unless told
+        not to."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM has been shut down; build a new one to embed")
+        engine = self.engine
+        pooling = PoolingRequest(engine.config.pooling_type, normalize, dimensions)
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        order = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request = EngineRequest(ids, params, str(next(self._ids)), pooling=pooling)
+            engine.check_request(request)
+            engine.add(request)
+            order.append(request.request_id)
+        vectors: dict[str, list[float]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.embedding is not None:
+                    vectors[out.request_id] = out.embedding
+        return [vectors[rid] for rid in order]
 
     def add_lora(self, name: str, path: str) -> dict:
         """Load an adapter now: {name, rank, target_modules, load_s} (Engine.add_lora)."""

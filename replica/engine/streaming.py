@@ -98,7 +98,11 @@ class StreamingEngine:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         self.limits.check(
-            request.prompt_token_ids, request.sampling, request.priority, request.resume
+            request.prompt_token_ids,
+            request.sampling,
+            request.priority,
+            request.resume,
+            request.pooling,
         )
         # Every request this replica holds has a stream (registered here at once, so a burst
         # that lands within one step is counted in full). Those beyond the seats that can run

@@ -1,10 +1,18 @@
 """OpenAI-compatible HTTP protocol: pydantic models of the requests we accept and the responses,
 stream chunks and errors we send, in the shapes the official `openai` client parses. By job:
 sampling.py (the sampling and constraint fields both generating endpoints share), messages.py
-(chat messages, tools), requests.py, responses.py, errors.py; every name is re-exported here."""
+(chat messages, tools), requests.py, responses.py, embeddings.py (/v1/embeddings), errors.py;
+every name is re-exported here."""
 
 from __future__ import annotations
 
+from router.protocol.embeddings import (
+    MAX_EMBEDDING_INPUTS,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+)
 from router.protocol.errors import (
     ErrorDetail,
     ErrorResponse,
@@ -96,6 +104,10 @@ __all__ = [
     "DeltaToolCall",
     "DetokenizeRequest",
     "DetokenizeResponse",
+    "EmbeddingData",
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "EmbeddingUsage",
     "ErrorDetail",
     "ErrorResponse",
     "FinishReason",
@@ -104,6 +116,7 @@ __all__ = [
     "JsonSchemaSpec",
     "LoadLoRAAdapterRequest",
     "Logprob",
+    "MAX_EMBEDDING_INPUTS",
     "MAX_N",
     "MAX_STOP_SEQUENCES",
     "MIN_LOGPROB",

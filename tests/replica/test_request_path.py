@@ -12,7 +12,14 @@ import dataclasses
 from replica.config import EngineConfig
 from replica.contracts import GenerateRequest
 from replica.engine import AsyncEngine, Engine, wire
-from replica.request import EngineRequest, LoRARequest, Resume, SamplingParams, StructuredOutput
+from replica.request import (
+    EngineRequest,
+    LoRARequest,
+    PoolingRequest,
+    Resume,
+    SamplingParams,
+    StructuredOutput,
+)
 from router.fanout import ReplicaCalls
 from router.policy import Policy, RoutingConfig
 from router.protocol import ChatCompletionRequest
@@ -24,7 +31,9 @@ def every_field_set() -> EngineRequest:
                             logit_bias={4: 1.0}, structured=StructuredOutput("regex", "a+"))  # fmt: skip
     request = EngineRequest([5, 6, 7], params, "rid", priority=2, arrival_time=12.5,
                             lora=LoRARequest("ad", "/adapters/ad"),
-                            resume=Resume([8, 9], "ab", num_migrations=2))  # fmt: skip
+                            resume=Resume([8, 9], "ab", num_migrations=2),
+                            pooling=PoolingRequest("mean", False, 8),
+                            traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")  # fmt: skip
     defaults = EngineRequest([1], SamplingParams(), "")
     for field in dataclasses.fields(EngineRequest):
         assert getattr(request, field.name) != getattr(defaults, field.name), field.name
@@ -58,9 +67,11 @@ def test_the_core_wire_carries_every_field():
 
 def test_the_scheduler_holds_the_request_as_sent(tiny_llama_dir):
     config = EngineConfig(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
-    # no adapter on this replica; a resume of no tokens yet (its text must match its tokens)
+    # no adapter on this replica; a resume of no tokens yet (its text must match its tokens);
+    # a generation (a pooling request ends at its first output)
     request = dataclasses.replace(every_field_set(), sampling=SamplingParams(max_tokens=50),
-                                  priority=0, lora=None, resume=Resume([], "", 2))  # fmt: skip
+                                  priority=0, lora=None, resume=Resume([], "", 2),
+                                  pooling=None)  # fmt: skip
     engine = AsyncEngine(Engine(config))
 
     async def body():
