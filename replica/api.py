@@ -27,6 +27,7 @@ from replica.limits import EngineLimits
 from replica.metrics import merge_expositions
 from replica.request import (
     EngineRequest,
+    KVFetch,
     LoRARequest,
     PoolingRequest,
     RequestOutput,
@@ -57,6 +58,7 @@ __all__ = [
     "EngineLimits",
     "EngineOverloaded",
     "EngineRequest",
+    "KVFetch",
     "LoRARequest",
     "PoolingRequest",
     "Resume",

@@ -46,6 +46,26 @@ class EngineConfig(BaseModel):
     kv_cache_bytes: int | None = Field(
         default=None, ge=1, description="KV pool size in bytes (CPU default: 1 GiB)."
     )
+    kv_offload_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="A second KV tier in host memory: blocks evicted from the pool are kept "
+        "here (LRU, up to this many bytes) under the same hashes and copied back instead of "
+        "recomputed. 0: off.",
+    )
+    kv_offload_dir: str | None = Field(
+        default=None,
+        description="A third KV tier on local disk under this directory (LRU, up to "
+        "kv_offload_disk_bytes): blocks evicted from the host tier. None: off.",
+    )
+    kv_offload_disk_bytes: int = Field(
+        default=4 << 30, ge=0, description="Byte limit of the disk tier (kv_offload_dir)."
+    )
+    kv_transfer: bool = Field(
+        default=True,
+        description="Let this replica fetch a prompt's cached prefix blocks from the replica "
+        "that holds them (the router asks when that beats recomputing) and export its own.",
+    )
     kv_cache_memory_fraction: float = Field(
         default=0.9, gt=0.0, le=1.0, description="GPU: fraction of device memory for the engine."
     )

@@ -87,6 +87,11 @@ class RoutingStats:
     healthy: bool = True  # False: the engine is dead or stalled (routers avoid the replica)
     stalled_s: float = 0.0  # seconds the engine has held requests without finishing a step
     loras: tuple[str, ...] = ()  # names of the LoRA adapters the replica holds loaded (its LRU)
+    # the replica's measured costs (at start-up), for the router's fetch-or-recompute choice
+    prefill_tokens_per_s: float = 0.0  # prompt tokens a lone prefill computes per second
+    kv_transfer_bytes_per_s: float = 0.0  # KV bytes an export + import moves per second
+    kv_bytes_per_block: int = 0  # one block's K and V over every layer (this tp rank's share)
+    kv_tier_blocks: int = 0  # blocks held in its second tier (host memory, disk)
 
     @classmethod
     def of_scheduler(

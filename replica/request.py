@@ -123,6 +123,18 @@ class PoolingRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class KVFetch:
+    """Prefix KV to bring from another replica before this request's prefill: the leading
+    `num_blocks` full blocks of its prompt (hashed as the request's own chain), held by the
+    Serve replica `source` (its replica id). Set by the router when fetching beats
+    recomputing; the replica imports what it gets as cached blocks and recomputes the rest
+    (a source that lost some blocks, or fails, only costs the recompute)."""
+
+    source: str
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One request as an engine takes it: built once by whoever admits it (the ingress's
     fan-out, the offline LLM, a test) and carried whole to the scheduler, whose Request holds
@@ -138,6 +150,7 @@ class EngineRequest:
     lora: LoRARequest | None = None  # the adapter to run with; None: the base model
     resume: Resume | None = None  # a request continued on another replica (migration)
     pooling: PoolingRequest | None = None  # an embeddings request: pool, sample nothing
+    kv_fetch: KVFetch | None = None  # prefix blocks to fetch from their holder first
     # the W3C traceparent of the ingress span this request's engine spans continue (tracing
     # on); None: not traced
     traceparent: str | None = None

@@ -14,6 +14,7 @@ from replica.contracts import GenerateRequest
 from replica.engine import AsyncEngine, Engine, wire
 from replica.request import (
     EngineRequest,
+    KVFetch,
     LoRARequest,
     PoolingRequest,
     Resume,
@@ -33,6 +34,7 @@ def every_field_set() -> EngineRequest:
                             lora=LoRARequest("ad", "/adapters/ad"),
                             resume=Resume([8, 9], "ab", num_migrations=2),
                             pooling=PoolingRequest("mean", False, 8),
+                            kv_fetch=KVFetch("replica-b", 3),
                             traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")  # fmt: skip
     defaults = EngineRequest([1], SamplingParams(), "")
     for field in dataclasses.fields(EngineRequest):
