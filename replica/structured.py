@@ -121,7 +121,12 @@ def _call_tag(fmt: str, tool: dict) -> dict:
         return {
             "type": "tag",
             "begin": f"<tool_call>\n<function={name}>\n",
-            "content": {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"},
+            "content": {
+                "type": "json_schema",
+                "json_schema": schema,
+                "style": "qwen_xml",
+                "max_whitespace_cnt": 1,
+            },
             "end": "\n</function>\n</tool_call>",
         }
     if fmt == "pythonic":

@@ -15,6 +15,7 @@ from router.tool_parsers.base import BlockStream, Call, ToolParser
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.DOTALL)
+_SPACE = (" ", "\n", "\r", "\t")
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
@@ -62,10 +63,11 @@ def convert(value: str, schema: Any) -> Any:
 
 
 def _trim(value: str) -> str:
-    """The parameter text without the one newline the format puts on each side."""
-    if value.startswith("\n"):
+    """The parameter text without the one whitespace character the format puts on each side
+    (a newline in the model's format; the grammar allows any one)."""
+    if value[:1] in _SPACE:
         value = value[1:]
-    if value.endswith("\n"):
+    if value[-1:] in _SPACE:
         value = value[:-1]
     return value
 
