@@ -198,3 +198,16 @@ def test_gated_grammar_fills_no_mask_until_the_gate(llm):
     before = engine.structured.num_compiled
     engine.structured.compile(StructuredOutput("json", json.dumps(BOUNDED)))
     assert engine.structured.num_compiled == before
+
+
+def test_the_gate_crosses_the_engine_wire():
+    """StructuredOutput.after travels to the engine core process unchanged (and hashable)."""
+    import msgspec
+
+    from replica.engine.wire import Add
+
+    spec = StructuredOutput("json", json.dumps(BOUNDED), (5, 6))
+    request = EngineRequest([1, 2], SamplingParams(structured=spec), "wire")
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(Add(request)), type=Add)
+    assert back.request.sampling.structured == spec
+    assert hash(back.request.sampling.structured) == hash(spec)
