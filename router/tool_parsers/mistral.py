@@ -1,6 +1,8 @@
 """Mistral calls: `[TOOL_CALLS]` and a JSON list of {"name", "arguments"} (Mistral 7B v0.3,
 Nemo, Small), or the newer `[TOOL_CALLS]name[ARGS]{...}` per call (Magistral, Devstral);
-call ids are 9 letters or digits, as Mistral's templates require."""
+call ids are 9 letters or digits, as Mistral's templates require. An output that opens with
+the bare JSON list is read as calls too: `[TOOL_CALLS]` is a special token in Mistral's
+tokenizers, which the detokenizer leaves out of the text."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def _segment_calls(segment: str) -> list[Call] | None:
 
 
 def parse_mistral_tail(tail: str, trigger: str = TOOL_CALLS) -> list[Call] | None:
+    if trigger != TOOL_CALLS:  # a bare list at the start: [TOOL_CALLS] was a skipped special
+        return _segment_calls(trigger + tail)
     calls: list[Call] = []
     for segment in tail.split(TOOL_CALLS):
         if not segment.strip() and calls:
@@ -56,4 +60,4 @@ class MistralParser(ToolParser):
     name = "mistral"
 
     def stream(self, tools: list[dict] | None = None) -> TailStream:
-        return TailStream((TOOL_CALLS,), (), parse_mistral_tail, new_mistral_call_id)
+        return TailStream((TOOL_CALLS,), ("[{",), parse_mistral_tail, new_mistral_call_id)

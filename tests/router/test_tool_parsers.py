@@ -75,6 +75,12 @@ CASES = [
         None,
         [("get_weather", {"city": "Oslo"}), ("noop", {})],
     ),
+    (  # [TOOL_CALLS] dropped from the text as a special token: the bare list at the start
+        "mistral",
+        '[{"name": "noop", "arguments": {}}]',
+        None,
+        [("noop", {})],
+    ),
     (
         "qwen3_coder",
         "I will call it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n"
@@ -127,6 +133,8 @@ MALFORMED = [
     ("llama3_json", '{"city": "Paris"}'),
     ("mistral", '[TOOL_CALLS][{"name": "noop", "arguments": {}'),
     ("mistral", "[TOOL_CALLS]no args here"),
+    ("mistral", '[{"a": 1}] is a list'),
+    ("mistral", 'Text then [{"name": "noop", "arguments": {}}]'),
     ("qwen3_coder", "<tool_call>\n<function=noop>\nstray text\n</function>\n</tool_call>"),
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis"),
     ("pythonic", "[1, 2, 3]"),
