@@ -26,17 +26,24 @@ class StructuredOutput:
     """A constraint on the output, compiled into a token grammar by the replica
     (replica/structured.py). `spec` by kind: json: a JSON schema (JSON text); json_object: "";
     regex: a regular expression; choice: a JSON list of strings; grammar: an EBNF grammar;
-    tool_calls: JSON {"tools": [{"name", "parameters"}], "mode": "required" | "named",
-    "parallel": bool}, calls in the Hermes format."""
+    tool_calls: JSON {"tools": [{"name", "parameters"}], "mode": "required" | "named" | "auto",
+    "parallel": bool, "format": a tool-call family (hermes when absent)}.
+
+    `after`: the token ids that end a reasoning model's thinking (`</think>`); when set, the
+    grammar lets every token through until the output has sampled that sequence, and
+    constrains what follows (empty: constrained from the first token)."""
 
     kind: str
     spec: str = ""
+    after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(
                 f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}"
             )
+        if not isinstance(self.after, tuple):  # a list off a wire: keep it hashable
+            object.__setattr__(self, "after", tuple(self.after))
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,13 @@ Only constrained requests pay: the runner fills bitmask rows for the requests th
 the replica (GrammarRejected, a 400 the ingress names and remembers); the ingress does not
 import xgrammar.
 
+A reasoning model's request carries the tokens that end its thinking (StructuredOutput.after):
+its GrammarState leaves the output free until they are sampled (no mask row is filled), then
+constrains the rest; a migrated request's replay goes through the same gate.
+
 JSON is generated compactly (no free whitespace between tokens: small models given free
-whitespace can loop on it until max_tokens); tool calls use the Hermes layout
-`<tool_call>\n{"name": "...", "arguments": {...}}\n</tool_call>` (router/tool_calls.py parses it).
+whitespace can loop on it until max_tokens); tool calls are written in the syntax of the
+model's tool-call family (`tool_call_tag`; router/tool_parsers/ parses them).
 """
 
 from __future__ import annotations
@@ -96,49 +100,133 @@ def _json_schema_grammar(xgr, schema: Any):
     return _strict_strings(xgr, grammar)
 
 
-def tool_call_tag(tools: list[dict], mode: str, parallel: bool) -> dict:
-    """The xgrammar structural tag (as JSON) for Hermes tool calls. `tools`: [{"name",
-    "parameters"}]. mode "named": exactly the one tool; "required": one or more calls (one if
-    not `parallel`) and nothing else; "auto": free text in which every `<tool_call>` opened
-    must be a valid call of one of the tools."""
-    tags = [
-        {
+def _call_tag(fmt: str, tool: dict) -> dict:
+    """One call of `tool` ({"name", "parameters"}) in a family's syntax, as a structural tag."""
+    name, schema = tool["name"], tool.get("parameters") or {"type": "object"}
+    json_args = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    if fmt == "hermes":
+        return {
             "type": "tag",
-            "begin": TOOL_CALL_BEGIN + tool["name"] + TOOL_CALL_ARGUMENTS,
-            "content": {
-                "type": "json_schema",
-                "json_schema": tool.get("parameters") or {"type": "object"},
-                "max_whitespace_cnt": 1,
-            },
+            "begin": TOOL_CALL_BEGIN + name + TOOL_CALL_ARGUMENTS,
+            "content": json_args,
             "end": TOOL_CALL_END,
         }
-        for tool in tools
-    ]
+    if fmt == "llama3_json":
+        begin = '{"name": "' + name + '", "parameters": '
+        return {"type": "tag", "begin": begin, "content": json_args, "end": "}"}
+    if fmt == "mistral":
+        begin = '{"name": "' + name + '", "arguments": '
+        return {"type": "tag", "begin": begin, "content": json_args, "end": "}"}
+    if fmt == "qwen3_coder":
+        return {
+            "type": "tag",
+            "begin": f"<tool_call>\n<function={name}>\n",
+            "content": {
+                "type": "json_schema",
+                "json_schema": schema,
+                "style": "qwen_xml",
+                "max_whitespace_cnt": 1,
+            },
+            "end": "\n</function>\n</tool_call>",
+        }
+    if fmt == "pythonic":
+        return {"type": "tag", "begin": name + "(", "content": _pythonic_args(schema), "end": ")"}
+    raise StructuredOutputError(f"unknown tool call format {fmt!r}")
+
+
+def _pythonic_args(schema: dict) -> dict:
+    """Keyword arguments `k=v, ...` for an object schema: each property's value in JSON syntax
+    under its own schema (the pythonic parser reads JSON's true/false/null too), required
+    properties in the schema's order, then optional ones in order. Not enforced: properties
+    the schema does not list (additionalProperties), and optional properties out of order."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(props, dict) or not props:
+        return {"type": "const_string", "value": ""}
+    required = [k for k in props if k in set(schema.get("required") or [])]
+    optional = [k for k in props if k not in required]
+
+    def arg(key: str, sep: str) -> dict:
+        value = props[key] if isinstance(props[key], dict) else {}
+        return {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": f"{sep}{key}="},
+                {"type": "json_schema", "json_schema": value, "max_whitespace_cnt": 1},
+            ],
+        }
+
+    if required:
+        elements = [arg(k, ", " if i else "") for i, k in enumerate(required)]
+        elements += [{"type": "optional", "content": arg(k, ", ")} for k in optional]
+        return {"type": "sequence", "elements": elements}
+    # no required property: nothing, or a first property then any later ones in order
+    starts = [{"type": "const_string", "value": ""}]
+    for i, key in enumerate(optional):
+        later = [{"type": "optional", "content": arg(k, ", ")} for k in optional[i + 1 :]]
+        starts.append({"type": "sequence", "elements": [arg(key, "")] + later})
+    return {"type": "or", "elements": starts}
+
+
+# per family: (text before the calls, separator, text after) of required/named calls, and the
+# trigger that opens a call in free text (auto)
+_CALL_LISTS = {
+    "hermes": ("", "\n", "", TOOL_CALL_OPEN),
+    "llama3_json": ("", "; ", "", '{"name": '),
+    "mistral": ("[TOOL_CALLS][", ", ", "]", "[TOOL_CALLS]"),
+    "qwen3_coder": ("", "\n", "", "<tool_call>\n<function="),
+    "pythonic": ("[", ", ", "]", "["),
+}
+
+
+def tool_call_tag(tools: list[dict], mode: str, parallel: bool, fmt: str = "hermes") -> dict:
+    """The xgrammar structural tag (as JSON) for tool calls in the family `fmt`'s syntax.
+    `tools`: [{"name", "parameters"}]. mode "named": exactly the one tool; "required": one
+    or more calls (one if not `parallel`) and nothing else; "auto": free text in which every
+    call the family's trigger opens must be a valid call of one of the tools (mistral and
+    pythonic: one call per trigger)."""
+    if fmt not in _CALL_LISTS:
+        raise StructuredOutputError(
+            f"tool call format must be one of {sorted(_CALL_LISTS)}, got {fmt!r}"
+        )
+    tags = [_call_tag(fmt, tool) for tool in tools]
     if not tags:
         raise StructuredOutputError("tool calls need at least one tool")
+    before, separator, after, trigger = _CALL_LISTS[fmt]
     if mode == "named":
         if len(tags) != 1:
             raise StructuredOutputError(f"a named tool choice takes one tool, got {len(tags)}")
-        fmt: dict = tags[0]
+        calls: dict = tags[0]
     elif mode == "required":
-        fmt = {
+        calls = {
             "type": "tags_with_separator",
             "tags": tags,
-            "separator": "\n",
+            "separator": separator,
             "at_least_one": True,
             "stop_after_first": not parallel,
         }
     elif mode == "auto":
-        fmt = {
+        if before or after:  # the list opens with the trigger: one call per list
+            tags = [{**t, "begin": before + t["begin"], "end": t["end"] + after} for t in tags]
+        fmt_tag = {
             "type": "triggered_tags",
-            "triggers": [TOOL_CALL_OPEN],
+            "triggers": [trigger],
             "tags": tags,
             "at_least_one": False,
             "stop_after_first": not parallel,
         }
+        return {"type": "structural_tag", "format": fmt_tag}
     else:
         raise StructuredOutputError(f"tool call mode must be named, required or auto: {mode!r}")
-    return {"type": "structural_tag", "format": fmt}
+    if before or after:
+        calls = {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": before},
+                calls,
+                {"type": "const_string", "value": after},
+            ],
+        }
+    return {"type": "structural_tag", "format": calls}
 
 
 def build_grammar(spec: StructuredOutput):
@@ -173,7 +261,12 @@ def build_grammar(spec: StructuredOutput):
             return _strict_strings(xgr, xgr.Grammar.from_structural_tag(text))
         if kind == "tool_calls":
             plan = json.loads(text)
-            tag = tool_call_tag(plan["tools"], plan["mode"], plan.get("parallel", True))
+            tag = tool_call_tag(
+                plan["tools"],
+                plan["mode"],
+                plan.get("parallel", True),
+                plan.get("format", "hermes"),
+            )
             return _strict_strings(xgr, xgr.Grammar.from_structural_tag(json.dumps(tag)))
     except StructuredOutputError:
         raise
@@ -190,24 +283,51 @@ def check(spec: StructuredOutput) -> None:
 
 
 class GrammarState:
-    """One constrained request's matcher: fills its bitmask row, accepts sampled tokens."""
+    """One constrained request's matcher: fills its bitmask row, accepts sampled tokens.
 
-    __slots__ = ("matcher",)
+    With a `gate` (StructuredOutput.after: the tokens that end a reasoning model's thinking)
+    every token passes, unmasked, until the output has sampled the gate's sequence; the
+    matcher sees the tokens after it."""
 
-    def __init__(self, matcher) -> None:
+    __slots__ = ("matcher", "gate", "matched")
+
+    def __init__(self, matcher, gate: tuple[int, ...] = ()) -> None:
         self.matcher = matcher
+        self.gate = gate
+        self.matched = 0  # gate tokens matched so far (len(gate): open)
+
+    @property
+    def gated(self) -> bool:
+        """Still before the gate's sequence: nothing is constrained yet."""
+        return self.matched < len(self.gate)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.matched >= len(self.gate):
+            self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False if the grammar does not allow it (the request
         then ends: its output could not match)."""
+        if self.matched < len(self.gate):
+            gate = self.gate
+            if token_id == gate[self.matched]:
+                self.matched += 1
+            else:  # restart: the longest gate prefix that ends with this token
+                self.matched = next(
+                    (
+                        n
+                        for n in range(self.matched, 0, -1)
+                        if gate[n - 1] == token_id
+                        and gate[: n - 1] == gate[self.matched - n + 1 : self.matched]
+                    ),
+                    0,
+                )
+            return True
         return self.matcher.accept_token(token_id)
 
     @property
     def terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.matched >= len(self.gate) and self.matcher.is_terminated()
 
 
 class StructuredOutputs:
@@ -249,6 +369,8 @@ class StructuredOutputs:
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar of a spec, from the cache when seen before."""
+        if spec.after:  # the gate is the matcher's, not the grammar's
+            spec = StructuredOutput(spec.kind, spec.spec)
         with self._lock:
             compiled = self._cache.get(spec)
             if compiled is not None:
@@ -272,7 +394,7 @@ class StructuredOutputs:
     def new_state(self, spec: StructuredOutput, compiled=None) -> GrammarState:
         """A fresh matcher for one request (compiling the spec unless `compiled` is given)."""
         xgr = _xgrammar()
-        return GrammarState(xgr.GrammarMatcher(compiled or self.compile(spec)))
+        return GrammarState(xgr.GrammarMatcher(compiled or self.compile(spec)), spec.after)
 
 
 def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:

@@ -37,7 +37,8 @@ from router.protocol import (
     error_body,
     sse_event,
 )
-from router.tool_calls import ContentDelta, ToolCallStreamParser, parse_tool_calls
+from router.reasoning import ReasoningStream
+from router.tool_parsers import ContentDelta, ToolParser, ToolStream, get_tool_parser
 
 # (token id, (its logprob, {top token id: logprob})) per token; an echoed prompt's first token
 # has (None, {})
@@ -273,6 +274,14 @@ class CompletionStream(StreamShape):
 
 # -- /v1/chat/completions ---------------------------------------------------------------------
 class ChatDialect(Dialect):
+    """Chat answers: a reasoning model's thinking split into reasoning_content (the request's
+    `reasoning`: router/reasoning.py), and tool calls parsed from the content after it by the
+    model's tool-call family (`tool_parser`)."""
+
+    def __init__(self, tokenizer, model_name: str, tool_parser: ToolParser | None = None) -> None:
+        super().__init__(tokenizer, model_name)
+        self.tool_parser = tool_parser or get_tool_parser("hermes")
+
     def logprobs(self, lps: TokenLogprobs) -> ChatChoiceLogprobs:
         content = []
         for token_id, (lp, top) in lps:
@@ -294,6 +303,30 @@ class ChatDialect(Dialect):
             )
         return ChatChoiceLogprobs(content=content)
 
+    def message(self, text: str, tool_mode: str, chat=None) -> tuple[ChatResponseMessage, bool]:
+        """The message of a finished choice, and whether it called tools. `chat`: the
+        ChatCompletionRequest (its reasoning and tools)."""
+        reasoning_text = None
+        content: str | None = text
+        thinking = getattr(chat, "reasoning", None)
+        if thinking is not None:
+            reasoning_text, content = thinking.split(text)
+        calls = []
+        if tool_mode != "none" and content:
+            tools = chat.tool_definitions if chat is not None else None
+            parsed = self.tool_parser.parse(content, tools)
+            content = parsed.content
+            calls = [
+                ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                for t in parsed.tool_calls
+            ]
+        if reasoning_text is not None and not content:
+            content = None
+        message = ChatResponseMessage(
+            content=content, reasoning_content=reasoning_text, tool_calls=calls
+        )
+        return message, bool(calls)
+
     def response(
         self,
         usage: UsageInfo,
@@ -301,22 +334,15 @@ class ChatDialect(Dialect):
         logprobs: bool,
         token_ids: bool = False,
         tool_mode: str = "none",
+        chat=None,
         **options,
     ) -> BaseModel:
         answers = []
         for c in choices:
-            message = ChatResponseMessage(content=c.text)
+            message, called = self.message(c.text, tool_mode, chat)
             reason = c.finish_reason
             if tool_mode != "none":
-                parsed = parse_tool_calls(c.text)
-                message = ChatResponseMessage(
-                    content=parsed.content,
-                    tool_calls=[
-                        ToolCall(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
-                        for t in parsed.tool_calls
-                    ],
-                )
-                reason = tool_finish_reason(reason, bool(parsed.tool_calls), tool_mode)
+                reason = tool_finish_reason(reason, called, tool_mode)
             answers.append(
                 ChatCompletionChoice(
                     index=c.index,
@@ -327,8 +353,10 @@ class ChatDialect(Dialect):
             )
         return ChatCompletionResponse(model=self.model_name, usage=usage, choices=answers)
 
-    def stream(self, token_ids: bool = False, tool_mode: str = "none", **options) -> StreamShape:
-        return ChatStream(self, chat_completion_id(), tool_mode=tool_mode)
+    def stream(
+        self, token_ids: bool = False, tool_mode: str = "none", chat=None, **options
+    ) -> StreamShape:
+        return ChatStream(self, chat_completion_id(), tool_mode=tool_mode, chat=chat)
 
 
 def tool_finish_reason(reason: str | None, called: bool, tool_mode: str) -> str | None:
@@ -343,10 +371,15 @@ def tool_finish_reason(reason: str | None, called: bool, tool_mode: str) -> str 
 class ChatStream(StreamShape):
     dialect: ChatDialect
 
-    def __init__(self, dialect: ChatDialect, stream_id: str, tool_mode: str = "none") -> None:
+    def __init__(
+        self, dialect: ChatDialect, stream_id: str, tool_mode: str = "none", chat=None
+    ) -> None:
         super().__init__(dialect, stream_id)
         self.tool_mode = tool_mode
-        self.parsers: dict[int, ToolCallStreamParser] = {}  # per choice, when parsing tools
+        self.reasoning = getattr(chat, "reasoning", None)
+        self.tools = chat.tool_definitions if chat is not None else None
+        self.parsers: dict[int, ToolStream] = {}  # per choice, when parsing tools
+        self.thinking: dict[int, ReasoningStream] = {}  # per choice, when the model thinks
 
     def _chunk(self, choice: ChatCompletionStreamChoice) -> ChatCompletionStreamChunk:
         return ChatCompletionStreamChunk(
@@ -376,32 +409,64 @@ class ChatStream(StreamShape):
             )
         )
 
-    def chunks(
-        self, index: int, out: RequestOutput, logprobs: TokenLogprobs | None
-    ) -> list[BaseModel]:
+    def _content_deltas(self, index: int, text: str, finished: bool) -> list[DeltaMessage]:
+        """The deltas of content text (tool calls parsed out of it when tools are on)."""
         if self.tool_mode == "none":
-            return [self.chunk(index, out, logprobs)]
-        parser = self.parsers.setdefault(index, ToolCallStreamParser())
-        events = parser.feed(out.new_text)
-        if out.finished:
+            return [DeltaMessage(content=text)] if text else []
+        parser = self.parsers.get(index)
+        if parser is None:
+            parser = self.parsers[index] = self.dialect.tool_parser.stream(self.tools)
+        events = parser.feed(text) if text else []
+        if finished:
             events += parser.finish()
         deltas = []
         for event in events:
             if isinstance(event, ContentDelta):
                 deltas.append(DeltaMessage(content=event.text))
-            else:
-                call = DeltaToolCall(
-                    index=event.index,
-                    id=event.id,
-                    type="function",
-                    function=DeltaFunctionCall(name=event.name, arguments=event.arguments),
-                )
-                deltas.append(DeltaMessage(tool_calls=[call]))
-        reason = None
-        if out.finished:
-            reason = tool_finish_reason(
-                finish_reason(out.finish_reason), parser.saw_tool_calls, self.tool_mode
+                continue
+            # the call's id, type and name first, then its arguments
+            head = DeltaToolCall(
+                index=event.index,
+                id=event.id,
+                type="function",
+                function=DeltaFunctionCall(name=event.name, arguments=""),
             )
+            args = DeltaToolCall(
+                index=event.index, function=DeltaFunctionCall(arguments=event.arguments)
+            )
+            deltas += [DeltaMessage(tool_calls=[head]), DeltaMessage(tool_calls=[args])]
+        return deltas
+
+    def chunks(
+        self, index: int, out: RequestOutput, logprobs: TokenLogprobs | None
+    ) -> list[BaseModel]:
+        if self.tool_mode == "none" and self.reasoning is None:
+            return [self.chunk(index, out, logprobs)]
+        finished = out.finished
+        deltas: list[DeltaMessage] = []
+        if self.reasoning is None:
+            deltas = self._content_deltas(index, out.new_text, finished)
+        else:
+            thinking = self.thinking.get(index)
+            if thinking is None:
+                thinking = self.thinking[index] = self.reasoning.stream()
+            parts = thinking.feed(out.new_text)
+            if finished:
+                parts += thinking.finish()
+            content = ""
+            for kind, text in parts:
+                if kind == "reasoning":
+                    deltas.append(DeltaMessage(reasoning_content=text))
+                else:
+                    content += text
+            deltas += self._content_deltas(index, content, finished)
+        reason = None
+        if finished:
+            parser = self.parsers.get(index)
+            called = parser is not None and parser.saw_tool_calls
+            reason = finish_reason(out.finish_reason)
+            if self.tool_mode != "none":
+                reason = tool_finish_reason(reason, called, self.tool_mode)
         if not deltas and (reason is not None or logprobs):
             deltas.append(DeltaMessage())
         lps = self.dialect.logprobs(logprobs) if logprobs is not None else None

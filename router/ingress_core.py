@@ -35,6 +35,7 @@ from router.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from router.reasoning import request_reasoning
 from router.served_model import ServedModel
 from router.settings import IngressSettings
 from router.streaming import TIMEOUT_HEADER, Ticket
@@ -250,31 +251,55 @@ class IngressCore:
         tools: list | None,
         add_generation_prompt: bool = True,
         model: ServedModel | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         """The chat's prompt tokens: tools rendered by the model's chat template when it
         supports them, else described in the system message (router/tool_calls.py)."""
         model = model or self.default
+        text = self.chat_text(messages, tools, add_generation_prompt, model, template_kwargs)
+        return model.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_text(
+        self,
+        messages: list[dict],
+        tools: list | None,
+        add_generation_prompt: bool,
+        model: ServedModel,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The chat template's text for these messages (`template_kwargs`: the request's
+        chat_template_kwargs)."""
         tokenizer = model.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request(f"the model {model.name!r} has no chat template; use /v1/completions")
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         rendered, template_tools = render_messages(messages, tool_dicts, model.template_tools)
-        kwargs = {"tools": template_tools} if template_tools else {}
+        kwargs = dict(template_kwargs or {})
+        if template_tools:
+            kwargs["tools"] = template_tools
         try:
-            text = tokenizer.apply_chat_template(
+            return tokenizer.apply_chat_template(
                 rendered, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
             )
         except Exception as exc:  # a template that raises on these messages (jinja errors)
             raise bad_request(
                 f"the model's chat template failed on these messages: {exc}"
             ) from None
-        return tokenizer.encode(text, add_special_tokens=False)
 
     def request_chat_prompt(
         self, req: ChatCompletionRequest, model: ServedModel | None = None
     ) -> list[int]:
+        """The prompt tokens; the request learns the model's tool-call family and whether
+        its answer starts thinking (router/reasoning.py), which its grammar waits out."""
+        model = model or self.default
         tools = req.tools if req.tool_mode != "none" else None  # "none": not offered
-        return self.chat_prompt(req.template_messages(), tools, req.add_generation_prompt, model)
+        kwargs = req.chat_template_kwargs
+        text = self.chat_text(
+            req.template_messages(), tools, req.add_generation_prompt, model, kwargs
+        )
+        thinking = request_reasoning(model.reasoning_parser, text, kwargs)
+        req.use_model_format(model.tool_parser.name, thinking, model.thinking_end)
+        return model.tokenizer.encode(text, add_special_tokens=False)
 
     def echoes(
         self, req: CompletionRequest, prompts: list[list[int]], model: ServedModel | None = None
@@ -311,7 +336,9 @@ class IngressCore:
         tokenizer = model.tokenizer
         if req.messages is not None:
             messages = [m.as_template_dict() for m in req.messages]
-            ids = self.chat_prompt(messages, req.tools, req.add_generation_prompt, model)
+            ids = self.chat_prompt(
+                messages, req.tools, req.add_generation_prompt, model, req.chat_template_kwargs
+            )
             if req.add_special_tokens:
                 ids = tokenizer.build_inputs_with_special_tokens(ids)
         else:

@@ -1,6 +1,6 @@
 """One served base model as the ingress holds it: its LLM deployment's handle and the calls
 through it, its tokenizer (loaded in the background), its chat template's abilities, its
-replicas' limits (model_info), and the answer shapes per name it is asked by (the model's own
+replicas' limits (model_info), its tool-call and reasoning parsers, and the answer shapes per name it is asked by (the model's own
 name or one of its adapters')."""
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from router.dialects import ChatDialect, CompletionDialect, Dialect
 from router.fanout import ReplicaCalls
 from router.migration import Migrations
 from router.policy import Policy, RoutingConfig
+from router.reasoning import THINK_END
 from router.settings import ModelSettings
 from router.streaming import Answers
 from router.tool_calls import template_supports_tools
+from router.tool_parsers import ToolParser, get_tool_parser
 
 
 class ServedModel:
@@ -58,9 +60,18 @@ class ServedModel:
 
     def _use_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # the tool-call family (auto: read from the chat template) and the reasoning parser,
+        # once per model; the tokens of `</think>` gate a thinking answer's grammar
+        self.tool_parser: ToolParser = get_tool_parser(
+            self.engine.tool_call_parser, getattr(tokenizer, "chat_template", None)
+        )
+        self.reasoning_parser = self.engine.reasoning_parser
+        self.thinking_end: tuple[int, ...] = ()
+        if self.reasoning_parser != "none":
+            self.thinking_end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
         self.dialects: dict[bool, Dialect] = {  # by `chat`, under the model's own name
             False: CompletionDialect(tokenizer, self.name),
-            True: ChatDialect(tokenizer, self.name),
+            True: ChatDialect(tokenizer, self.name, self.tool_parser),
         }
         self._adapter_dialects: dict[tuple[bool, str], Dialect] = {}
         self.template_tools = template_supports_tools(tokenizer)
@@ -86,8 +97,11 @@ class ServedModel:
         if dialect is None:
             if len(self._adapter_dialects) >= 1024:  # adapters come and go at run time
                 self._adapter_dialects.clear()
-            cls = ChatDialect if chat else CompletionDialect
-            dialect = self._adapter_dialects[key] = cls(self.tokenizer, served_name)
+            if chat:
+                dialect = ChatDialect(self.tokenizer, served_name, self.tool_parser)
+            else:
+                dialect = CompletionDialect(self.tokenizer, served_name)
+            self._adapter_dialects[key] = dialect
         return dialect
 
     async def model_info(self) -> dict:

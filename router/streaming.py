@@ -43,7 +43,7 @@ class Answers:
     def answer_options(req, echo: dict[int, Echo] | None) -> dict:
         """The dialect's options for this request (tool parsing, echoed prompts)."""
         if isinstance(req, ChatCompletionRequest):
-            return {"tool_mode": req.tool_mode}
+            return {"tool_mode": req.tool_mode, "chat": req}
         return {"echo": echo}
 
     async def aggregate(

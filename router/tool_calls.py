@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 # the tags the output grammar of a required or named tool choice writes (one definition)
 from replica.api import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from router.tool_parsers.base import (  # noqa: F401  (re-exported)
+    ContentDelta,
+    ParsedOutput,
+    StreamEvent,
+    ToolCall,
+    ToolCallDelta,
+    new_call_id,
+)
+from router.tool_parsers.hermes import (  # noqa: F401  (re-exported)
+    ToolCallStreamParser,
+    _parse_block,
+    parse_tool_calls,
+)
 
 TOOL_RESPONSE_OPEN = "<tool_response>"
 TOOL_RESPONSE_CLOSE = "</tool_response>"
@@ -39,8 +50,6 @@ TOOL_SYSTEM_PROMPT = (
     "</tool_call>\n"
     "The results come back between <tool_response> and </tool_response>."
 )
-
-_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + "(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
 # -- template detection ------------------------------------------------------------------------
@@ -214,181 +223,3 @@ def render_messages(
         else:
             out.insert(0, {"role": "system", "content": block})
     return out, None
-
-
-# -- output side -------------------------------------------------------------------------------
-def new_call_id() -> str:
-    """`call_` and 24 random hex digits."""
-    return "call_" + secrets.token_hex(12)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A parsed call; `arguments` is the JSON text of the arguments object."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def to_openai(self) -> dict:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-
-
-@dataclass
-class ParsedOutput:
-    """A finished text split into content (None when only calls) and calls."""
-
-    content: str | None
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-def _parse_block(body: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a block body, or None when it is not a valid call."""
-    try:
-        obj = json.loads(body, strict=False)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj["arguments"] if "arguments" in obj else obj.get("parameters")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args, strict=False)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
-
-
-def parse_tool_calls(text: str) -> ParsedOutput:
-    """Split a generated text into content and the valid `<tool_call>` blocks. Invalid and
-    unterminated blocks stay in the content; with calls the content is stripped (None when
-    empty), without them it is `text` unchanged."""
-    calls: list[ToolCall] = []
-    pieces: list[str] = []
-    pos = 0
-    for match in _BLOCK.finditer(text):
-        parsed = _parse_block(match.group(1))
-        if parsed is None:
-            continue
-        pieces.append(text[pos : match.start()])
-        pos = match.end()
-        calls.append(ToolCall(new_call_id(), *parsed))
-    if not calls:
-        return ParsedOutput(text, [])
-    pieces.append(text[pos:])
-    content = "".join(pieces).strip()
-    return ParsedOutput(content or None, calls)
-
-
-@dataclass(frozen=True)
-class ContentDelta:
-    """Content text of a stream."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """One whole call of a stream; `index` counts the calls of the choice from 0."""
-
-    index: int
-    id: str
-    name: str
-    arguments: str
-
-
-StreamEvent = ContentDelta | ToolCallDelta
-
-
-def _held_prefix_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-class ToolCallStreamParser:
-    """Incremental `parse_tool_calls`: `feed` text deltas, then `finish`.
-
-    Content goes out as soon as it cannot be the start of `<tool_call>`; a block is held until
-    `</tool_call>` and then goes out as one `ToolCallDelta` (or as content when invalid).
-    Whitespace is held until non-whitespace content follows; whitespace before the first
-    content is dropped when a call comes, and trailing whitespace is dropped at the end once
-    a call has been seen, so the content matches `parse_tool_calls` up to leading whitespace
-    emitted before the first call was known."""
-
-    def __init__(self) -> None:
-        self._outside = ""  # text outside blocks not yet examined (a possible tag prefix)
-        self._block: str | None = None  # the body of an open block, None outside
-        self._pending_ws = ""  # whitespace not yet emitted
-        self._emitted = False  # whether non-whitespace content went out
-        self._calls = 0
-
-    @property
-    def saw_tool_calls(self) -> bool:
-        return self._calls > 0
-
-    def _content(self, text: str, events: list[StreamEvent]) -> None:
-        stripped = text.rstrip()
-        if not stripped:
-            self._pending_ws += text
-            return
-        lead = self._pending_ws if (self._emitted or not self.saw_tool_calls) else ""
-        self._pending_ws = text[len(stripped) :]
-        self._emitted = True
-        events.append(ContentDelta(lead + stripped))
-
-    def _tool_call(self, name: str, arguments: str, events: list[StreamEvent]) -> None:
-        events.append(ToolCallDelta(self._calls, new_call_id(), name, arguments))
-        self._calls += 1
-
-    def feed(self, delta: str) -> list[StreamEvent]:
-        events: list[StreamEvent] = []
-        if self._block is None:
-            self._outside += delta
-        else:
-            self._block += delta
-        while True:
-            if self._block is None:
-                start = self._outside.find(TOOL_CALL_OPEN)
-                if start < 0:
-                    keep = _held_prefix_len(self._outside, TOOL_CALL_OPEN)
-                    cut = len(self._outside) - keep
-                    if cut:
-                        self._content(self._outside[:cut], events)
-                    self._outside = self._outside[cut:]
-                    return events
-                if start:
-                    self._content(self._outside[:start], events)
-                self._block = self._outside[start + len(TOOL_CALL_OPEN) :]
-                self._outside = ""
-            end = self._block.find(TOOL_CALL_CLOSE)
-            if end < 0:
-                return events
-            body, rest = self._block[:end], self._block[end + len(TOOL_CALL_CLOSE) :]
-            self._block = None
-            self._outside = rest
-            parsed = _parse_block(body)
-            if parsed is None:
-                self._content(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE, events)
-            else:
-                self._tool_call(*parsed, events)
-
-    def finish(self) -> list[StreamEvent]:
-        """Flush what is held: a tag prefix or an unterminated block goes out as content."""
-        events: list[StreamEvent] = []
-        held = self._outside if self._block is None else TOOL_CALL_OPEN + self._block
-        self._outside, self._block = "", None
-        if held:
-            self._content(held, events)
-        if self._pending_ws and not self.saw_tool_calls:
-            events.append(ContentDelta(self._pending_ws))
-        self._pending_ws = ""
-        return events

@@ -4,6 +4,7 @@ validators."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
@@ -11,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -20,6 +22,7 @@ from pydantic import (
 from replica.api import RequestRejected, SamplingParams, StructuredOutput
 from router.protocol.messages import ChatMessage, NamedToolChoice, ToolDefinition
 from router.protocol.sampling import SamplingRequest, bounded
+from router.reasoning import Reasoning
 
 # SamplingParams' fields under chat's own names (max_tokens: see request_field)
 _CHAT_FIELDS = {"logprobs": "top_logprobs", "prompt": "messages"}
@@ -149,6 +152,44 @@ class ChatCompletionRequest(SamplingRequest):
         default=None, description='"auto" when tools are given, else "none"'
     )
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="extension (vLLM's): extra variables for the chat template, e.g. "
+        '{"enable_thinking": false} for Qwen3',
+    )
+    # set by the ingress from the served model and the rendered prompt (use_model_format):
+    # the tool-call family the grammar writes, and the tokens that end the thinking when the
+    # answer starts in (or may open) a thinking block; () when it does not think
+    _tool_format: str = PrivateAttr(default="hermes")
+    _thinking_end: tuple[int, ...] = PrivateAttr(default=())
+    _reasoning: Reasoning | None = PrivateAttr(default=None)
+
+    def use_model_format(
+        self,
+        tool_format: str,
+        reasoning: Reasoning | None = None,
+        thinking_end: tuple[int, ...] = (),
+    ) -> None:
+        """The served model's tool-call family, this answer's thinking (None: it does not
+        think: router/reasoning.py) and the tokens that end it: the grammar of a structured
+        or tool-constrained answer starts after them."""
+        self._tool_format = tool_format
+        self._reasoning = reasoning
+        self._thinking_end = tuple(thinking_end) if reasoning is not None else ()
+
+    @property
+    def reasoning(self) -> Reasoning | None:
+        return self._reasoning
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = {"messages", "tools", "add_generation_prompt", "tokenize"} & set(value or {})
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs must not set {sorted(reserved)}: the request's own fields do"
+            )
+        return value
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
@@ -191,8 +232,13 @@ class ChatCompletionRequest(SamplingRequest):
             tools = [t for t in tools if t["name"] == wanted]
         elif mode == "auto" and not any(t.function.strict for t in self.tools or []):
             return None
-        plan = {"tools": tools, "mode": mode, "parallel": self.parallel_tool_calls}
-        return StructuredOutput("tool_calls", json.dumps(plan))
+        plan = {
+            "tools": tools,
+            "mode": mode,
+            "parallel": self.parallel_tool_calls,
+            "format": self._tool_format,
+        }
+        return StructuredOutput("tool_calls", json.dumps(plan), self._thinking_end)
 
     @field_validator("messages")
     @classmethod
@@ -250,7 +296,17 @@ class ChatCompletionRequest(SamplingRequest):
                     "combined with response_format or structured_outputs"
                 )
             structured = tool_constraint
+        elif structured is not None and self._thinking_end:
+            structured = dataclasses.replace(structured, after=self._thinking_end)
         return self._sampling_params(max_tokens, logprobs, structured)
+
+    @property
+    def tool_definitions(self) -> list[dict[str, Any]]:
+        """The tools as {"name", "parameters"} (the parsers read parameter types)."""
+        return [
+            {"name": t.function.name, "parameters": t.function.parameters or {}}
+            for t in self.tools or []
+        ]
 
 
 class TokenizeRequest(BaseModel):
@@ -266,6 +322,7 @@ class TokenizeRequest(BaseModel):
     )
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -1,0 +1,249 @@
+"""The tool-call parsers per family (router/tool_parsers/): hand-written model outputs parsed
+whole and streamed in pieces split at every position and at random; malformed calls stay
+content; `auto` picks the family from the chat template."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from router.tool_parsers import (
+    ContentDelta,
+    ToolCallDelta,
+    detect_tool_parser,
+    get_tool_parser,
+)
+from router.tool_parsers.base import collect
+
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "metric": {"type": "boolean"},
+            "scale": {"type": "number"},
+            "tags": {"type": "array"},
+            "opts": {"type": "object"},
+        },
+        "required": ["city"],
+    },
+}
+TOOLS = [WEATHER, {"name": "noop", "parameters": {"type": "object", "properties": {}}}]
+
+# (family, output, expected content, expected [(name, arguments as an object)])
+CASES = [
+    (
+        "hermes",
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>",
+        "Let me look.",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Köln", "days": 2}}',
+        None,
+        [("get_weather", {"city": "Köln", "days": 2})],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "noop", "parameters": {}}',
+        None,
+        [("get_weather", {"city": "Paris"}), ("noop", {})],
+    ),
+    (
+        "llama3_json",
+        'Checking. <|python_tag|>{"name": "noop", "arguments": {}}',
+        "Checking.",
+        [("noop", {})],
+    ),
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "noop", "arguments": {}}]',
+        "Sure.",
+        [("get_weather", {"city": "Paris"}), ("noop", {})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]noop[ARGS]{}',
+        None,
+        [("get_weather", {"city": "Oslo"}), ("noop", {})],
+    ),
+    (  # [TOOL_CALLS] dropped from the text as a special token: the bare list at the start
+        "mistral",
+        '[{"name": "noop", "arguments": {}}]',
+        None,
+        [("noop", {})],
+    ),
+    (
+        "qwen3_coder",
+        "I will call it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n"
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nfalse\n</parameter>"
+        '\n<parameter=scale>\n1.5\n</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>'
+        "\n<parameter=opts>\n{'x': 1}\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=noop>\n</function>\n</tool_call>",
+        "I will call it.",
+        [
+            (
+                "get_weather",
+                {
+                    "city": "New York",
+                    "days": 3,
+                    "metric": False,
+                    "scale": 1.5,
+                    "tags": ["a", "b"],
+                    "opts": {"x": 1},
+                },
+            ),
+            ("noop", {}),
+        ],
+    ),
+    (
+        "pythonic",
+        '[get_weather(city="Paris", days=2, metric=True, tags=["a"], opts={"k": None}), noop()]',
+        None,
+        [
+            (
+                "get_weather",
+                {"city": "Paris", "days": 2, "metric": True, "tags": ["a"], "opts": {"k": None}},
+            ),
+            ("noop", {}),
+        ],
+    ),
+    (
+        "pythonic",
+        '<|python_start|>[get_weather(city="Rome", scale=-2.5)]<|python_end|>',
+        None,
+        [("get_weather", {"city": "Rome", "scale": -2.5})],
+    ),
+]
+
+# outputs each family must leave as plain content (malformed or not calls)
+MALFORMED = [
+    ("hermes", "<tool_call>\n{not json}\n</tool_call> and text"),
+    ("hermes", 'cut short <tool_call>\n{"name": "noop", "argu'),
+    ("llama3_json", 'The JSON {"name": "noop", "parameters": {}} in a sentence.'),
+    ("llama3_json", '{"name": "noop", "parameters": {}} trailing words'),
+    ("llama3_json", '{"city": "Paris"}'),
+    ("mistral", '[TOOL_CALLS][{"name": "noop", "arguments": {}'),
+    ("mistral", "[TOOL_CALLS]no args here"),
+    ("mistral", '[{"a": 1}] is a list'),
+    ("mistral", 'Text then [{"name": "noop", "arguments": {}}]'),
+    ("qwen3_coder", "<tool_call>\n<function=noop>\nstray text\n</function>\n</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis"),
+    ("pythonic", "[1, 2, 3]"),
+    ("pythonic", "[get_weather(__import__('os').system('x'))]"),
+    ("pythonic", '[get_weather(city="Paris")'),
+    ("pythonic", "Some text [noop()]"),
+]
+
+
+def _calls(parsed) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
+
+
+def _streamed(family: str, pieces: list[str]):
+    stream = get_tool_parser(family).stream(TOOLS)
+    events = []
+    for piece in pieces:
+        events += stream.feed(piece)
+    events += stream.finish()
+    return events
+
+
+def _split_at(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *sorted(cuts), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+@pytest.mark.parametrize("family,text,content,calls", CASES)
+def test_parse_finished_text(family, text, content, calls):
+    parsed = get_tool_parser(family).parse(text, TOOLS)
+    assert parsed.content == content
+    assert _calls(parsed) == calls
+
+
+@pytest.mark.parametrize("family,text,content,calls", CASES)
+def test_stream_split_anywhere_matches_parse(family, text, content, calls):
+    """Every single split point and 30 random multi-way splits give the whole parse."""
+    rng = random.Random(7)
+    splits = [[i] for i in range(1, len(text))]
+    splits += [rng.sample(range(1, len(text)), k=rng.randint(2, 12)) for _ in range(30)]
+    for cuts in splits:
+        events = _streamed(family, _split_at(text, cuts))
+        got = collect(events)
+        assert got.content == content, cuts
+        assert _calls(got) == calls, cuts
+        assert [e.index for e in events if isinstance(e, ToolCallDelta)] == list(range(len(calls)))
+
+
+@pytest.mark.parametrize("family,text", MALFORMED)
+def test_malformed_calls_stay_content(family, text):
+    parsed = get_tool_parser(family).parse(text, TOOLS)
+    assert parsed.tool_calls == []
+    assert parsed.content == text
+    for cut in range(1, len(text)):  # and streamed: nothing is lost at the end
+        events = _streamed(family, [text[:cut], text[cut:]])
+        assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == text
+
+
+def test_content_streams_before_the_call_ends():
+    """Text ahead of a call goes out before the call is complete."""
+    stream = get_tool_parser("mistral").stream()
+    assert stream.feed("Sure, checking") == [ContentDelta("Sure, checking")]
+    assert stream.feed(" [TOOL_CA") == []  # a possible trigger is held
+    assert stream.feed('LLS][{"name": "noop", "arguments": {}}]') == []
+    events = stream.finish()
+    assert [type(e) for e in events] == [ToolCallDelta]
+
+
+def test_mistral_call_ids_are_nine_alphanumerics():
+    parsed = get_tool_parser("mistral").parse('[TOOL_CALLS][{"name": "noop", "arguments": {}}]')
+    (call,) = parsed.tool_calls
+    assert len(call.id) == 9 and call.id.isalnum()
+    other = get_tool_parser("hermes").parse(CASES[0][1]).tool_calls[0]
+    assert other.id.startswith("call_")
+
+
+def test_qwen3_coder_without_schema_keeps_strings():
+    text = "<tool_call>\n<function=f>\n<parameter=n>\n42\n</parameter>\n</function>\n</tool_call>"
+    (call,) = get_tool_parser("qwen3_coder").parse(text).tool_calls
+    assert json.loads(call.arguments) == {"n": "42"}
+    typed = [{"name": "f", "parameters": {"properties": {"n": {"type": ["integer", "null"]}}}}]
+    (call,) = get_tool_parser("qwen3_coder").parse(text, typed).tool_calls
+    assert json.loads(call.arguments) == {"n": 42}
+
+
+def test_pythonic_never_evaluates():
+    """Only literals are read: a call or a name in an argument refuses the whole list."""
+    for text in ("[f(a=g())]", "[f(a=x)]", "[f(1)]", "[f(**k)]", "[os.system(a=1)]"):
+        assert get_tool_parser("pythonic").parse(text).tool_calls == [], text
+
+
+@pytest.mark.parametrize(
+    "source,family",
+    [
+        ("{% for t in tools %}<function={{ t.name }}>{% endfor %}", "qwen3_coder"),
+        ("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS][TOOL_CALLS]", "mistral"),
+        ("{{ '<|python_tag|>' + tool_call | tojson }}", "llama3_json"),
+        ('"parameters": dictionary of argument name and its value', "llama3_json"),
+        ("<|python_start|>{{ calls }}", "pythonic"),
+        ("<tool_call>\n{{ call | tojson }}\n</tool_call>", "hermes"),
+        ("{{ messages }}", "hermes"),
+        (None, "hermes"),
+    ],
+)
+def test_auto_detects_family_from_template(source, family):
+    assert detect_tool_parser(source) == family
+    assert get_tool_parser("auto", source).name == family
+
+
+def test_unknown_parser_name_is_refused():
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+        get_tool_parser("nope")
