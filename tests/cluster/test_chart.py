@@ -643,7 +643,7 @@ def test_workers_serve_app_metrics_on_the_port_the_replicas_read_from_env(chart)
         assert "app-metrics" not in ports_by_name(head)
 
 
-# Ray's own metrics on every pod, stepserve:* on the workers (the head has no app-metrics port,
+# Ray's own metrics on every pod, vllm:* and stepserve:* on the workers (the head has no app-metrics port,
 # so a monitor finds no target there).
 SCRAPED_PORTS = ["metrics", "app-metrics"]
 
@@ -1060,7 +1060,7 @@ def test_notes_tell_how_to_reach_the_endpoint(chart):
     assert "jsonpath='{.status.loadBalancer.ingress[0].ip}'" in notes(
         chart, {"service": {"type": "LoadBalancer"}}
     )
-    assert "stepserve:* on every worker pod's port 8081 (app-metrics)" in text
+    assert "vllm:* and stepserve:* on every worker pod's port 8081 (app-metrics)" in text
     assert "$STEPSERVE_URL/metrics" in text
 
 
