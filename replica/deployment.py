@@ -132,6 +132,7 @@ class LLMServer:
     _handing_back = False
     _hand_back_event: asyncio.Event | None = None
     _serving_loop: asyncio.AbstractEventLoop | None = None
+    metrics: EngineMetrics | None = None  # set in __init__ (tests build a bare server)
 
     def __init__(
         self,
@@ -253,7 +254,8 @@ class LLMServer:
         self.engine.set_num_threads(threads)
 
     def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        self.metrics.taken(request)  # its max_tokens and trace context, for its end
+        if self.metrics is not None:  # its max_tokens and trace context, for its end
+            self.metrics.taken(request)
         return self.engine.generate(request)
 
     # -- handing requests back when draining ---------------------------------------------

@@ -133,6 +133,8 @@ class LoadAwareRouter(RequestRouter):
         if use_kv and request.reports_progress:
             self._decisions[request.request_id] = decision  # for on_request_routed
         if request.traceparent is not None:  # traced: its routing span at on_request_routed
+            if len(self._traced) >= 4096:  # sends never routed (cancelled) go eventually
+                self._traced.pop(next(iter(self._traced)))
             self._traced[request.request_id] = (now, decision)
         if not decision.tiers:
             return []
