@@ -189,13 +189,14 @@ class EngineMetrics:
             "Histogram of number of tokens per engine_step.",
             _TOKEN_BUCKETS,
         )
-        if cache_info:
+        if cache_info:  # per replica too: the merged /metrics must not repeat a series
+            info = {k: str(v) for k, v in cache_info.items()} | lv
             Gauge(
                 VLLM + "cache_config_info",
                 "Information of the engine's KV cache config.",
-                sorted(cache_info),
+                sorted(info),
                 registry=reg,
-            ).labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
+            ).labels(**info).set(1)
         # ours alone
         self.kv_events_publishing = gauge(
             PREFIX + "kv_events_publishing",

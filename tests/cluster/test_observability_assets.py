@@ -163,10 +163,9 @@ def test_engine_metrics_are_vllms_names_types_and_labels():
     for name, kind in expected.items():
         assert name in families, name
         assert families[name].type == kind, (name, families[name].type)
-        if name != "vllm:cache_config_info":
-            for sample in families[name].samples:
-                assert sample.labels["model_name"] == "m", sample
-                assert sample.labels["replica"] == "r0", sample
+        for sample in families[name].samples:
+            assert sample.labels["model_name"] == "m", sample
+            assert sample.labels["replica"] == "r0", sample
     ours = {n for n in families if n.startswith("stepserve:")}
     assert ours == {
         "stepserve:kv_events_publishing", "stepserve:resumed_requests",
@@ -223,7 +222,9 @@ def test_alert_rules_cover_preemptions_queue_and_ttft_slo():
 def test_merge_keeps_one_family_and_every_replica():
     texts = []
     for replica in ("a", "b"):
-        metrics = EngineMetrics(SimpleNamespace(step_listeners=[]), "m", replica)
+        metrics = EngineMetrics(
+            SimpleNamespace(step_listeners=[]), "m", replica, cache_info={"block_size": 16}
+        )
         metrics.generation_tokens.inc(3 if replica == "a" else 4)
         texts.append(metrics.exposition())
     merged = merge_expositions(texts).decode()
@@ -232,6 +233,12 @@ def test_merge_keeps_one_family_and_every_replica():
     families = {f.name: f for f in text_string_to_metric_families(merged)}
     samples = [s for s in families["vllm:generation_tokens"].samples if s.name.endswith("_total")]
     assert {s.labels["replica"]: s.value for s in samples} == {"a": 3.0, "b": 4.0}
+    # no series twice in the merge (a scraper rejects that): each replica's own label set
+    series = [
+        (s.name, tuple(sorted(s.labels.items()))) for f in families.values() for s in f.samples
+    ]
+    assert len(series) == len(set(series))
+    assert {s.labels["replica"] for s in families["vllm:cache_config_info"].samples} == {"a", "b"}
 
 
 def test_queue_time_ends_when_the_first_step_starts_and_ttft_when_it_ends(tiny_llama_dir):
