@@ -98,6 +98,12 @@ class EngineMetrics:
         self.kv_cache_usage_perc = gauge(
             VLLM + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
         )
+        # vLLM's deprecated name of the same gauge, which its example dashboard still reads
+        self.gpu_cache_usage_perc = gauge(
+            VLLM + "gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage. "
+            "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+        )
         self.num_preemptions = counter(
             VLLM + "num_preemptions", "Cumulative number of preemptions (by recompute)."
         )
@@ -179,6 +185,11 @@ class EngineMetrics:
         self.request_generation_tokens = histogram(
             VLLM + "request_generation_tokens", "Number of generation tokens processed.", tokens
         )
+        self.request_max_generation_tokens = histogram(
+            VLLM + "request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        )  # one choice per engine request: its generated tokens
         self.request_max_tokens = histogram(
             VLLM + "request_params_max_tokens",
             "Histogram of the max_tokens request parameter.",
@@ -306,6 +317,7 @@ class EngineMetrics:
         self.request_tpot.observe(decode / (generated - 1) if generated > 1 else 0.0)
         self.request_prompt_tokens.observe(out.num_prompt_tokens)
         self.request_generation_tokens.observe(generated)
+        self.request_max_generation_tokens.observe(generated)
         max_tokens = self._max_tokens.get(rid)
         if max_tokens:
             self.request_max_tokens.observe(max_tokens)
@@ -335,6 +347,7 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_usage)
+        self.gpu_cache_usage_perc.set(stats.kv_usage)
         for counter, field in self._totals:  # each counter advances by the step's delta
             total = getattr(stats, field)
             counter.inc(total - self._seen[field])

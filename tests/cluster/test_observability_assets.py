@@ -85,6 +85,8 @@ VLLM_DASHBOARD_QUERIES = (
     'sum by(le) (increase(vllm:request_params_max_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
     'rate(vllm:prefix_cache_hits_total{model_name="$model_name"}[$__rate_interval]) / rate(vllm:prefix_cache_queries_total{model_name="$model_name"}[$__rate_interval])',
     'rate(vllm:num_preemptions_total{model_name="$model_name"}[$__rate_interval])',
+    'vllm:gpu_cache_usage_perc{model_name="$model_name"}',
+    'rate(vllm:request_max_num_generation_tokens_sum{model_name="$model_name"}[$__rate_interval])',
     'vllm:cache_config_info',
 )  # fmt: skip
 SELECTOR_RE = re.compile(r"(vllm:[a-z0-9_]+)(?:\{([^}]*)\})?")
@@ -136,6 +138,7 @@ def test_engine_metrics_are_vllms_names_types_and_labels():
         "vllm:num_requests_running": "gauge",
         "vllm:num_requests_waiting": "gauge",
         "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:gpu_cache_usage_perc": "gauge",
         "vllm:num_preemptions": "counter",
         "vllm:prefix_cache_queries": "counter",
         "vllm:prefix_cache_hits": "counter",
@@ -157,6 +160,7 @@ def test_engine_metrics_are_vllms_names_types_and_labels():
         "vllm:request_prompt_tokens": "histogram",
         "vllm:request_generation_tokens": "histogram",
         "vllm:request_params_max_tokens": "histogram",
+        "vllm:request_max_num_generation_tokens": "histogram",
         "vllm:iteration_tokens_total": "histogram",
         "vllm:cache_config_info": "gauge",
     }
