@@ -14,12 +14,12 @@ from cluster.config import ClusterConfig
 from tests.helpers import free_port
 
 COUNTERS = (
-    "stepserve:prefix_cache_queries_total",
-    "stepserve:prefix_cache_hits_total",
-    "stepserve:num_preemptions_total",
-    "stepserve:request_success_total",
-    "stepserve:generation_tokens_total",
-    "stepserve:prompt_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
 )
 
 

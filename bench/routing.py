@@ -157,15 +157,15 @@ def oracle_tokens(turns_by_round: list[list]) -> tuple[int, int]:
 def replica_table(deltas: dict[str, dict[str, float]]) -> dict[str, dict]:
     table = {}
     for rid, d in sorted(deltas.items()):
-        queries = d["stepserve:prefix_cache_queries_total"]
-        hits = d["stepserve:prefix_cache_hits_total"]
+        queries = d["vllm:prefix_cache_queries_total"]
+        hits = d["vllm:prefix_cache_hits_total"]
         table[rid] = {
-            "requests": int(d["stepserve:request_success_total"]),
-            "preemptions": int(d["stepserve:num_preemptions_total"]),
+            "requests": int(d["vllm:request_success_total"]),
+            "preemptions": int(d["vllm:num_preemptions_total"]),
             "prefix_cache_queries": int(queries),
             "prefix_cache_hits": int(hits),
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
-            "generation_tokens": int(d["stepserve:generation_tokens_total"]),
+            "generation_tokens": int(d["vllm:generation_tokens_total"]),
         }
     return table
 

@@ -166,6 +166,7 @@ def ingress_settings(config: ClusterConfig) -> IngressSettings:
         http=config.http,
         auth=config.auth,
         log_prompts=config.log_prompts,
+        tracing=config.tracing,
     )
 
 
@@ -188,6 +189,7 @@ def build_app(args: ClusterConfig) -> serve.Application:
             model.engine.model_dump(),
             kv_events=config.routing.kv_events,
             drain_migrate_after_s=drain_migrate_after_s(config),
+            tracing=config.tracing.model_dump() if config.tracing.enabled else None,
         )
     ingress = make_ingress_deployment().options(
         num_replicas=config.http.ingress_replicas,

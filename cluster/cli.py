@@ -156,6 +156,8 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         data.setdefault("routing", {})["prefix_affinity"] = True
     if args.kv_events is not None:
         data.setdefault("routing", {})["kv_events"] = args.kv_events
+    if args.otlp_traces_endpoint is not None:
+        data.setdefault("tracing", {})["otlp_traces_endpoint"] = args.otlp_traces_endpoint
     if data.get("models"):
         _flags_to_every_model(data, args, overrides)
     if args.lora_modules:
@@ -352,6 +354,12 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="route by each replica's actual prefix cache, mirrored from its KV events "
         "(routing.kv_events)",
+    )
+    serve_p.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send OpenTelemetry traces of each request to this OTLP/HTTP endpoint, e.g. "
+        "http://otel-collector:4318 (tracing.otlp_traces_endpoint; off without it)",
     )
     serve_p.set_defaults(func=cmd_serve)
 

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replica.config import EngineConfig
+from replica.tracing import TracingConfig
 from router.policy import RoutingConfig
 from router.settings import AuthConfig, HttpConfig
 
@@ -138,6 +139,11 @@ class ClusterConfig(_Strict):
     max_ongoing_requests: MaxOngoingRequests = 256
     log_prompts: bool = Field(
         default=False, description="log the prompt token counts of each request"
+    )
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        description="OpenTelemetry traces of each request (ingress and engine spans) to an "
+        "OTLP/HTTP endpoint; off without otlp_traces_endpoint",
     )
 
     @model_validator(mode="before")

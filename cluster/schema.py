@@ -244,7 +244,7 @@ CHART_VALUES: dict[str, Any] = {
                     "type": "integer",
                     "minimum": 1024,
                     "maximum": 65535,
-                    "description": "Port of the stepserve:* metrics on worker pods "
+                    "description": "Port of the vllm:* and stepserve:* metrics on worker pods "
                     "(STEPSERVE_METRICS_PORT, container port app-metrics).",
                 },
                 "podMonitor": _MONITOR,

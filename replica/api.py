@@ -47,8 +47,22 @@ from replica.sampling_params import (
 from replica.startup import freeze_heap
 from replica.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, grammar_engine_loaded
 from replica.tokenizer import LazyTokenizer
+from replica.tracing import (
+    TracingConfig,
+    routing_span,
+    traced_admission,
+    traced_jobs,
+    traced_request,
+)
+from replica.tracing import configure as configure_tracing
 
 __all__ = [
+    "TracingConfig",
+    "configure_tracing",
+    "routing_span",
+    "traced_admission",
+    "traced_jobs",
+    "traced_request",
     "ACCEPTED_NOTICE_S",
     "Accepted",
     "AutoscalingStats",

@@ -18,6 +18,7 @@ import ray
 from prometheus_client import start_http_server
 from ray import serve
 
+from replica import tracing as replica_tracing
 from replica.config import EngineConfig
 from replica.contracts import (
     ACCEPTED_NOTICE_S,
@@ -131,14 +132,17 @@ class LLMServer:
     _handing_back = False
     _hand_back_event: asyncio.Event | None = None
     _serving_loop: asyncio.AbstractEventLoop | None = None
+    metrics: EngineMetrics | None = None  # set in __init__ (tests build a bare server)
 
     def __init__(
         self,
         engine_config: dict,
         kv_events: bool = False,
         drain_migrate_after_s: float | None = None,
+        tracing: dict | None = None,
     ) -> None:
         config = EngineConfig.model_validate(engine_config)
+        replica_tracing.configure(tracing)  # OpenTelemetry spans (off: None)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         try:
             context = serve.get_replica_context()
@@ -188,11 +192,19 @@ class LLMServer:
                 self.kv_events = KVEventPublisher.in_process(self.engine, self.replica_id, hub)
         self._preemptions = PreemptionRate(_PREEMPTION_WINDOW_S)
         model_name = config.served_name()
+        sizes = {
+            "max_model_len": self.engine.max_model_len,
+            "cache_info": {
+                "block_size": config.block_size,
+                "num_gpu_blocks": self.engine.info.num_kv_blocks,
+                "enable_prefix_caching": config.enable_prefix_caching,
+            },
+        }
         if self.core_process:  # the front observes the steps the core reports
-            self.metrics = EngineMetrics(None, model_name, self.replica_id)
+            self.metrics = EngineMetrics(None, model_name, self.replica_id, **sizes)
             self.engine.report_listeners.append(self.metrics.observe)
         else:
-            self.metrics = EngineMetrics(self.engine.engine, model_name, self.replica_id)
+            self.metrics = EngineMetrics(self.engine.engine, model_name, self.replica_id, **sizes)
         self._metrics_stop = threading.Event()
         threading.Thread(target=self._push_metrics, name="metrics-push", daemon=True).start()
         if drain_migrate_after_s is not None:
@@ -243,6 +255,8 @@ class LLMServer:
         self.engine.set_num_threads(threads)
 
     def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if self.metrics is not None:  # its max_tokens and trace context, for its end
+            self.metrics.taken(request)
         return self.engine.generate(request)
 
     # -- handing requests back when draining ---------------------------------------------
@@ -475,6 +489,7 @@ class LLMServer:
             self.engine.shutdown()
         except Exception:
             pass
+        replica_tracing.shutdown()  # the spans still batched
 
 
 def _node_id() -> str | None:

@@ -11,7 +11,14 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from replica.api import EngineRequest, PoolingRequest, RequestRejected, SamplingParams
+from replica.api import (
+    EngineRequest,
+    PoolingRequest,
+    RequestRejected,
+    SamplingParams,
+    traced_jobs,
+    traced_request,
+)
 from router.errors import bad_request
 from router.protocol.embeddings import (
     EmbeddingData,
@@ -79,6 +86,7 @@ def check_inputs(prompts: list[list[int]], limits) -> None:
             raise bad_request(message, "input") from None
 
 
+@traced_request
 async def serve_embeddings(core, request: Request) -> Response:
     """The whole answer of one /v1/embeddings request (`core`: the IngressCore)."""
     core.guard.check_auth(request)
@@ -100,6 +108,7 @@ async def serve_embeddings(core, request: Request) -> Response:
             (i, EngineRequest(ids, _POOLING_SAMPLING, "", lora=lora, pooling=pooling))
             for i, ids in enumerate(prompts)
         ]
+        jobs = traced_jobs(jobs, served_name)
         ticket = Ticket(slot, deadline_s)
         core.admission.enter(ticket.key, req.priority)
         try:

@@ -16,7 +16,11 @@ from replica.api import (
     LoRARequest,
     RequestRejected,
     SamplingParams,
+    configure_tracing,
     freeze_heap,
+    traced_admission,
+    traced_jobs,
+    traced_request,
 )
 from router.admission import Admission
 from router.dialects import Echo
@@ -53,6 +57,7 @@ class IngressCore:
         if not isinstance(handles, dict):
             handles = {settings.model_name: handles}
         self.guard = RequestGuard(settings.http, settings.auth)
+        configure_tracing(settings.tracing)  # OpenTelemetry spans (off: no endpoint)
         self.admission = Admission()  # admission by expected wait (router/admission.py)
         # streams continued on another replica: one limit and one tally for every model
         self.migrations = Migrations(settings.http.migration_limit)
@@ -237,7 +242,7 @@ class IngressCore:
                 if lora is not None:
                     choice = dataclasses.replace(choice, lora=lora)
                 jobs.append((p_index * n + j, choice))
-        return jobs
+        return traced_jobs(jobs, req.model or (model.name if model is not None else ""))
 
     def completion_prompts(
         self, req: CompletionRequest, model: ServedModel | None = None
@@ -406,6 +411,7 @@ class IngressCore:
             )
         return value
 
+    @traced_admission
     def admit_by_wait(self, req, deadline_s: float) -> float | None:
         """Refuse now (429, Retry-After) a request whose expected wait for its first token
         exceeds its deadline (router/admission.py); else the expected wait (None: unknown)."""
@@ -422,6 +428,7 @@ class IngressCore:
             headers={"Retry-After": str(verdict.retry_after_s)},
         )
 
+    @traced_request
     async def serve_request(self, request: Request, chat: bool, endpoint=None) -> Response:
         """A generating request: /v1/completions, /v1/chat/completions, or another API run as
         a chat request (`endpoint`: reads the body as one and wraps the chat dialect that

@@ -30,7 +30,7 @@ import time
 from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from replica.api import GenerateRequest, RoutingStats
+from replica.api import GenerateRequest, RoutingStats, routing_span
 from router.decision import Decision, decide
 from router.inflight import InflightLoad, register_inflight, register_router
 from router.kv_routing import KVRouting, register_kv_routing
@@ -75,6 +75,7 @@ class LoadAwareRouter(RequestRouter):
         register_inflight(self.inflight)
         self.kv: KVRouting | None = None
         self._decisions: dict[str, Decision] = {}  # request id -> its decision (KV routing)
+        self._traced: dict[str, tuple[float, Decision]] = {}  # request id -> (when, decision)
         # replicas a call found dead or unreachable (Serve's controller lists them until it
         # declares them dead, a node's loss takes seconds): id -> the time stamp of the stats
         # the replica had recorded then (-1: dead for good)
@@ -131,6 +132,10 @@ class LoadAwareRouter(RequestRouter):
         )  # fmt: skip
         if use_kv and request.reports_progress:
             self._decisions[request.request_id] = decision  # for on_request_routed
+        if request.traceparent is not None:  # traced: its routing span at on_request_routed
+            if len(self._traced) >= 4096:  # sends never routed (cancelled) go eventually
+                self._traced.pop(next(iter(self._traced)))
+            self._traced[request.request_id] = (now, decision)
         if not decision.tiers:
             return []
         # the request goes to the lead, chosen here and counted there at once
@@ -198,6 +203,11 @@ class LoadAwareRouter(RequestRouter):
                 reason = decision.reason(rid, self.routing_config)
                 if reason is not None:
                     self.kv.routed(request.request_id, decision.hits.get(rid, 0), reason)
+        traced = self._traced.pop(request.request_id, None) if request is not None else None
+        if traced is not None:
+            rid = replica_id.unique_id
+            reason = traced[1].reason(rid, self.routing_config)
+            routing_span(request, traced[0], rid, reason, len(traced[1].stats))
         if request is not None and request.lora is not None:  # where it went, if not the lead
             self.inflight.adapter_sent(replica_id.unique_id, request.lora.name, time.time())
         if request is not None:

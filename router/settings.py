@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from replica.api import TracingConfig
 from replica.config import EngineConfig
 from router.policy import RoutingConfig
 
@@ -136,6 +137,7 @@ class IngressSettings(BaseModel):
     http: HttpConfig = Field(default_factory=HttpConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)  # SecretStr: a repr shows no key
     log_prompts: bool = False
+    tracing: TracingConfig = Field(default_factory=TracingConfig)  # OpenTelemetry (off: default)
 
     @model_validator(mode="after")
     def _first_model(self) -> IngressSettings:

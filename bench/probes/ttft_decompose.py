@@ -97,8 +97,9 @@ SERVER_HISTOGRAMS = (
 
 
 def scrape_histograms(base: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the server's own first-token histograms (vLLM's `vllm:` names and
-    stepserve's `stepserve:` ones, the same names), summed over label sets."""
+    """(sum, count) of the server's own first-token histograms (vLLM's `vllm:` names, which
+    stepserve exports too; `stepserve:` read as well, its names before it took vLLM's prefix),
+    summed over label sets."""
     with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
     out: dict[str, list[float]] = {}

@@ -26,6 +26,7 @@ from cluster.config import (
     ModelDeployment,
 )
 from replica.config import EngineConfig
+from replica.tracing import TracingConfig
 from router.policy import RoutingConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -390,6 +391,11 @@ def test_given_values_reach_cluster_config_unchanged(chart):
         "cpu_threads_per_replica": 3,
         "max_ongoing_requests": 64,
         "log_prompts": True,
+        "tracing": {
+            "otlp_traces_endpoint": "http://otel-collector.observability:4318",
+            "service_name": "llm",
+            "sample_ratio": 0.25,
+        },
     }
     config = cluster_config(render(chart, given))
     # with autoscaling on, the replica count is the policy's to set: not pinned anywhere
@@ -446,6 +452,7 @@ def test_chart_schema_mirrors_cluster_config_fields_and_limits(chart):
         "autoscaling": (AutoscalingConfig, set()),
         "routing": (RoutingConfig, set()),
         "http": (HttpConfig, {"host", "port"}),
+        "tracing": (TracingConfig, set()),
     }
     scalars = {
         "name",
@@ -643,7 +650,7 @@ def test_workers_serve_app_metrics_on_the_port_the_replicas_read_from_env(chart)
         assert "app-metrics" not in ports_by_name(head)
 
 
-# Ray's own metrics on every pod, stepserve:* on the workers (the head has no app-metrics port,
+# Ray's own metrics on every pod, vllm:* and stepserve:* on the workers (the head has no app-metrics port,
 # so a monitor finds no target there).
 SCRAPED_PORTS = ["metrics", "app-metrics"]
 
@@ -1060,7 +1067,10 @@ def test_notes_tell_how_to_reach_the_endpoint(chart):
     assert "jsonpath='{.status.loadBalancer.ingress[0].ip}'" in notes(
         chart, {"service": {"type": "LoadBalancer"}}
     )
-    assert "stepserve:* on every worker pod's port 8081 (app-metrics)" in text
+    assert "vllm:* and stepserve:* on every worker pod's port 8081 (app-metrics)" in text
+    assert "Tracing:" not in text
+    traced = notes(chart, {"tracing": {"otlp_traces_endpoint": "http://collector:4318"}})
+    assert "OpenTelemetry spans of each request to http://collector:4318" in traced
     assert "$STEPSERVE_URL/metrics" in text
 
 
@@ -1101,7 +1111,7 @@ def test_image_ray_and_app_versions_match_the_chart(chart):
     dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
     (ray_version,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.MULTILINE)
     assert ray_version == chart.values["rayVersion"]
-    assert 'pip install "ray[serve]==${RAY_VERSION}" .' in dockerfile
+    assert 'pip install "ray[serve]==${RAY_VERSION}" ".[tracing]"' in dockerfile
     pyproject = (REPO / "pyproject.toml").read_text()
     (version,) = re.findall(r'^version = "([^"]+)"$', pyproject, re.MULTILINE)
     assert chart.metadata["appVersion"] == version

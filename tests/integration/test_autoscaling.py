@@ -189,7 +189,7 @@ def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
             time.sleep(1)
         # the metrics endpoint reports no stale queue after scale-down
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-        assert "stepserve:num_requests_waiting" in text
+        assert "vllm:num_requests_waiting" in text
         # with two replicas or more, the routers read them and they published; alone again,
         # the survivor stops within the hub's read window (5 s) and a push or two
         assert peak["publishing"] >= 2, peak

@@ -148,7 +148,7 @@ def test_kv_index_mirrors_replicas_predicts_hits_and_forgets_the_dead(tiny_llama
         ]
         assert hubs == [hub_name(APP)], hubs
         for rid in tables:  # each replica's exposition reached /metrics through it
-            assert _metric(url, "stepserve:generation_tokens_total", replica=rid) > 0, rid
+            assert _metric(url, "vllm:generation_tokens_total", replica=rid) > 0, rid
 
         # a replica dies: the router drops it from the index as soon as Serve says so
         victim = sorted(tables)[0]

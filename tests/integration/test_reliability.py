@@ -556,7 +556,7 @@ def test_burst_of_10x_capacity_gets_429s_bounded_queues_and_memory(cluster):
 def test_non_streaming_client_that_leaves_frees_kv_blocks(cluster):
     url = cluster["url"]
     wait_idle(2)
-    tokens_before = scrape_total(url, "stepserve:generation_tokens_total")
+    tokens_before = scrape_total(url, "vllm:generation_tokens_total")
     # as long as the model allows (4 x ~4k tokens: seconds even where the tiny model decodes a
     # step in a millisecond), and the client leaves once a replica runs it, not after a time
     body = completion_body(1, stream=False, seed=3, n=4)
@@ -582,7 +582,7 @@ def test_non_streaming_client_that_leaves_frees_kv_blocks(cluster):
     from replica.deployment import METRICS_PUSH_PERIOD_S
 
     time.sleep(METRICS_PUSH_PERIOD_S * 3)
-    generated = scrape_total(url, "stepserve:generation_tokens_total") - tokens_before
+    generated = scrape_total(url, "vllm:generation_tokens_total") - tokens_before
     # it ran (so it held blocks) and was cut short (so the blocks were freed by the abort)
     assert 0 < generated < n * max_tokens, f"{generated} tokens: the request was not aborted"
 

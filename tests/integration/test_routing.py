@@ -70,7 +70,7 @@ def _by_replica(url: str, sample_name: str) -> dict[str, float]:
 
 
 def _success_by_replica(url: str) -> dict[str, float]:
-    return _by_replica(url, "stepserve:request_success_total")
+    return _by_replica(url, "vllm:request_success_total")
 
 
 def _running(app: str) -> int:
@@ -117,8 +117,8 @@ def test_new_requests_avoid_the_busy_replica(serving, tiny_llama_dir):
                     assert time.time() < deadline
                     await asyncio.sleep(0.5)
                 await asyncio.sleep(1.0)  # a few routing-stats periods
-                waiting = _by_replica(url, "stepserve:num_requests_waiting")
-                running = _by_replica(url, "stepserve:num_requests_running")
+                waiting = _by_replica(url, "vllm:num_requests_waiting")
+                running = _by_replica(url, "vllm:num_requests_running")
                 assert waiting.get(busy_id, 0) + running.get(busy_id, 0) >= 8, (waiting, running)
                 before = _success_by_replica(url)
                 short = [

@@ -294,18 +294,18 @@ def test_metrics_counts_are_true(cluster):
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert delta("stepserve:generation_tokens_total") == completion_tokens
-    assert delta("stepserve:request_success_total") == n_requests
-    assert delta("stepserve:time_to_first_token_seconds_count") == n_requests
-    assert delta("stepserve:e2e_request_latency_seconds_count") == n_requests
+    assert delta("vllm:generation_tokens_total") == completion_tokens
+    assert delta("vllm:request_success_total") == n_requests
+    assert delta("vllm:time_to_first_token_seconds_count") == n_requests
+    assert delta("vllm:e2e_request_latency_seconds_count") == n_requests
     scheduler_preemptions = sum(s["num_preemptions_total"] for s in replica_stats().values())
-    assert after.get("stepserve:num_preemptions_total", 0.0) == scheduler_preemptions
+    assert after.get("vllm:num_preemptions_total", 0.0) == scheduler_preemptions
     # both replicas report, each under its own label
     text = httpx.get(f"{cluster['url']}/metrics", timeout=30).text
     replicas = {
         line.split('replica="')[1].split('"')[0]
         for line in text.splitlines()
-        if line.startswith("stepserve:num_requests_running{")
+        if line.startswith("vllm:num_requests_running{")
     }
     assert len(replicas) == 2
 

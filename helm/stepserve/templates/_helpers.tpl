@@ -105,7 +105,7 @@ the one model's does (stepserve.serveConfig) */}}
 {{- $_ := set $http "host" "0.0.0.0" }}
 {{- $_ := set $http "port" 8000 }}
 {{- $_ := unset $http "ingress_replicas" }}
-{{- $config := pick .Values "name" "autoscaling" "routing" "num_cpus_per_replica" "cpu_threads_per_replica" "max_ongoing_requests" "log_prompts" }}
+{{- $config := pick .Values "name" "autoscaling" "routing" "num_cpus_per_replica" "cpu_threads_per_replica" "max_ongoing_requests" "log_prompts" "tracing" }}
 {{- $_ := set $config "engine" $engine }}
 {{- $_ := set $config "models" $models }}
 {{- $_ := set $config "http" $http }}
@@ -264,7 +264,7 @@ imagePullSecrets:
 {{/*
 Scrape endpoints of the PodMonitor and the ServiceMonitor; the argument is the monitor's values.
 `metrics` (8080): Ray's own metrics, on every Ray pod. `app-metrics` (monitoring.appMetricsPort):
-stepserve:*, served by the replicas on worker pods; the head has no such port, so no target.
+vllm:* and stepserve:*, served by the replicas on worker pods; the head has no such port, so no target.
 */}}
 {{- define "stepserve.scrapeEndpoints" -}}
 {{- $monitor := . }}
