@@ -378,6 +378,9 @@ class ToolParser:
     the schema's types."""
 
     name = ""
+    # the family's marker texts: when the tokenizer makes one a special token, a request
+    # offering tools keeps special tokens in its text (the parser strips the markers)
+    markers: tuple[str, ...] = ()
 
     def stream(self, tools: list[dict] | None = None) -> ToolStream:
         raise NotImplementedError

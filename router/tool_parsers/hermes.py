@@ -28,6 +28,7 @@ class ToolCallStreamParser(BlockStream):
 
 class HermesParser(ToolParser):
     name = "hermes"
+    markers = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
     def stream(self, tools: list[dict] | None = None) -> BlockStream:
         return ToolCallStreamParser()

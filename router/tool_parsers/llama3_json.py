@@ -11,6 +11,7 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    markers = (PYTHON_TAG,)
 
     def stream(self, tools: list[dict] | None = None) -> TailStream:
         return TailStream(

@@ -133,6 +133,7 @@ class _BareList(JsonCallSequence):
 
 class MistralParser(ToolParser):
     name = "mistral"
+    markers = (TOOL_CALLS, ARGS)
 
     def stream(self, tools: list[dict] | None = None) -> TailStream:
         return TailStream((TOOL_CALLS,), ("[{",), _builder, new_mistral_call_id)

@@ -180,6 +180,7 @@ class PythonicList(Builder):
 
 class PythonicParser(ToolParser):
     name = "pythonic"
+    markers = (PYTHON_START, PYTHON_END)
 
     @staticmethod
     def _builder(trigger: str) -> PythonicList:

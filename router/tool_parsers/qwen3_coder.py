@@ -152,6 +152,7 @@ class FunctionBlock(Builder):
 
 class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
+    markers = (OPEN, CLOSE)
 
     def stream(self, tools: list[dict] | None = None) -> BlockStream:
         return BlockStream(OPEN, CLOSE, lambda: FunctionBlock(tools))
