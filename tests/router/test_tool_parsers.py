@@ -340,3 +340,87 @@ def test_auto_detects_family_from_template(source, family):
 def test_unknown_parser_name_is_refused():
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
+
+
+# -- generated outputs: every family, random arguments, random splits ------------------------
+def _random_value(rng: random.Random, depth: int = 0):
+    kinds = ["str", "int", "float", "bool", "none"] + (["list", "dict"] if depth < 2 else [])
+    kind = rng.choice(kinds)
+    if kind == "str":
+        return "".join(rng.choice("ab \"}]{[,:\\\\/é😀<>=()'") for _ in range(rng.randint(0, 8)))
+    if kind == "int":
+        return rng.randint(-999, 999)
+    if kind == "float":
+        return rng.choice([0.5, -2.25, 1e-3])
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
+
+
+def _render(family: str, calls: list[tuple[str, dict]], rng: random.Random) -> tuple[str, list]:
+    """An output writing `calls` in the family's syntax, and the arguments text each call's
+    parse must give (JSON families: the object's own text; the others: json.dumps)."""
+    seps = rng.choice([(", ", ": "), (",", ":")])
+    raw = [json.dumps(a, ensure_ascii=False, separators=seps) for _, a in calls]
+    dumped = [json.dumps(a, ensure_ascii=False) for _, a in calls]
+    if family == "hermes":
+        blocks = [
+            f'<tool_call>\n{{"name": "{n}", "arguments": {r}}}\n</tool_call>'
+            for (n, _), r in zip(calls, raw)
+        ]
+        return "Some text.\n" + "\n".join(blocks), raw
+    if family == "llama3_json":
+        objs = [f'{{"name": "{n}", "parameters": {r}}}' for (n, _), r in zip(calls, raw)]
+        return "<|python_tag|>" + "; ".join(objs), raw
+    if family == "mistral":
+        if rng.random() < 0.5:
+            objs = [f'{{"name": "{n}", "arguments": {r}}}' for (n, _), r in zip(calls, raw)]
+            return "Ok. [TOOL_CALLS][" + ", ".join(objs) + "]", raw
+        return "".join(f"[TOOL_CALLS]{n}[ARGS]{r}" for (n, _), r in zip(calls, raw)), raw
+    if family == "pythonic":
+        text = ", ".join(
+            n + "(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")" for n, a in calls
+        )
+        return "[" + text + "]", dumped
+    # qwen3_coder without a schema: every value is a string
+    calls = [(n, {k: str(v) for k, v in a.items()}) for n, a in calls]
+    blocks = [
+        f"<tool_call>\n<function={n}>\n"
+        + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in a.items())
+        + "</function>\n</tool_call>"
+        for n, a in calls
+    ]
+    return "Hm.\n" + "\n".join(blocks), [json.dumps(a, ensure_ascii=False) for _, a in calls]
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"])
+def test_generated_calls_stream_as_they_parse(family):
+    rng = random.Random(family)
+    for _ in range(25):
+        calls = [
+            (f"fn_{j}", {f"p{i}": _random_value(rng) for i in range(rng.randint(0, 4))})
+            for j in range(rng.randint(1, 3))
+        ]
+        if family == "qwen3_coder":  # values are text: no `<` inside
+            calls = [
+                (n, {k: v for k, v in a.items() if "<" not in str(v) and str(v).strip()})
+                for n, a in calls
+            ]
+        text, expected = _render(family, calls, rng)
+        whole = get_tool_parser(family).parse(text)
+        assert [(c.name, c.arguments) for c in whole.tool_calls] == [
+            (n, e) for (n, _), e in zip(calls, expected)
+        ], text
+        for _ in range(4):
+            cuts = rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 20)))
+            events = _streamed(family, _split_at(text, cuts))
+            got = collect(events)
+            assert got.content == whole.content
+            streamed = _call_fragments(events)
+            assert [(n, "".join(f)) for _, n, f in streamed.values()] == [
+                (c.name, c.arguments) for c in whole.tool_calls
+            ], (text, cuts)
