@@ -30,6 +30,16 @@ def special_token_texts(tokenizer) -> set[str]:
     return texts
 
 
+def special_markers(tokenizer, tool_parser: ToolParser, reasoning_parser: str) -> tuple[bool, bool]:
+    """Whether (the tool-call family's markers, the thinking tags) are special tokens of
+    `tokenizer`: a request that needs them keeps special tokens in its text."""
+    specials = special_token_texts(tokenizer)
+    return (
+        any(m in specials for m in tool_parser.markers),
+        reasoning_parser != "none" and bool({THINK_START, THINK_END} & specials),
+    )
+
+
 class ServedModel:
     def __init__(
         self,
@@ -78,11 +88,7 @@ class ServedModel:
         self.reasoning_parser = self.engine.reasoning_parser
         # (tool-call markers, thinking tags) that are special tokens: requests that need them
         # keep special tokens in their text (ChatCompletionRequest.use_model_format)
-        specials = special_token_texts(tokenizer)
-        self.special_markers = (
-            any(m in specials for m in self.tool_parser.markers),
-            self.reasoning_parser != "none" and bool({THINK_START, THINK_END} & specials),
-        )
+        self.special_markers = special_markers(tokenizer, self.tool_parser, self.reasoning_parser)
         self.thinking_end: tuple[int, ...] = ()
         if self.reasoning_parser != "none":
             self.thinking_end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))

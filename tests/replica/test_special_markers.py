@@ -15,7 +15,7 @@ from replica.request import EngineRequest, Resume, SamplingParams, StructuredOut
 from router.dialects import ChatDialect
 from router.protocol import ChatCompletionRequest
 from router.reasoning import Reasoning
-from router.served_model import special_token_texts
+from router.served_model import special_markers
 from router.tool_parsers import get_tool_parser
 from tests.parser_models import build_family_models
 
@@ -52,27 +52,22 @@ def llm(family_dirs):
 
 
 @pytest.fixture(scope="module")
-def specials(family_dirs) -> set[str]:
-    """The special tokens' texts of the families' (shared) tokenizer, as the ingress reads
-    them (router/served_model.py)."""
+def tokenizer(family_dirs):
+    """The families' (shared) tokenizer."""
     from transformers import AutoTokenizer
 
-    return special_token_texts(AutoTokenizer.from_pretrained(str(family_dirs["mistral"])))
+    return AutoTokenizer.from_pretrained(str(family_dirs["mistral"]))
 
 
 def chat_request(
-    specials: set[str], family: str, tool_choice="auto", reasoning=None
+    tokenizer, family: str, tool_choice="auto", reasoning=None
 ) -> ChatCompletionRequest:
-    """A chat request as the ingress leaves it (ServedModel.special_markers's rule)."""
+    """A chat request as the ingress leaves it for a model of this tokenizer and family."""
     req = ChatCompletionRequest(
         messages=[{"role": "user", "content": "ping?"}], tools=TOOLS, tool_choice=tool_choice
     )
-    markers = get_tool_parser(family).markers
-    special_markers = (
-        any(m in specials for m in markers),
-        bool({"<think>", "</think>"} & specials),
-    )
-    req.use_model_format(family, reasoning, (), special_markers)
+    markers = special_markers(tokenizer, get_tool_parser(family), "deepseek_r1")
+    req.use_model_format(family, reasoning, (), markers)
     return req
 
 
@@ -118,14 +113,22 @@ def answers(llm, req: ChatCompletionRequest, family: str, deltas, tool_mode: str
     return text, whole, (content, reasoning, list(calls.values()))
 
 
-def test_the_ingress_keeps_special_tokens_only_when_markers_need_them(specials):
+def test_the_ingress_keeps_special_tokens_only_when_markers_need_them(
+    tokenizer, tiny_tokenizer_dir
+):
+    from transformers import AutoTokenizer
+
+    plain_tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    for family in ("mistral", "llama3_json", "hermes"):  # markers that are plain text
+        assert special_markers(plain_tokenizer, get_tool_parser(family), "qwen3") == (False, False)
+    assert special_markers(tokenizer, get_tool_parser("pythonic"), "none") == (False, False)
     for family, keeps in [("mistral", True), ("llama3_json", True), ("hermes", False)]:
-        req = chat_request(specials, family)
+        req = chat_request(tokenizer, family)
         assert req.keeps_markers is keeps, family
         assert req.to_sampling_params(64).skip_special_tokens is (not keeps)
     # no tools offered: nothing to keep; the request's own false is kept
-    assert not chat_request(specials, "mistral", tool_choice="none").keeps_markers
-    req = chat_request(specials, "hermes", reasoning=Reasoning("deepseek_r1", opened=True))
+    assert not chat_request(tokenizer, "mistral", tool_choice="none").keeps_markers
+    req = chat_request(tokenizer, "hermes", reasoning=Reasoning("deepseek_r1", opened=True))
     assert req.keeps_markers  # its <think> tags are special
     plain = ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}], skip_special_tokens=False
@@ -136,9 +139,9 @@ def test_the_ingress_keeps_special_tokens_only_when_markers_need_them(specials):
 @pytest.mark.parametrize("family", ["mistral", "llama3_json"])
 @pytest.mark.parametrize("mode", ["required", "named"])
 def test_required_and_named_calls_parse_with_special_tokens_kept(
-    llm, family_dirs, specials, family, mode
+    llm, family_dirs, tokenizer, family, mode
 ):
-    req = chat_request(specials, family, "required")
+    req = chat_request(tokenizer, family, "required")
     params = req.to_sampling_params(100)
     assert params.skip_special_tokens is False
     plan = {"tools": [PING], "mode": mode, "parallel": False, "format": family}
@@ -172,7 +175,7 @@ MARKED = {
 
 
 @pytest.mark.parametrize("family", list(MARKED))
-def test_auto_answer_with_text_then_a_special_marker(llm, family_dirs, specials, family):
+def test_auto_answer_with_text_then_a_special_marker(llm, family_dirs, tokenizer, family):
     """The output's tokens are fixed (a resumed request's output, the marker its own special
     token id, then EOS forced by a logit bias): kept, the marker reaches the parser and the
     call after the text is found; skipped, it is lost and the call stays content."""
@@ -183,7 +186,7 @@ def test_auto_answer_with_text_then_a_special_marker(llm, family_dirs, specials,
     ids += tok.encode(call, add_special_tokens=False)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     prompt = prompt_of(llm, family_dirs, family)
-    req = chat_request(specials, family)
+    req = chat_request(tokenizer, family)
     for keep in (True, False):
         params = req.to_sampling_params(len(ids) + 8)
         params.skip_special_tokens = not keep
