@@ -1,7 +1,10 @@
-"""What every tool-call family shares: the parsed call, the stream events, the content
-emitter that holds whitespace around calls, and the two stream shapes a family is built from:
-calls in delimited blocks (`BlockStream`: hermes, qwen3_coder) and calls that run from a
-trigger to the end of the output (`TailStream`: llama3_json, mistral, pythonic)."""
+"""What every tool-call family shares: the parsed call, the stream events (content, a call's
+start, its argument fragments, calls voided), the content emitter that holds whitespace around
+calls, and the two stream shapes a family is built from: calls in delimited blocks
+(`BlockStream`: hermes, qwen3_coder) and calls that run from a trigger to the end of the output
+(`TailStream`: llama3_json, mistral, pythonic). Each reads a call's text with the family's
+builder (router/tool_parsers/incremental.py) as it arrives; a finished text's parse is the
+stream's events collected (`collect`), so streamed and whole answers agree."""
 
 from __future__ import annotations
 
