@@ -325,8 +325,6 @@ class JsonCallSequence(Builder):
             if ch == "{":
                 self.phase = "object"
                 self.step(ch)
-            elif ch == "]" and self.list_form:
-                self.phase = "error"
             else:
                 self.phase = "error"
         else:  # closed: nothing may follow

@@ -50,9 +50,8 @@ class MistralTail(Builder):
             self.look += ch
             if self.look == TOOL_CALLS:
                 self.look = ""
-                if phase == "segment" and not self.calls:
-                    self.phase = "error"  # `[TOOL_CALLS]` with nothing after it
-                self.phase = "segment" if self.phase != "error" else "error"
+                # an empty first segment (`[TOOL_CALLS][TOOL_CALLS]`) is not calls
+                self.phase = "error" if phase == "segment" and not self.calls else "segment"
             elif not TOOL_CALLS.startswith(self.look):
                 text, self.look = self.look, ""
                 if phase == "between":
