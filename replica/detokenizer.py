@@ -12,6 +12,24 @@ from replica.errors import RequestRejected
 _CONTEXT_TOKENS = 5
 
 
+def special_ids(tokenizer) -> frozenset[int]:
+    """The ids of a tokenizer's special tokens (its named ones and the added tokens marked
+    special), cached on the tokenizer."""
+    cached = getattr(tokenizer, "_stepserve_special_ids", None)
+    if cached is not None:
+        return cached
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(token_id)
+    found = frozenset(ids)
+    try:
+        tokenizer._stepserve_special_ids = found
+    except AttributeError:  # pragma: no cover - a tokenizer that refuses attributes
+        pass
+    return found
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding the whole
     sequence each step, and finds stop strings. Text that could still be the start of a stop
@@ -33,6 +51,9 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
+        # with special tokens kept, the special token ids: one that ends the output (EOS, a
+        # stop token) is not decoded (replica/engine/output_processor.py)
+        self.hidden: frozenset[int] = frozenset() if skip_special_tokens else special_ids(tokenizer)
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # all output text decoded so far (after stop truncation)
         self._emitted = 0  # chars of self.text already returned to the caller

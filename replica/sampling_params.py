@@ -136,6 +136,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     structured: StructuredOutput | None = None
+    # special tokens (EOS, chat markers) left out of the text; False keeps them, all but a
+    # special token that ends the output (the stop token: never text)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

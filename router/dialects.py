@@ -38,7 +38,14 @@ from router.protocol import (
     sse_event,
 )
 from router.reasoning import ReasoningStream
-from router.tool_parsers import ContentDelta, ToolParser, ToolStream, get_tool_parser
+from router.tool_parsers import (
+    ContentDelta,
+    ToolCallArgs,
+    ToolCallStart,
+    ToolParser,
+    ToolStream,
+    get_tool_parser,
+)
 
 # (token id, (its logprob, {top token id: logprob})) per token; an echoed prompt's first token
 # has (None, {})
@@ -423,18 +430,21 @@ class ChatStream(StreamShape):
         for event in events:
             if isinstance(event, ContentDelta):
                 deltas.append(DeltaMessage(content=event.text))
-                continue
-            # the call's id, type and name first, then its arguments
-            head = DeltaToolCall(
-                index=event.index,
-                id=event.id,
-                type="function",
-                function=DeltaFunctionCall(name=event.name, arguments=""),
-            )
-            args = DeltaToolCall(
-                index=event.index, function=DeltaFunctionCall(arguments=event.arguments)
-            )
-            deltas += [DeltaMessage(tool_calls=[head]), DeltaMessage(tool_calls=[args])]
+            elif isinstance(event, ToolCallStart):  # the call's id, type and name first
+                head = DeltaToolCall(
+                    index=event.index,
+                    id=event.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=event.name, arguments=""),
+                )
+                deltas.append(DeltaMessage(tool_calls=[head]))
+            elif isinstance(event, ToolCallArgs):  # then its arguments, as generated
+                args = DeltaToolCall(
+                    index=event.index, function=DeltaFunctionCall(arguments=event.text)
+                )
+                deltas.append(DeltaMessage(tool_calls=[args]))
+            # ToolCallsVoid: calls that turned out malformed after their start went out stay
+            # as sent (a client cannot take a delta back); their text is not sent as content
         return deltas
 
     def chunks(

@@ -303,7 +303,9 @@ class IngressCore:
             req.template_messages(), tools, req.add_generation_prompt, model, kwargs
         )
         thinking = request_reasoning(model.reasoning_parser, text, kwargs)
-        req.use_model_format(model.tool_parser.name, thinking, model.thinking_end)
+        req.use_model_format(
+            model.tool_parser.name, thinking, model.thinking_end, model.special_markers
+        )
         return model.tokenizer.encode(text, add_special_tokens=False)
 
     def echoes(

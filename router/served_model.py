@@ -13,11 +13,31 @@ from router.dialects import ChatDialect, CompletionDialect, Dialect
 from router.fanout import ReplicaCalls
 from router.migration import Migrations
 from router.policy import Policy, RoutingConfig
-from router.reasoning import THINK_END
+from router.reasoning import THINK_END, THINK_START
 from router.settings import ModelSettings
 from router.streaming import Answers
 from router.tool_calls import template_supports_tools
 from router.tool_parsers import ToolParser, get_tool_parser
+
+
+def special_token_texts(tokenizer) -> set[str]:
+    """The texts of a tokenizer's special tokens (named ones and added tokens marked
+    special); empty for a tokenizer that has none."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            texts.add(str(getattr(added, "content", added)))
+    return texts
+
+
+def special_markers(tokenizer, tool_parser: ToolParser, reasoning_parser: str) -> tuple[bool, bool]:
+    """Whether (the tool-call family's markers, the thinking tags) are special tokens of
+    `tokenizer`: a request that needs them keeps special tokens in its text."""
+    specials = special_token_texts(tokenizer)
+    return (
+        any(m in specials for m in tool_parser.markers),
+        reasoning_parser != "none" and bool({THINK_START, THINK_END} & specials),
+    )
 
 
 class ServedModel:
@@ -66,6 +86,9 @@ class ServedModel:
             self.engine.tool_call_parser, getattr(tokenizer, "chat_template", None)
         )
         self.reasoning_parser = self.engine.reasoning_parser
+        # (tool-call markers, thinking tags) that are special tokens: requests that need them
+        # keep special tokens in their text (ChatCompletionRequest.use_model_format)
+        self.special_markers = special_markers(tokenizer, self.tool_parser, self.reasoning_parser)
         self.thinking_end: tuple[int, ...] = ()
         if self.reasoning_parser != "none":
             self.thinking_end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))

@@ -20,12 +20,13 @@ from router.tool_parsers.base import (  # noqa: F401  (re-exported)
     ParsedOutput,
     StreamEvent,
     ToolCall,
-    ToolCallDelta,
+    ToolCallArgs,
+    ToolCallStart,
+    ToolCallsVoid,
     new_call_id,
 )
 from router.tool_parsers.hermes import (  # noqa: F401  (re-exported)
     ToolCallStreamParser,
-    _parse_block,
     parse_tool_calls,
 )
 

@@ -65,23 +65,29 @@ TEMPLATES = {
 }
 
 
-def build_marker_tokenizer(tiny_tokenizer_dir: Path, out_dir: Path) -> None:
+def build_marker_tokenizer(tiny_tokenizer_dir: Path, out_dir: Path, special: bool = False) -> None:
+    """The tiny tokenizer with the MARKERS added; `special`: as special tokens, as Mistral's
+    `[TOOL_CALLS]` and Llama's `<|python_tag|>` are (a decode that skips special tokens drops
+    them)."""
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
-    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in MARKERS])
+    tok.add_tokens([AddedToken(m, special=special, normalized=False) for m in MARKERS])
     tok.save_pretrained(out_dir)
 
 
-def build_family_models(tiny_tokenizer_dir: Path, root: Path) -> dict[str, Path]:
-    """One model directory per template family under `root` (weights shared)."""
+def build_family_models(
+    tiny_tokenizer_dir: Path, root: Path, special: bool = False
+) -> dict[str, Path]:
+    """One model directory per template family under `root` (weights shared); `special`:
+    the markers are special tokens."""
     import json
 
     tok_dir, base = root / "tokenizer", root / "base"
     tok_dir.mkdir(parents=True)
     base.mkdir()
-    build_marker_tokenizer(tiny_tokenizer_dir, tok_dir)
+    build_marker_tokenizer(tiny_tokenizer_dir, tok_dir, special)
     build_tiny_model(
         base,
         tok_dir,

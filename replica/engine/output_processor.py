@@ -40,6 +40,7 @@ class OutputProcessor:
             list(prompt_token_ids),
             params.stop,
             params.include_stop_str_in_output,
+            params.skip_special_tokens,
         )
         if resume is not None:
             past_stop = detok.resume(list(resume.output_token_ids), resume.output_text)
@@ -58,7 +59,20 @@ class OutputProcessor:
         detok = self._detoks.get(out.request_id)
         if detok is None:
             return None, False
-        taken = detok.add_tokens(out.new_token_ids)
+        ids = out.new_token_ids
+        if (
+            detok.hidden
+            and out.finish_reason == "stop"
+            and not isinstance(out.stop_reason, str)
+            and ids
+            and ids[-1] in detok.hidden
+        ):
+            # special tokens kept: the token that stopped the output (EOS, a stop token id)
+            # is not text (a stop string's end is found by the detokenizer, before it)
+            taken = detok.add_tokens(ids[:-1])
+            taken += taken == len(ids) - 1 and detok.stop_string is None
+        else:
+            taken = detok.add_tokens(ids)
         # the engine must finish the request when the stop string ended it here
         stopped = out.finish_reason is None and detok.stop_string is not None
         # tokens past the stop string: of this delta, and of a resumed output holding one

@@ -163,12 +163,14 @@ class ChatCompletionRequest(SamplingRequest):
     _tool_format: str = PrivateAttr(default="hermes")
     _thinking_end: tuple[int, ...] = PrivateAttr(default=())
     _reasoning: Reasoning | None = PrivateAttr(default=None)
+    _keeps_markers: bool = PrivateAttr(default=False)
 
     def use_model_format(
         self,
         tool_format: str,
         reasoning: Reasoning | None = None,
         thinking_end: tuple[int, ...] = (),
+        special_markers: tuple[bool, bool] = (False, False),
     ) -> None:
         """The served model's tool-call family, this answer's thinking (None: it does not
         think: router/reasoning.py) and the tokens that end it: the grammar of a structured
@@ -176,6 +178,16 @@ class ChatCompletionRequest(SamplingRequest):
         self._tool_format = tool_format
         self._reasoning = reasoning
         self._thinking_end = tuple(thinking_end) if reasoning is not None else ()
+        # (the tool-call family's markers, the thinking tags) are special tokens of the
+        # model's tokenizer: the text must keep them when tools are offered / it thinks
+        tools_special, thinking_special = special_markers
+        self._keeps_markers = (tools_special and self.tool_mode != "none") or (
+            thinking_special and reasoning is not None
+        )
+
+    @property
+    def keeps_markers(self) -> bool:
+        return self._keeps_markers
 
     @property
     def reasoning(self) -> Reasoning | None:

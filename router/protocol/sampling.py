@@ -211,6 +211,12 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(default=False, description="extension")
     include_stop_str_in_output: bool = Field(default=False, description="extension")
+    skip_special_tokens: bool = Field(
+        default=True,
+        description="extension (vLLM): leave special tokens out of the text; a chat request "
+        "whose tool-call or reasoning markers are special tokens keeps them (the parsers "
+        "strip them)",
+    )
     user: str | None = Field(default=None, description="accepted; not used")
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -364,6 +370,12 @@ class SamplingRequest(BaseModel):
         return EngineRequest(list(prompt_token_ids), params, request_id="", priority=self.priority)
 
     @property
+    def keeps_markers(self) -> bool:
+        """Whether the answer's parsers need special tokens in the text (chat: set by the
+        ingress from the served model)."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a chunk carrying usage (stream_options.include_usage)."""
         return self.stream_options is not None and self.stream_options.include_usage
@@ -392,6 +404,7 @@ class SamplingRequest(BaseModel):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens and not self.keeps_markers,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,

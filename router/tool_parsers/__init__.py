@@ -1,5 +1,6 @@
 """Tool-call parsers, one per model family, by the names of EngineConfig.tool_call_parser
-(vLLM's): each splits a finished text into content and calls and streams the same parse.
+(vLLM's): each splits a finished text into content and calls and streams the same parse,
+incrementally (a call's name once known, then its arguments as fragments).
 `auto` picks a family from the chat template's source, once per served model."""
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from router.tool_parsers.base import (
     ParsedOutput,
     StreamEvent,
     ToolCall,
-    ToolCallDelta,
+    ToolCallArgs,
+    ToolCallStart,
+    ToolCallsVoid,
     ToolParser,
     ToolStream,
 )
@@ -72,7 +75,9 @@ __all__ = [
     "ParsedOutput",
     "StreamEvent",
     "ToolCall",
-    "ToolCallDelta",
+    "ToolCallArgs",
+    "ToolCallStart",
+    "ToolCallsVoid",
     "ToolParser",
     "ToolStream",
     "detect_tool_parser",

@@ -1,7 +1,10 @@
-"""What every tool-call family shares: the parsed call, the stream events, the content
-emitter that holds whitespace around calls, and the two stream shapes a family is built from:
-calls in delimited blocks (`BlockStream`: hermes, qwen3_coder) and calls that run from a
-trigger to the end of the output (`TailStream`: llama3_json, mistral, pythonic)."""
+"""What every tool-call family shares: the parsed call, the stream events (content, a call's
+start, its argument fragments, calls voided), the content emitter that holds whitespace around
+calls, and the two stream shapes a family is built from: calls in delimited blocks
+(`BlockStream`: hermes, qwen3_coder) and calls that run from a trigger to the end of the output
+(`TailStream`: llama3_json, mistral, pythonic). Each reads a call's text with the family's
+builder (router/tool_parsers/incremental.py) as it arrives; a finished text's parse is the
+stream's events collected (`collect`), so streamed and whole answers agree."""
 
 from __future__ import annotations
 
@@ -61,16 +64,34 @@ class ContentDelta:
 
 
 @dataclass(frozen=True)
-class ToolCallDelta:
-    """One whole call of a stream; `index` counts the calls of the choice from 0."""
+class ToolCallStart:
+    """A call's head, sent once its name is known (and its arguments have begun); `index`
+    counts the calls of the choice from 0."""
 
     index: int
     id: str
     name: str
-    arguments: str
 
 
-StreamEvent = ContentDelta | ToolCallDelta
+@dataclass(frozen=True)
+class ToolCallArgs:
+    """A fragment of a call's arguments JSON text; a call's fragments, joined, are its
+    `arguments`."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallsVoid:
+    """Calls whose heads went out but that turned out malformed: a finished parse puts
+    `text` (their source) back as content in their place; a stream keeps what it sent."""
+
+    indices: tuple[int, ...]
+    text: str
+
+
+StreamEvent = ContentDelta | ToolCallStart | ToolCallArgs | ToolCallsVoid
 
 
 def arguments_json(args: Any) -> str | None:
@@ -111,16 +132,20 @@ class ToolStream:
     """Incremental parse of one choice's text: `feed` deltas, then `finish`. Content goes
     out as it comes (whitespace held until non-whitespace follows; whitespace before the
     first content dropped once a call comes, trailing whitespace dropped at the end once a
-    call was seen); calls go out whole, as `ToolCallDelta`s."""
+    call was seen); a call goes out as a `ToolCallStart` once its name is known, then its
+    arguments as `ToolCallArgs` fragments as they are generated; calls that turn out
+    malformed after their start went out are voided (`ToolCallsVoid`)."""
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         self._pending_ws = ""
         self._emitted = False
         self._calls = 0
         self._new_id = new_id
+        self._group: list[int] = []  # indices started by the current block or tail
 
     @property
     def saw_tool_calls(self) -> bool:
+        """A call's start went out (a voided one too: a stream keeps what it sent)."""
         return self._calls > 0
 
     def _content(self, text: str, events: list[StreamEvent]) -> None:
@@ -133,9 +158,24 @@ class ToolStream:
         self._emitted = True
         events.append(ContentDelta(lead + stripped))
 
-    def _tool_call(self, name: str, arguments: str, events: list[StreamEvent]) -> None:
-        events.append(ToolCallDelta(self._calls, self._new_id(), name, arguments))
-        self._calls += 1
+    def _ops(self, ops: list[tuple[str, str]], events: list[StreamEvent]) -> None:
+        for op, value in ops:
+            if op == "start":
+                self._group.append(self._calls)
+                events.append(ToolCallStart(self._calls, self._new_id(), value))
+                self._calls += 1
+            else:
+                events.append(ToolCallArgs(self._group[-1], value))
+
+    def _settle(self, valid: bool, source: str, events: list[StreamEvent]) -> None:
+        """The current block or tail ended: its calls stand, or it is content (voiding the
+        calls already started)."""
+        if not valid:
+            if self._group:
+                events.append(ToolCallsVoid(tuple(self._group), source))
+            else:
+                self._content(source, events)
+        self._group = []
 
     def _end(self, events: list[StreamEvent]) -> list[StreamEvent]:
         if self._pending_ws and not self.saw_tool_calls:
@@ -151,20 +191,29 @@ class ToolStream:
 
 
 class BlockStream(ToolStream):
-    """Calls between an open and a close tag, anywhere in the text; a block whose body
-    `parse_body` refuses, or that never closes, stays content."""
+    """Calls between an open and a close tag, anywhere in the text; the body goes to a
+    builder (router/tool_parsers/incremental.py) as it comes, but for a possible close tag
+    at its end. A block the builder refuses, or that never closes, is content."""
 
     def __init__(
         self,
         open_tag: str,
         close_tag: str,
-        parse_body: Callable[[str], Call | None],
+        builder: Callable[[], Any],
         new_id: Callable[[], str] = new_call_id,
     ) -> None:
         super().__init__(new_id)
-        self.open_tag, self.close_tag, self.parse_body = open_tag, close_tag, parse_body
+        self.open_tag, self.close_tag, self.builder = open_tag, close_tag, builder
         self._outside = ""  # text outside blocks not yet examined (a possible tag prefix)
         self._block: str | None = None  # the body of an open block, None outside
+        self._fed = 0  # chars of the body given to the builder
+        self._build: Any = None
+
+    def _feed_body(self, upto: int, events: list[StreamEvent]) -> None:
+        assert self._block is not None
+        if upto > self._fed:
+            self._ops(self._build.feed(self._block[self._fed : upto]), events)
+            self._fed = upto
 
     def feed(self, delta: str) -> list[StreamEvent]:
         events: list[StreamEvent] = []
@@ -185,50 +234,56 @@ class BlockStream(ToolStream):
                 if start:
                     self._content(self._outside[:start], events)
                 self._block = self._outside[start + len(self.open_tag) :]
-                self._outside = ""
+                self._outside, self._fed, self._build = "", 0, self.builder()
             end = self._block.find(self.close_tag)
             if end < 0:
+                self._feed_body(
+                    len(self._block) - held_prefix_len(self._block, self.close_tag), events
+                )
                 return events
+            self._feed_body(end, events)
             body, rest = self._block[:end], self._block[end + len(self.close_tag) :]
             self._block = None
             self._outside = rest
-            parsed = self.parse_body(body)
-            if parsed is None:
-                self._content(self.open_tag + body + self.close_tag, events)
-            else:
-                self._tool_call(*parsed, events)
+            ops, valid = self._build.close()
+            if valid:
+                self._ops(ops, events)
+            self._settle(valid, self.open_tag + body + self.close_tag, events)
 
     def finish(self) -> list[StreamEvent]:
-        """Flush what is held: a tag prefix or an unterminated block goes out as content."""
+        """Flush what is held: a tag prefix goes out as content, an unterminated block is
+        settled as invalid."""
         events: list[StreamEvent] = []
-        held = self._outside if self._block is None else self.open_tag + self._block
+        if self._block is None:
+            if self._outside:
+                self._content(self._outside, events)
+        else:
+            self._settle(False, self.open_tag + self._block, events)
         self._outside, self._block = "", None
-        if held:
-            self._content(held, events)
         return self._end(events)
 
 
 class TailStream(ToolStream):
     """Calls from a trigger to the end of the output: a trigger in `anywhere` may follow
     content, one in `at_start` only opens the output (after whitespace). Content before the
-    trigger streams; the rest is held and parsed at the end by `parse_tail` (the text after
-    the trigger, and the trigger), whose None puts it all back as content."""
+    trigger streams; the rest goes to the builder `builder(trigger)` makes (fed the trigger
+    itself first when it is an at_start one: `{` and `[` belong to the calls); a tail it
+    refuses at the end is content."""
 
     def __init__(
         self,
         anywhere: tuple[str, ...],
         at_start: tuple[str, ...],
-        parse_tail: Callable[[str, str], list[Call] | None],
+        builder: Callable[[str], Any],
         new_id: Callable[[], str] = new_call_id,
-        keep_at_start_trigger: bool = True,
     ) -> None:
         super().__init__(new_id)
-        self.anywhere, self.at_start, self.parse_tail = anywhere, at_start, parse_tail
-        self.keep_at_start_trigger = keep_at_start_trigger  # `{` and `[` belong to the calls
+        self.anywhere, self.at_start, self.builder = anywhere, at_start, builder
         self._held = ""  # text not yet examined
         self._started = False  # non-whitespace seen (at_start triggers no longer apply)
         self._trigger: str | None = None  # the trigger that opened the tail
         self._tail = ""
+        self._build: Any = None
 
     def _scan(self, events: list[StreamEvent]) -> None:
         text = self._held
@@ -260,13 +315,22 @@ class TailStream(ToolStream):
             self._content(before, events)
         self._started = True
         self._trigger = trigger
-        self._tail = rest
+        self._tail = ""
         self._held = ""
+        self._build = self.builder(trigger)
+        if trigger not in self.anywhere:
+            self._ops(self._build.feed(trigger), events)
+        self._grow(rest, events)
+
+    def _grow(self, delta: str, events: list[StreamEvent]) -> None:
+        self._tail += delta
+        if delta:
+            self._ops(self._build.feed(delta), events)
 
     def feed(self, delta: str) -> list[StreamEvent]:
         events: list[StreamEvent] = []
         if self._trigger is not None:
-            self._tail += delta
+            self._grow(delta, events)
             return events
         self._held += delta
         self._scan(events)
@@ -279,25 +343,35 @@ class TailStream(ToolStream):
                 self._content(self._held, events)
             self._held = ""
             return self._end(events)
-        trigger, tail = self._trigger, self._tail
+        ops, valid = self._build.close()
+        if valid:
+            self._ops(ops, events)
+        self._settle(valid, self._trigger + self._tail, events)
         self._trigger, self._tail = None, ""
-        calls = self.parse_tail(tail, trigger)
-        if not calls:
-            self._content(trigger + tail, events)
-        else:
-            for name, arguments in calls:
-                self._tool_call(name, arguments, events)
         return self._end(events)
 
 
 def collect(events: list[StreamEvent]) -> ParsedOutput:
-    """The finished answer of a stream's events: content joined (None when empty and calls
-    came), calls in order."""
-    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-    calls = [ToolCall(e.id, e.name, e.arguments) for e in events if isinstance(e, ToolCallDelta)]
-    if calls:
-        return ParsedOutput(content.strip() or None, calls)
-    return ParsedOutput(content, calls)
+    """The finished answer of a stream's events: content joined (a voided call's source in
+    its place; None when empty and calls came), calls in order with their fragments joined."""
+    content: list[str] = []
+    calls: dict[int, list] = {}
+    for e in events:
+        if isinstance(e, ContentDelta):
+            content.append(e.text)
+        elif isinstance(e, ToolCallStart):
+            calls[e.index] = [e.id, e.name, []]
+        elif isinstance(e, ToolCallArgs):
+            calls[e.index][2].append(e.text)
+        else:
+            for index in e.indices:
+                calls.pop(index, None)
+            content.append(e.text)
+    text = "".join(content)
+    found = [ToolCall(i, name, "".join(args)) for i, name, args in calls.values()]
+    if found:
+        return ParsedOutput(text.strip() or None, found)
+    return ParsedOutput(text, found)
 
 
 class ToolParser:
@@ -307,6 +381,9 @@ class ToolParser:
     the schema's types."""
 
     name = ""
+    # the family's marker texts: when the tokenizer makes one a special token, a request
+    # offering tools keeps special tokens in its text (the parser strips the markers)
+    markers: tuple[str, ...] = ()
 
     def stream(self, tools: list[dict] | None = None) -> ToolStream:
         raise NotImplementedError

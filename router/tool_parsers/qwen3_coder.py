@@ -12,10 +12,12 @@ import re
 from typing import Any
 
 from router.tool_parsers.base import BlockStream, Call, ToolParser
+from router.tool_parsers.incremental import Builder, Op, render_member
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.DOTALL)
 _SPACE = (" ", "\n", "\r", "\t")
+_OPEN_FN = "<function="
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
@@ -90,8 +92,67 @@ def parse_function_block(body: str, tools: list[dict] | None) -> Call | None:
     return name, json.dumps(args, ensure_ascii=False)
 
 
+class FunctionBlock(Builder):
+    """A block's body read as it comes: the call starts once `<function=NAME>` is complete,
+    each parameter goes out as JSON (converted by its schema) at its `</parameter>`; the
+    whole body is checked by `parse_function_block` at the block's end."""
+
+    def __init__(self, tools: list[dict] | None) -> None:
+        super().__init__()
+        self.tools = tools
+        self.body = ""
+        self.pos = -1  # where the next parameter is looked for; -1: before the function tag
+        self.properties: dict = {}
+        self.args: list[str] = []
+        self.name = ""
+
+    def feed(self, text: str) -> list[Op]:
+        self.body += text
+        if self.failed:
+            return []
+        if self.pos < 0:
+            head = self.body.lstrip()
+            if not head.startswith(_OPEN_FN):
+                self.failed = not _OPEN_FN.startswith(head)
+                return []
+            end = head.find(">")
+            if end < 0:
+                self.failed = "\n" in head
+                return []
+            name = head[len(_OPEN_FN) : end].strip()
+            if not name or "\n" in head[:end]:
+                self.failed = True
+                return []
+            self.name = name
+            self.pos = len(self.body) - len(head) + end + 1
+            for tool in self.tools or []:
+                if tool.get("name") == name:
+                    self.properties = (tool.get("parameters") or {}).get("properties") or {}
+            self.ops.append(("start", name))
+        while True:
+            m = _PARAMETER.search(self.body, self.pos)
+            stop = self.body.find("</function>", self.pos)
+            if m is None or (0 <= stop < m.start()):
+                return self._take()
+            key = m.group(1).strip()
+            value = convert(_trim(m.group(2)), self.properties.get(key))
+            piece = render_member(not self.args, key, value)
+            self.args.append(piece)
+            self.ops.append(("args", piece))
+            self.pos = m.end()
+
+    def close(self) -> tuple[list[Op], bool]:
+        if self.failed or self.pos < 0:
+            return [], False
+        end = "}" if self.args else "{}"
+        call = parse_function_block(self.body, self.tools)
+        valid = call == (self.name, "".join(self.args) + end)
+        return ([("args", end)] if valid else []), valid
+
+
 class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
+    markers = (OPEN, CLOSE)
 
     def stream(self, tools: list[dict] | None = None) -> BlockStream:
-        return BlockStream(OPEN, CLOSE, lambda body: parse_function_block(body, tools))
+        return BlockStream(OPEN, CLOSE, lambda: FunctionBlock(tools))

@@ -156,7 +156,10 @@ def test_streamed_reasoning_then_required_mistral_call(client, think_end):
                     got[call.index]["args"] += call.function.arguments
             finish[choice.index] = choice.finish_reason or finish.get(choice.index)
     assert thoughts and calls, (thoughts, finish)
+    assert any(finish[index] == "tool_calls" for index in calls), finish
     for index, made in calls.items():
+        if finish[index] == "length":
+            continue  # cut mid-call: its start and first fragments went out as generated
         assert finish[index] == "tool_calls"
         for call in made.values():
             assert len(call["id"]) == 9 and call["id"].isalnum()  # Mistral's ids

@@ -148,3 +148,20 @@ def test_chat_template_kwargs_cannot_override_request_fields():
         ChatCompletionRequest(
             messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"tools": []}
         )
+
+
+def test_skip_special_tokens_is_carried_and_kept_markers_override_it():
+    """vLLM's field reaches SamplingParams; a request whose markers are special tokens keeps
+    them whatever it says (the parsers need them)."""
+    from router.protocol import CompletionRequest
+
+    assert CompletionRequest(prompt="x").to_sampling_params(8).skip_special_tokens is True
+    req = CompletionRequest(prompt="x", skip_special_tokens=False)
+    assert req.to_sampling_params(8).skip_special_tokens is False
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS)
+    req.use_model_format("mistral", None, (), (True, False))
+    assert req.keeps_markers and req.to_sampling_params(8).skip_special_tokens is False
+    req.use_model_format("mistral", None, (), (False, True))  # special <think>, not thinking
+    assert req.to_sampling_params(8).skip_special_tokens is True
+    req.use_model_format("mistral", Reasoning("qwen3"), (), (False, True))
+    assert req.to_sampling_params(8).skip_special_tokens is False

@@ -420,6 +420,26 @@ def test_chat_stream_chunks_from_engine_deltas_translate_end_to_end():
     assert json.loads(final.output[0].arguments) == {"city": "Lima"}
 
 
+def test_streamed_call_arguments_arrive_as_several_delta_events():
+    """The chat stream sends a call's arguments as they are generated: the Responses stream
+    carries them as several function_call_arguments.delta events that add up to the
+    arguments."""
+    stream = dialect(tools=[WEATHER]).stream(tool_mode="auto")
+    body = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "days": 3}}\n</tool_call>'
+    pieces = [body[i : i + 6] for i in range(0, len(body), 6)]
+    text = stream.preamble([0])
+    for n, piece in enumerate(pieces, 1):
+        finish = "stop" if n == len(pieces) else None
+        out = RequestOutput("r", [n], piece, 4, n, finish_reason=finish)
+        text += stream.render(stream.chunks(0, out, None))
+    text += stream.render([stream.usage(UsageInfo.of(4, len(pieces)))])
+    events, final = check_stream(text, [WEATHER])
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 3
+    assert "".join(deltas) == '{"city": "Lima", "days": 3}' == final.output[0].arguments
+    assert [i.type for i in final.output] == ["function_call"]
+
+
 def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
     stream = dialect().stream()
     text = stream.preamble([0]) + stream.render([chunk(DeltaMessage(content="a"))])

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from router.tool_calls import (
     TOOL_SYSTEM_PROMPT,
     ContentDelta,
-    ToolCallDelta,
+    ToolCallArgs,
+    ToolCallStart,
     ToolCallStreamParser,
     format_tool_call,
     parse_tool_calls,
@@ -387,19 +388,28 @@ def split(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def streamed_calls(events) -> list[tuple[int, str, str, str]]:
+    """(index, id, name, joined argument fragments) per started call."""
+    calls: dict[int, list] = {}
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            calls[e.index] = [e.index, e.id, e.name, ""]
+        elif isinstance(e, ToolCallArgs):
+            calls[e.index][3] += e.text
+    return [tuple(c) for c in calls.values()]
+
+
 def check_equivalent(text: str, pieces: list[str]) -> None:
     assert "".join(pieces) == text
     events, parser = stream(pieces)
     parsed = parse_tool_calls(text)
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-    calls = [e for e in events if isinstance(e, ToolCallDelta)]
-    assert [(c.name, c.arguments) for c in calls] == [
-        (c.name, c.arguments) for c in parsed.tool_calls
-    ]
-    assert [c.index for c in calls] == list(range(len(calls)))
-    assert all(re.fullmatch(r"call_[0-9a-f]{24}", c.id) for c in calls)
+    calls = streamed_calls(events)
+    assert [(c[2], c[3]) for c in calls] == [(c.name, c.arguments) for c in parsed.tool_calls]
+    assert [c[0] for c in calls] == list(range(len(calls)))
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", c[1]) for c in calls)
     assert parser.saw_tool_calls == bool(calls)
-    assert all(e.text for e in events if isinstance(e, ContentDelta))
+    assert all(e.text for e in events if isinstance(e, ContentDelta | ToolCallArgs))
     if not calls:
         assert content == text
     else:
@@ -407,7 +417,7 @@ def check_equivalent(text: str, pieces: list[str]) -> None:
         assert content.lstrip() == (parsed.content or "")
         seen = False
         for e in events:
-            seen = seen or isinstance(e, ToolCallDelta)
+            seen = seen or isinstance(e, ToolCallStart)
             if seen and isinstance(e, ContentDelta):
                 assert e.text.strip()
 
@@ -482,14 +492,18 @@ def test_stream_tool_call_and_whitespace():
     parser = ToolCallStreamParser()
     assert parser.feed("\n\n") == []
     assert parser.feed("<tool_call>\n") == []
-    assert parser.feed('{"name": "f", "arguments": {"a": 1}}') == []
-    [event] = parser.feed("\n</tool_call>\n")
-    assert isinstance(event, ToolCallDelta)
-    assert (event.index, event.name, event.arguments) == (0, "f", '{"a": 1}')
+    assert parser.feed('{"name": "f", "arguments": ') == []  # the arguments have not begun
+    [head, args] = parser.feed('{"a": 1')
+    assert isinstance(head, ToolCallStart) and (head.index, head.name) == (0, "f")
+    assert args == ToolCallArgs(0, '{"a": 1')
+    assert parser.feed("}") == [ToolCallArgs(0, "}")]
+    assert parser.feed("}\n</tool_") == []  # the wrapper's `}` never goes out
+    assert parser.feed("call>\n") == []
     assert parser.saw_tool_calls
     assert parser.feed("  \n") == []
-    [event] = parser.feed(call("g", {}))
-    assert (event.index, event.name) == (1, "g")
+    events = parser.feed(call("g", {}))
+    assert [(type(e), e.index) for e in events] == [(ToolCallStart, 1), (ToolCallArgs, 1)]
+    assert events[1].text == "{}"
     assert parser.feed("\n") == []
     assert parser.finish() == []
 
@@ -497,8 +511,8 @@ def test_stream_tool_call_and_whitespace():
 def test_stream_content_after_call_and_unterminated_block():
     parser = ToolCallStreamParser()
     events = parser.feed(call("f", {}) + "\nNote: ")
-    assert [type(e) for e in events] == [ToolCallDelta, ContentDelta]
-    assert events[1] == ContentDelta("\nNote:")
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgs, ContentDelta]
+    assert events[2] == ContentDelta("\nNote:")
     assert parser.feed('<tool_call>{"name": "g"') == []
     assert parser.finish() == [ContentDelta(' <tool_call>{"name": "g"')]
 

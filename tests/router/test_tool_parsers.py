@@ -11,7 +11,9 @@ import pytest
 
 from router.tool_parsers import (
     ContentDelta,
-    ToolCallDelta,
+    ToolCallArgs,
+    ToolCallStart,
+    ToolCallsVoid,
     detect_tool_parser,
     get_tool_parser,
 )
@@ -169,9 +171,25 @@ def test_parse_finished_text(family, text, content, calls):
     assert _calls(parsed) == calls
 
 
+def _call_fragments(events) -> dict[int, tuple[str, str, list[str]]]:
+    """Per started call: (id, name, its argument fragments)."""
+    calls: dict[int, tuple[str, str, list[str]]] = {}
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            assert e.index not in calls
+            calls[e.index] = (e.id, e.name, [])
+        elif isinstance(e, ToolCallArgs):
+            assert e.index in calls and e.text  # fragments follow their call's start
+            calls[e.index][2].append(e.text)
+    return calls
+
+
 @pytest.mark.parametrize("family,text,content,calls", CASES)
 def test_stream_split_anywhere_matches_parse(family, text, content, calls):
-    """Every single split point and 30 random multi-way splits give the whole parse."""
+    """Every single split point and 30 random multi-way splits give the whole parse: the
+    same content, names, and each call's argument fragments joined are its arguments (the
+    same string)."""
+    whole = get_tool_parser(family).parse(text, TOOLS)
     rng = random.Random(7)
     splits = [[i] for i in range(1, len(text))]
     splits += [rng.sample(range(1, len(text)), k=rng.randint(2, 12)) for _ in range(30)]
@@ -180,17 +198,92 @@ def test_stream_split_anywhere_matches_parse(family, text, content, calls):
         got = collect(events)
         assert got.content == content, cuts
         assert _calls(got) == calls, cuts
-        assert [e.index for e in events if isinstance(e, ToolCallDelta)] == list(range(len(calls)))
+        streamed = _call_fragments(events)
+        assert list(streamed) == list(range(len(calls)))
+        assert [(name, "".join(frags)) for _, name, frags in streamed.values()] == [
+            (c.name, c.arguments) for c in whole.tool_calls
+        ], cuts
+        assert [c.id for c in got.tool_calls] == [i for i, _, _ in streamed.values()]
+        assert not any(isinstance(e, ToolCallsVoid) for e in events)
+
+
+@pytest.mark.parametrize("family,text,content,calls", CASES)
+def test_stream_is_incremental(family, text, content, calls):
+    """Fed a character at a time, a call starts before its text ends and its arguments come
+    in several fragments (one per parameter for qwen3_coder and pythonic, as generated for
+    the JSON families)."""
+    stream = get_tool_parser(family).stream(TOOLS)
+    events, at = [], []
+    for pos, ch in enumerate(text):
+        new = stream.feed(ch)
+        events += new
+        at += [pos] * len(new)
+    events += stream.finish()
+    streamed = _call_fragments(events)
+    big = [i for i, (name, _) in enumerate(calls) if name == "get_weather"]
+    for index in big:
+        _, _, frags = streamed[index]
+        assert len(frags) >= 2, frags
+    starts = [p for p, e in zip(at, events) if isinstance(e, ToolCallStart)]
+    assert starts and starts[0] < len(text) - 2  # the first call starts well before the end
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
+def test_json_arguments_stream_as_generated(family):
+    """JSON families forward the arguments object's own text, never text after it."""
+    text = {
+        "hermes": '<tool_call>\n{"name": "f", "arguments": {"q":"a}b", "n": [1,{"x":2}]}}\n'
+        "</tool_call>",
+        "llama3_json": '<|python_tag|>{"name": "f", "parameters": {"q":"a}b", "n": [1,{"x":2}]}}',
+        "mistral": '[TOOL_CALLS]f[ARGS]{"q":"a}b", "n": [1,{"x":2}]}',
+    }[family]
+    stream = get_tool_parser(family).stream()
+    frags = []
+    for ch in text:
+        frags += [e.text for e in stream.feed(ch) if isinstance(e, ToolCallArgs)]
+    frags += [e.text for e in stream.finish() if isinstance(e, ToolCallArgs)]
+    assert "".join(frags) == '{"q":"a}b", "n": [1,{"x":2}]}'
+    if family != "llama3_json":  # a tail's last call is confirmed at the end
+        assert len(frags) == len('{"q":"a}b", "n": [1,{"x":2}]}')
+
+
+def test_raw_newlines_in_argument_strings_are_escaped():
+    text = '<tool_call>{"name": "f", "arguments": {"s": "a\nb\tc"}}</tool_call>'
+    parsed = get_tool_parser("hermes").parse(text)
+    assert parsed.tool_calls[0].arguments == '{"s": "a\\nb\\tc"}'
+    assert json.loads(parsed.tool_calls[0].arguments) == {"s": "a\nb\tc"}
 
 
 @pytest.mark.parametrize("family,text", MALFORMED)
 def test_malformed_calls_stay_content(family, text):
+    """A finished parse leaves them as content. Streamed, text never turns out lost: it goes
+    out as content, or, when a call had started before the text proved malformed, the call
+    stays as sent and a ToolCallsVoid carries the text (what a finished parse shows)."""
     parsed = get_tool_parser(family).parse(text, TOOLS)
     assert parsed.tool_calls == []
     assert parsed.content == text
-    for cut in range(1, len(text)):  # and streamed: nothing is lost at the end
+    for cut in range(1, len(text)):
         events = _streamed(family, [text[:cut], text[cut:]])
-        assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == text
+        assert collect(events).content == text
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        voids = [e for e in events if isinstance(e, ToolCallsVoid)]
+        started = [e.index for e in events if isinstance(e, ToolCallStart)]
+        if started:
+            assert [list(v.indices) for v in voids] == [started]
+            assert content + voids[0].text == text
+        else:
+            assert content == text and not voids
+
+
+def test_started_call_that_turns_out_malformed_is_kept_as_sent():
+    stream = get_tool_parser("llama3_json").stream()
+    events = stream.feed('{"name": "noop", "parameters": {"a": 1}}')
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgs]
+    assert events[1].text == '{"a": 1}'
+    assert stream.feed(" trailing words") == []
+    (void,) = stream.finish()
+    assert void == ToolCallsVoid((0,), '{"name": "noop", "parameters": {"a": 1}} trailing words')
+    assert stream.saw_tool_calls  # the stream's finish_reason still says tool_calls
 
 
 def test_content_streams_before_the_call_ends():
@@ -198,9 +291,9 @@ def test_content_streams_before_the_call_ends():
     stream = get_tool_parser("mistral").stream()
     assert stream.feed("Sure, checking") == [ContentDelta("Sure, checking")]
     assert stream.feed(" [TOOL_CA") == []  # a possible trigger is held
-    assert stream.feed('LLS][{"name": "noop", "arguments": {}}]') == []
-    events = stream.finish()
-    assert [type(e) for e in events] == [ToolCallDelta]
+    events = stream.feed('LLS][{"name": "noop", "arguments": {}}]')
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgs]
+    assert stream.finish() == []
 
 
 def test_mistral_call_ids_are_nine_alphanumerics():
@@ -247,3 +340,87 @@ def test_auto_detects_family_from_template(source, family):
 def test_unknown_parser_name_is_refused():
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
+
+
+# -- generated outputs: every family, random arguments, random splits ------------------------
+def _random_value(rng: random.Random, depth: int = 0):
+    kinds = ["str", "int", "float", "bool", "none"] + (["list", "dict"] if depth < 2 else [])
+    kind = rng.choice(kinds)
+    if kind == "str":
+        return "".join(rng.choice("ab \"}]{[,:\\\\/é😀<>=()'") for _ in range(rng.randint(0, 8)))
+    if kind == "int":
+        return rng.randint(-999, 999)
+    if kind == "float":
+        return rng.choice([0.5, -2.25, 1e-3])
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
+
+
+def _render(family: str, calls: list[tuple[str, dict]], rng: random.Random) -> tuple[str, list]:
+    """An output writing `calls` in the family's syntax, and the arguments text each call's
+    parse must give (JSON families: the object's own text; the others: json.dumps)."""
+    seps = rng.choice([(", ", ": "), (",", ":")])
+    raw = [json.dumps(a, ensure_ascii=False, separators=seps) for _, a in calls]
+    dumped = [json.dumps(a, ensure_ascii=False) for _, a in calls]
+    if family == "hermes":
+        blocks = [
+            f'<tool_call>\n{{"name": "{n}", "arguments": {r}}}\n</tool_call>'
+            for (n, _), r in zip(calls, raw)
+        ]
+        return "Some text.\n" + "\n".join(blocks), raw
+    if family == "llama3_json":
+        objs = [f'{{"name": "{n}", "parameters": {r}}}' for (n, _), r in zip(calls, raw)]
+        return "<|python_tag|>" + "; ".join(objs), raw
+    if family == "mistral":
+        if rng.random() < 0.5:
+            objs = [f'{{"name": "{n}", "arguments": {r}}}' for (n, _), r in zip(calls, raw)]
+            return "Ok. [TOOL_CALLS][" + ", ".join(objs) + "]", raw
+        return "".join(f"[TOOL_CALLS]{n}[ARGS]{r}" for (n, _), r in zip(calls, raw)), raw
+    if family == "pythonic":
+        text = ", ".join(
+            n + "(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")" for n, a in calls
+        )
+        return "[" + text + "]", dumped
+    # qwen3_coder without a schema: every value is a string
+    calls = [(n, {k: str(v) for k, v in a.items()}) for n, a in calls]
+    blocks = [
+        f"<tool_call>\n<function={n}>\n"
+        + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in a.items())
+        + "</function>\n</tool_call>"
+        for n, a in calls
+    ]
+    return "Hm.\n" + "\n".join(blocks), [json.dumps(a, ensure_ascii=False) for _, a in calls]
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"])
+def test_generated_calls_stream_as_they_parse(family):
+    rng = random.Random(family)
+    for _ in range(25):
+        calls = [
+            (f"fn_{j}", {f"p{i}": _random_value(rng) for i in range(rng.randint(0, 4))})
+            for j in range(rng.randint(1, 3))
+        ]
+        if family == "qwen3_coder":  # values are text: no `<` inside
+            calls = [
+                (n, {k: v for k, v in a.items() if "<" not in str(v) and str(v).strip()})
+                for n, a in calls
+            ]
+        text, expected = _render(family, calls, rng)
+        whole = get_tool_parser(family).parse(text)
+        assert [(c.name, c.arguments) for c in whole.tool_calls] == [
+            (n, e) for (n, _), e in zip(calls, expected)
+        ], text
+        for _ in range(4):
+            cuts = rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 20)))
+            events = _streamed(family, _split_at(text, cuts))
+            got = collect(events)
+            assert got.content == whole.content
+            streamed = _call_fragments(events)
+            assert [(n, "".join(f)) for _, n, f in streamed.values()] == [
+                (c.name, c.arguments) for c in whole.tool_calls
+            ], (text, cuts)
