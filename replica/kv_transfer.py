@@ -92,3 +92,71 @@ def check_import(mine: dict, export: KVExport, expected: list[int]) -> tuple[int
             logger.warning("KV import refused: block shape %s, expected %s", tensor.shape, shape)
             return 0, "shape"
     return run, None
+
+
+# -- start-up cost figures (RoutingStats) -------------------------------------------------------
+MEASURE_TOKENS = 32
+
+
+def measure_engine(engine) -> dict:
+    """The engine's costs for a router's fetch-or-recompute choice, measured once at start-up
+    on a pool still empty (well under a second): a lone prefill of MEASURE_TOKENS tokens run
+    straight on the runner (no scheduler: no counters, events or cached blocks), and copying
+    that prefill's blocks out and back in (the in-process part of an export + import)."""
+    import time
+
+    from replica.request import EngineRequest, Request, SamplingParams
+    from replica.scheduler import ScheduledRequest, SchedulerOutput
+
+    layout = engine.kv_layout
+    out = {"prefill_tokens_per_s": 0.0, "kv_copy_bytes_per_s": 0.0,
+           "kv_bytes_per_block": layout["block_bytes"] if layout else 0}  # fmt: skip
+    pool = engine.scheduler.kv.pool
+    block_size = engine.config.block_size
+    tokens = min(MEASURE_TOKENS, engine.max_model_len - 1)
+    num_blocks = -(-tokens // block_size)
+    if pool.cached or pool.num_free_blocks < pool.num_blocks or num_blocks > pool.num_blocks:
+        return out  # blocks in use: nothing may be written
+    prompt = [3 + i % max(1, engine.vocab_size - 3) for i in range(tokens)]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    request = Request(EngineRequest(prompt, params, "kv-measure"), engine.eos_token_ids)
+    block_ids = list(range(num_blocks))
+    so = SchedulerOutput([ScheduledRequest(request, 0, tokens, block_ids)], tokens)
+    started = time.perf_counter()
+    engine.runner.execute(so)
+    out["prefill_tokens_per_s"] = round(tokens / max(time.perf_counter() - started, 1e-9), 1)
+    engine.runner.execute(SchedulerOutput(finished_request_ids=["kv-measure"]))
+    if layout is not None:
+        started = time.perf_counter()
+        data = engine.runner.export_kv([(b, 0) for b in block_ids])
+        parts = data if isinstance(data, list) else [data]
+        copies = [t.clone() for t in parts]  # the importer's copy into its tier
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        out["kv_copy_bytes_per_s"] = round(
+            sum(t.numel() * t.element_size() for t in copies) / elapsed
+        )
+    return out
+
+
+# -- calling another replica of the deployment (the source of a fetch) ------------------------
+def replica_actor_name(app: str, deployment: str, replica_id: str) -> str:
+    """Serve's name of a replica's actor (namespace "serve")."""
+    return f"SERVE_REPLICA::{app}#{deployment}#{replica_id}"
+
+
+def call_replica(app: str, deployment: str, replica_id: str, method: str, *args):
+    """An ObjectRef of `method(*args)` on one replica of the deployment, called on its actor
+    the way Serve's handles call it (the result crosses nodes by Ray's object transfer). Serve
+    offers no public call to a chosen replica; this reads its actor protocol (Ray 2.x)."""
+    import pickle
+    import uuid
+
+    import ray
+    from ray.serve._private.common import RequestMetadata
+
+    actor = ray.get_actor(replica_actor_name(app, deployment, replica_id), namespace="serve")
+    rid = uuid.uuid4().hex
+    metadata = RequestMetadata(
+        request_id=rid, internal_request_id=rid, call_method=method, app_name=app
+    )
+    return actor.handle_request.remote(pickle.dumps(metadata), *args)

@@ -654,6 +654,12 @@ class ModelRunner:
                 blocks.append(self.kv_tier.get(block_hash))
         return torch.stack(blocks)
 
+    def kv_block_shape(self, num_blocks: int) -> torch.Tensor:
+        """An empty CPU tensor shaped as `num_blocks` exported blocks of this rank."""
+        shape = (num_blocks, self.kv_groups.num_slots, 2, self.block_size, self.num_kv_heads,
+                 self.head_dim)  # fmt: skip
+        return torch.empty(shape, dtype=self.dtype)
+
     def import_kv(self, hashes: list[int], data: torch.Tensor) -> None:
         """Stage blocks from another replica in this rank's host tier under their hashes."""
         for block_hash, block in zip(hashes, data):

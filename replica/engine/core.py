@@ -247,14 +247,15 @@ class Engine:
         if not run:
             return result
         pool = self.scheduler.kv.pool
-        fresh = [
-            i for i, h in enumerate(export.hashes[:run]) if pool.get_cached_block(h) is None
-        ][: tier.host_capacity]
+        fresh = [i for i, h in enumerate(export.hashes[:run]) if pool.get_cached_block(h) is None][
+            : tier.host_capacity
+        ]
         if not fresh:
             return result
         self._flush_kv_ops()
         hashes = [export.hashes[i] for i in fresh]
-        self.runner.import_kv(hashes, [t[fresh] for t in export.data])
+        parts = [t[fresh] for t in export.data]  # per rank
+        self.runner.import_kv(hashes, parts if len(parts) > 1 else parts[0])
         for h in hashes:
             tier.staged(h)
         result.imported = len(hashes)
