@@ -213,3 +213,38 @@ def test_engine_core_process_exports_and_imports(tiny_llama_dir):
             target.shutdown()
 
     asyncio.run(main())
+
+
+def test_tp2_tier_and_transfer_move_every_rank_share(tiny_llama_dir):
+    """tp=2 (gloo, a local worker process): the tier's moves ride the step channel to rank 1,
+    an export gathers both ranks' shares, an import scatters them; outputs equal tp=1's
+    recompute. A tp=2 export is another layout to a tp=1 engine. (One tensor-parallel group per
+    process at a time: the source and the target run one after the other.)"""
+    single = make_engine(tiny_llama_dir)
+    recomputed = [generate(single, p, f"r-{i}") for i, p in enumerate(PROMPTS)]
+    per_block_tp1 = single.kv_layout["block_bytes"]
+    expected = hashes_of(PROMPTS[0])
+    # tp=2: each rank holds half the KV heads, so a block is half the bytes
+    source = make_engine(tiny_llama_dir, tensor_parallel_size=2, num_kv_blocks=16,
+                         kv_offload_bytes=64 * per_block_tp1)  # fmt: skip
+    try:
+        first = [generate(source, p, f"a-{i}") for i, p in enumerate(PROMPTS)]
+        assert first == recomputed
+        assert source.stats().kv_tier_saves > 0
+        assert generate(source, PROMPTS[0], "again") == recomputed[0]  # restored on both ranks
+        assert source.stats().kv_tier_hit_tokens > 0
+        export = source.export_kv(expected)
+        assert export.hashes == expected and len(export.data) == 2
+        assert export.layout["tp_size"] == 2
+    finally:
+        source.shutdown()
+    refused = single.import_kv(export, expected)
+    single.shutdown()
+    assert refused.refused == "layout"
+    target = make_engine(tiny_llama_dir, tensor_parallel_size=2)
+    try:
+        assert target.import_kv(export, expected).imported == len(expected)
+        assert generate(target, PROMPTS[0], "t") == recomputed[0]
+        assert target.stats().kv_tier_hit_tokens == (len(PROMPTS[0]) - 1) // BLOCK * BLOCK
+    finally:
+        target.shutdown()
