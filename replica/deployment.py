@@ -133,6 +133,9 @@ class LLMServer:
     _handing_back = False
     _hand_back_event: asyncio.Event | None = None
     _serving_loop: asyncio.AbstractEventLoop | None = None
+    # measured at start-up (_measure_kv_costs): RoutingStats' cost figures; none until then
+    kv_costs: dict = {}
+    _embedding: dict | None = None  # model_info's "embedding", read once
 
     def __init__(
         self,
