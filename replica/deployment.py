@@ -321,9 +321,10 @@ class LLMServer:
             return
         if fetch.source == self.replica_id:
             return  # its own cache serves it
-        hashes = prompt_block_hashes(
-            request.prompt_token_ids, self.config.block_size, request.lora, fetch.num_blocks
-        )
+        tokens = request.prompt_token_ids
+        if request.resume is not None:  # a migrated request's chain runs on through its output
+            tokens = [*tokens, *request.resume.output_token_ids]
+        hashes = prompt_block_hashes(tokens, self.config.block_size, request.lora, fetch.num_blocks)
         if not hashes:
             return
         started = time.perf_counter()
