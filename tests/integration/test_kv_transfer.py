@@ -1,5 +1,6 @@
-"""KV transfer on real Ray Serve: two LLMServer replicas; a request sent to one with kv_fetch
-naming the other imports its prompt's cached prefix through Ray (counted in the importer's
+"""KV transfer on real Ray Serve, across nodes: the multi-node test cluster (tests/helpers.py
+`multinode_serve`: a head with no CPUs, two workers of one CPU, so each worker holds one
+replica) runs two LLMServer replicas; a request sent to one with kv_fetch naming the other imports its prompt's cached prefix through Ray (counted in the importer's
 metrics) and yields the same greedy tokens as the source computed; a fetch from a replica that
 does not exist just recomputes (counted by reason); both replicas report their measured costs
 in their routing stats; and the app still serves the official OpenAI client over HTTP."""
@@ -18,7 +19,7 @@ from cluster.config import ClusterConfig  # noqa: E402
 from replica.contracts import GenerateRequest  # noqa: E402
 from replica.kv_transfer import call_replica  # noqa: E402
 from replica.request import EngineRequest, KVFetch, SamplingParams  # noqa: E402
-from tests.helpers import free_port, loopback_serve, replica_actor_names  # noqa: E402
+from tests.helpers import free_port, multinode_serve, replica_actor_names  # noqa: E402
 
 APP = "kv-transfer-test"
 BLOCK = 16
@@ -38,8 +39,8 @@ def _config(model_dir, port: int) -> ClusterConfig:
                 "kv_offload_bytes": 1 << 22,
             },
             "replicas": 2,
-            "num_cpus_per_replica": 0.5,
-            "http": {"port": port},
+            "num_cpus_per_replica": 1.0,  # a worker node holds one replica
+            "http": {"host": "127.0.0.1", "port": port},
         }
     )
 
@@ -68,15 +69,19 @@ def _generate(replica_id: str, prompt, rid: str, fetch: KVFetch | None = None) -
 def test_kv_fetch_between_replicas(tiny_llama_dir):
     port = free_port()
     prompt = [(7 * i) % 400 + 20 for i in range(100)]  # 6 full blocks of 16
-    with loopback_serve(port) as url:
+    url = f"http://127.0.0.1:{port}"
+    with multinode_serve(port, workers=2, worker_cpus=1.0):
         serve.run(build_app(_config(tiny_llama_dir, port)), name=APP, route_prefix="/")
         ids = sorted(replica_actor_names(APP))
         assert len(ids) == 2
         source, target = ids
+        nodes = set()
         for rid in ids:
             stats = _call(rid, "stats")
+            nodes.add(stats["node_id"])
             assert stats["prefill_tokens_per_s"] > 0 and stats["kv_transfer_bytes_per_s"] > 0
             assert stats["kv_bytes_per_block"] > 0
+        assert len(nodes) == 2, "the replicas share a node: the fetch would not cross one"
         want = _generate(source, prompt, "src")
         got = _generate(target, prompt, "dst", KVFetch(source, 6))
         assert got == want
