@@ -159,3 +159,35 @@ def test_hybrid_model_refuses_tiers(tmp_path_factory, tiny_tokenizer_dir, caplog
         assert "KV tiers and KV transfer are off" in caplog.text
     finally:
         engine.shutdown()
+
+
+def test_tier_ops_cross_the_step_channel_intact():
+    """The ops reach the other tensor-parallel ranks as int32s: any 64-bit hash survives."""
+    from replica.parallel.channel import decode_batch, encode_batch
+    from replica.runner import StepBatch
+
+    ops = [(SAVE, -(2**63), 3), (RESTORE, 2**63 - 1, 0), (DEMOTE, 0x8000_0000, -1),
+           (DROP, -1, -1)]  # fmt: skip
+    for batch in (
+        StepBatch([], [], [], [], [], kv_ops=ops),
+        StepBatch([5, 6], [0], [2], [[1]], [1], lora_slots=[2], kv_ops=ops),
+    ):
+        back = decode_batch(encode_batch(batch))
+        assert back.kv_ops == ops and back.input_ids == batch.input_ids
+        assert back.lora_slots == batch.lora_slots and back.block_ids == batch.block_ids
+
+
+def test_sliding_window_model_tier_equals_recompute(tiny_mistral_dir):
+    """Mistral (every layer windowed: blocks behind the window are freed while it runs): the
+    tier's restored prefixes still give a recompute's tokens."""
+    per_block = block_bytes(tiny_mistral_dir)
+    plain = make_engine(tiny_mistral_dir, enable_prefix_caching=False)
+    tiered = make_engine(tiny_mistral_dir, num_kv_blocks=24, kv_offload_bytes=400 * per_block)
+    try:
+        want = generate(plain, PROMPTS[:5], max_tokens=12)
+        generate(tiered, PROMPTS[:5], max_tokens=12, tag="first")
+        assert generate(tiered, PROMPTS[:5], max_tokens=12, tag="second") == want
+        assert tiered.stats().kv_tier_hit_tokens > 0
+    finally:
+        plain.shutdown()
+        tiered.shutdown()
