@@ -177,9 +177,15 @@ def test_tier_ops_cross_the_step_channel_intact():
         assert back.lora_slots == batch.lora_slots and back.block_ids == batch.block_ids
 
 
-def test_sliding_window_model_tier_equals_recompute(tiny_mistral_dir):
-    """Mistral (every layer windowed: blocks behind the window are freed while it runs): the
-    tier's restored prefixes still give a recompute's tokens."""
+def test_sliding_window_model_tier_equals_recompute(tmp_path_factory, tiny_tokenizer_dir):
+    """Mistral with a 16-token window on every layer (blocks behind it are freed while a
+    request runs, and can be evicted and saved then): the tier's restored prefixes still give
+    a recompute's tokens."""
+    from replica.tiny_models import build_tiny_model
+
+    tiny_mistral_dir = tmp_path_factory.mktemp("tiny-mistral-w16")
+    build_tiny_model(tiny_mistral_dir, tiny_tokenizer_dir, "mistral", seed=3,
+                     tie_word_embeddings=False, sliding_window=16)  # fmt: skip
     per_block = block_bytes(tiny_mistral_dir)
     plain = make_engine(tiny_mistral_dir, enable_prefix_caching=False)
     tiered = make_engine(tiny_mistral_dir, num_kv_blocks=24, kv_offload_bytes=400 * per_block)
@@ -188,6 +194,7 @@ def test_sliding_window_model_tier_equals_recompute(tiny_mistral_dir):
         generate(tiered, PROMPTS[:5], max_tokens=12, tag="first")
         assert generate(tiered, PROMPTS[:5], max_tokens=12, tag="second") == want
         assert tiered.stats().kv_tier_hit_tokens > 0
+        assert tiered.scheduler.kv.num_window_freed_blocks > 0
     finally:
         plain.shutdown()
         tiered.shutdown()
