@@ -337,7 +337,17 @@ class ModelRunner:
             "head_dim": self.head_dim,
             "tp_size": self.tp.size,
             "block_bytes": self.kv_block_bytes,
+            # LongRoPE rotates keys by factors this engine picks from its max_model_len
+            "rope_factors": self._rope_choice(),
         }
+
+    def _rope_choice(self) -> str:
+        scaling = getattr(self.hf_config, "rope_scaling", None) or {}
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind not in ("longrope", "su"):
+            return ""
+        original = int(scaling.get("original_max_position_embeddings", 0) or 0)
+        return "long" if self.max_model_len > original else "short"
 
     def _resolve_num_kv_blocks(self) -> int:
         config = self.config
