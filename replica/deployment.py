@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from replica.engine.wire import CoreOp
 from replica.errors import ReplicaDraining
 from replica.hub import get_hub
 from replica.kv_publisher import KVEventPublisher
+from replica.kv_transfer import KVExport, call_replica, prompt_block_hashes
 from replica.metrics import EngineMetrics
 from replica.request import RequestOutput
 from replica.startup import freeze_heap, process_age_s
@@ -133,6 +135,9 @@ class LLMServer:
     _hand_back_event: asyncio.Event | None = None
     _serving_loop: asyncio.AbstractEventLoop | None = None
     metrics: EngineMetrics | None = None  # set in __init__ (tests build a bare server)
+    # measured at start-up (_measure_kv_costs): RoutingStats' cost figures; none until then
+    kv_costs: dict = {}
+    _embedding: dict | None = None  # model_info's "embedding", read once
 
     def __init__(
         self,
@@ -144,11 +149,14 @@ class LLMServer:
         config = EngineConfig.model_validate(engine_config)
         replica_tracing.configure(tracing)  # OpenTelemetry spans (off: None)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self.deployment_name = "LLMServer"
         try:
             context = serve.get_replica_context()
             self.replica_id, app = context.replica_id.unique_id, context.app_name
+            self.deployment_name = context.deployment
         except Exception:  # outside Serve (direct actor use in tests)
             self.replica_id, app = f"pid-{os.getpid()}", "default"
+        self.app_name = app
         entered, age = time.time(), process_age_s()
         # the application's hub (metrics, KV events): asked for first, so that its process,
         # when this replica is the one that creates it, starts while the engine builds
@@ -227,6 +235,9 @@ class LLMServer:
                 start_http_server(int(port), registry=self.metrics.registry)
             except OSError as exc:
                 logger.warning("metrics port %s unavailable (%s); hub only", port, exc)
+        # the costs a router weighs a KV fetch by (RoutingStats), measured once now
+        self.kv_costs = self._measure_kv_costs()
+        self.metrics.kv_block_bytes = self.kv_costs["kv_bytes_per_block"]
         freeze_heap()  # started (again after the front's tokenizer load: ProcessEngine)
         logger.info(
             "replica %s ready: max_model_len=%d, %d KV blocks of %d tokens",
@@ -235,6 +246,36 @@ class LLMServer:
             self.engine.info.num_kv_blocks,
             config.block_size,
         )
+
+    def _measure_kv_costs(self) -> dict:
+        """prefill_tokens_per_s, kv_transfer_bytes_per_s, kv_bytes_per_block (kv_transfer.py
+        measure_engine: a 32-token prefill, and the in-process copy out and in of its blocks;
+        the transfer rate also counts a put and get of as many bytes through Ray's object
+        store, the hop between two replicas on one node). Zeros when it cannot measure."""
+        costs = {"prefill_tokens_per_s": 0.0, "kv_transfer_bytes_per_s": 0.0,
+                 "kv_bytes_per_block": 0}  # fmt: skip
+        try:
+            if self.core_process:
+                measured = self.engine.call(CoreOp.KV_MEASURE).result(timeout=60)
+            else:
+                from replica.kv_transfer import measure_engine
+
+                measured = self.engine.call_on_engine_thread(measure_engine).result(timeout=60)
+            costs["prefill_tokens_per_s"] = measured["prefill_tokens_per_s"]
+            costs["kv_bytes_per_block"] = measured["kv_bytes_per_block"]
+            copy_rate = measured["kv_copy_bytes_per_s"]
+            if copy_rate and ray.is_initialized():
+                import numpy as np
+
+                size = max(measured["kv_bytes_per_block"] * 4, 1 << 16)
+                started = time.perf_counter()
+                ray.get(ray.put(np.zeros(size, dtype=np.uint8)))
+                store_rate = size / max(time.perf_counter() - started, 1e-9)
+                copy_rate = 1.0 / (1.0 / copy_rate + 1.0 / store_rate)
+            costs["kv_transfer_bytes_per_s"] = round(copy_rate)
+        except Exception as exc:  # figures only: the replica serves without them
+            logger.warning("replica %s: KV cost figures not measured: %s", self.replica_id, exc)
+        return costs
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve calls this after __init__ and, in place, whenever user_config changes (a
@@ -254,10 +295,84 @@ class LLMServer:
             return
         self.engine.set_num_threads(threads)
 
-    def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.metrics is not None:  # its max_tokens and trace context, for its end
             self.metrics.taken(request)
-        return self.engine.generate(request)
+        if request.kv_fetch is not None:  # its prefix's KV from the replica holding it first
+            await self._fetch_kv(request)
+        inner = self.engine.generate(request)
+        try:
+            async for out in inner:
+                yield out
+        finally:
+            await inner.aclose()  # at once: closing the engine's stream aborts the request
+
+    # -- KV transfer between replicas (replica/kv_transfer.py) ------------------------------
+    async def export_kv(self, hashes: list[int]) -> KVExport:
+        """The leading run of these block hashes this replica holds, copied out with its
+        layout (another replica's fetch calls this, through Ray)."""
+        self.metrics.kv_export_calls.inc()
+        export = await self._engine_call(
+            CoreOp.KV_EXPORT, None, "export_kv", hashes, blob=pickle.dumps(hashes)
+        )
+        self.metrics.kv_blocks_exported.inc(len(export.hashes))
+        self.metrics.kv_bytes_exported.inc(export.nbytes)
+        return export
+
+    def _fetch_timeout_s(self, num_blocks: int) -> float:
+        """A fetch is worth waiting for no longer than recomputing its tokens would take (at
+        the measured prefill rate), and at least a second (Ray's own call overhead)."""
+        rate = self.kv_costs.get("prefill_tokens_per_s") or 0.0
+        recompute = num_blocks * self.config.block_size / rate if rate else 5.0
+        return min(max(1.0, 2.0 * recompute), 30.0)
+
+    async def _fetch_kv(self, request: GenerateRequest) -> None:
+        """Import the prompt's first kv_fetch.num_blocks blocks from kv_fetch.source; on any
+        failure the request just recomputes them (counted by reason)."""
+        fetch = request.kv_fetch
+        if not self.config.kv_transfer or fetch.num_blocks < 1:
+            self.metrics.kv_fetch_failures("off").inc()
+            return
+        if fetch.source == self.replica_id:
+            return  # its own cache serves it
+        tokens = request.prompt_token_ids
+        if request.resume is not None:  # a migrated request's chain runs on through its output
+            tokens = [*tokens, *request.resume.output_token_ids]
+        hashes = prompt_block_hashes(tokens, self.config.block_size, request.lora, fetch.num_blocks)
+        if not hashes:
+            return
+        started = time.perf_counter()
+        reason = None
+        try:
+            ref = call_replica(
+                self.app_name, self.deployment_name, fetch.source, "export_kv", hashes
+            )
+            export = await asyncio.wait_for(ref, self._fetch_timeout_s(len(hashes)))
+            result = await self._engine_call(
+                CoreOp.KV_IMPORT,
+                None,
+                "import_kv",
+                export,
+                hashes,
+                blob=pickle.dumps((export, hashes)),
+            )
+            reason = result.refused
+            if result.imported:
+                self.metrics.kv_blocks_imported.inc(result.imported)
+                self.metrics.kv_bytes_imported.inc(result.nbytes)
+            if result.imported < len(hashes) and reason is None:
+                reason = "partial"  # the source held fewer (evicted meanwhile)
+        except asyncio.TimeoutError:
+            reason = "timeout"
+        except ValueError:  # ray.get_actor: no such replica (gone)
+            reason = "source_gone"
+        except Exception as exc:
+            logger.warning("replica %s: KV fetch from %s failed: %r", self.replica_id,
+                           fetch.source, exc)  # fmt: skip
+            reason = "error"
+        self.metrics.kv_fetch_seconds.observe(time.perf_counter() - started)
+        if reason is not None:
+            self.metrics.kv_fetch_failures(reason).inc()
 
     # -- handing requests back when draining ---------------------------------------------
     def _watch_shutdown(self, grace_s: float) -> None:
@@ -385,9 +500,11 @@ class LLMServer:
         }
 
     # -- LoRA adapters (replica/lora/): run on the engine between two steps -----------------
-    async def _engine_call(self, op: CoreOp, arg, method: str, *args):
+    async def _engine_call(self, op: CoreOp, arg, method: str, *args, blob: bytes | None = None):
         if self.core_process:
-            future = self.engine.call(op, arg)
+            future = (
+                self.engine.call(op, arg, blob) if blob is not None else self.engine.call(op, arg)
+            )
         else:
             future = self.engine.call_on_engine_thread(
                 lambda engine: getattr(engine, method)(*args)
@@ -425,6 +542,8 @@ class LLMServer:
             cpu_threads=self.engine.num_threads,
             healthy=healthy,
             stalled_s=stalled,
+            kv_tier_blocks=self.engine.stats().kv_tier_blocks,
+            **self.kv_costs,
         )
 
     def stats(self) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from replica.kv_events import KVEventLog
+from replica.kv_tier import KVTierIndex
 from replica.request import ROOT_BLOCK_HASH, Request
 
 NULL_BLOCK_ID = 0  # a freed window block's place in a block table
@@ -88,6 +89,8 @@ class BlockPool:
         self.cached: dict[int, KVBlock] = {}
         # every change to `cached` is reported here once events are on (replica/kv_events.py)
         self.events: KVEventLog | None = None
+        # the tiers below the pool (kv_tier.py): an evicted cached block is saved there
+        self.tier: KVTierIndex | None = None
 
     def enable_events(self, block_size: int) -> KVEventLog:
         """Start reporting changes to the cached-hash table; the table's current contents
@@ -115,6 +118,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            key = block.block_hash
+            if self.tier is not None and isinstance(key, int) and self.cached.get(key) is block:
+                self.tier.save(key, block.block_id)  # copied out before the step's forward
             self.uncache_block(block)  # evict: its old contents are about to be overwritten
             block.ref_cnt = 1
             out.append(block)
@@ -215,6 +221,16 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def take_tier_hits(self, request: Request, num_pool_hits: int) -> list[int]:
+        """The hashes continuing the pool's hits that the tiers below it hold (kv_tier.py),
+        taken out of the tier index: allocate blocks for them, then `tier.restore` them into
+        those blocks (or `tier.put_back` them). At least one token is left to compute."""
+        tier = self.pool.tier
+        if tier is None or not self.enable_caching or not len(tier):
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        return tier.take(request.block_hashes[num_pool_hits:max_hit_blocks])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -226,6 +226,45 @@ class EngineMetrics:
             "One engine step: schedule, model, sample (where the engine runs).",
             _STEP_BUCKETS,
         )
+        # KV tiers and transfer between replicas (replica/kv_tier.py, kv_transfer.py)
+        self.kv_tier_saves = counter(
+            PREFIX + "kv_tier_saves", "KV blocks evicted from the pool saved to a tier."
+        )
+        self.kv_tier_restores = counter(
+            PREFIX + "kv_tier_restores",
+            "KV blocks copied back from a tier (or an import) into the pool.",
+        )
+        self.kv_tier_hits = counter(
+            PREFIX + "kv_tier_hit_tokens", "Prompt tokens whose KV came from a tier or an import."
+        )
+        self.kv_tier_blocks = gauge(
+            PREFIX + "kv_tier_blocks", "KV blocks held in the tiers below the pool."
+        )
+        self.kv_tier_bytes = gauge(
+            PREFIX + "kv_tier_bytes", "Bytes those blocks take (this rank's)."
+        )
+        self.kv_blocks_imported = counter(
+            PREFIX + "kv_blocks_imported", "KV blocks fetched from replicas."
+        )
+        self.kv_bytes_imported = counter(PREFIX + "kv_bytes_imported", "Bytes of those blocks.")
+        self.kv_export_calls = counter(
+            PREFIX + "kv_export_calls", "KV exports other replicas asked for."
+        )
+        self.kv_blocks_exported = counter(
+            PREFIX + "kv_blocks_exported", "KV blocks sent to replicas."
+        )
+        self.kv_bytes_exported = counter(PREFIX + "kv_bytes_exported", "Bytes of those blocks.")
+        self.kv_fetch_seconds = histogram(
+            PREFIX + "kv_fetch_seconds", "A KV fetch from another replica: call, transfer, import.",
+            _TTFT_BUCKETS,
+        )  # fmt: skip
+        self._kv_fetch_failures = Counter(
+            PREFIX + "kv_fetch_failures",
+            "KV fetches that brought less than asked, by reason (the rest is recomputed).",
+            (*LABELS, "reason"),
+            registry=reg,
+        )
+        self.kv_block_bytes = 0  # set by the replica once known (kv_tier_bytes)
         self._arrival: dict[str, float] = {}
         self._scheduled: dict[str, float] = {}  # first scheduled
         self._first_token: dict[str, float] = {}
@@ -241,10 +280,18 @@ class EngineMetrics:
             (self.spec_decode_num_draft_tokens, "spec_num_draft_tokens"),
             (self.spec_decode_num_accepted_tokens, "spec_num_accepted_tokens"),
             (self.resumed_requests, "num_resumed_total"),
+            (self.kv_tier_saves, "kv_tier_saves"),
+            (self.kv_tier_restores, "kv_tier_restores"),
+            (self.kv_tier_hits, "kv_tier_hit_tokens"),
         )
         self._seen = dict.fromkeys((field for _, field in self._totals), 0)
         if engine is not None:  # in-process: observe each step on the engine thread
             engine.step_listeners.append(self.on_step)
+
+    def kv_fetch_failures(self, reason: str):
+        """off, timeout, source_gone, error, partial, or the import's refusal (layout, chain,
+        shape, ranks, empty)."""
+        return self._kv_fetch_failures.labels(**self._lv, reason=reason)
 
     def request_success(self, finished_reason: str):
         return self._request_success.labels(**self._lv, finished_reason=finished_reason)
@@ -348,6 +395,8 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_usage)
         self.gpu_cache_usage_perc.set(stats.kv_usage)
+        self.kv_tier_blocks.set(stats.kv_tier_blocks)
+        self.kv_tier_bytes.set(stats.kv_tier_blocks * self.kv_block_bytes)
         for counter, field in self._totals:  # each counter advances by the step's delta
             total = getattr(stats, field)
             counter.inc(total - self._seen[field])

@@ -17,6 +17,7 @@ from replica.config import EngineConfig
 from replica.cuda_graphs import DecodeGraphs
 from replica.kv_groups import allocate_caches, group_metadata, kv_groups, zero_pages
 from replica.kv_prefault import KVPrefaulter
+from replica.kv_tier import KVTierStore
 from replica.layers import cpu_isa
 from replica.layers.attention import (
     AttentionMetadata,
@@ -79,6 +80,8 @@ class StepBatch:
     # stream whose final hidden states it sums (replica/pooling.py), and whose they are
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
     pool_ids: list[str] = field(default_factory=list)
+    # KV tier moves made before the forward (kv_tier.py; SchedulerOutput.kv_ops)
+    kv_ops: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -163,6 +166,8 @@ class ModelRunner:
         self.num_kv_blocks = self._resolve_num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.kv_prefault = self._start_kv_prefault()
+        # this rank's share of the KV tiers' bytes (kv_tier.py); moved by the steps' kv_ops
+        self.kv_tier = KVTierStore(self.kv_caches, config.kv_offload_dir, tp_rank)
         started = self._phase("kv_cache", started)
         self.decode_graphs = self._make_decode_graphs()
         if self.decode_graphs is not None:
@@ -313,6 +318,37 @@ class ModelRunner:
             * element
         )
 
+    @property
+    def kv_layout(self) -> dict:
+        """What must be equal for another replica's KV blocks to be this one's (kv_transfer.py)."""
+        from replica.kv_transfer import weights_fingerprint
+
+        if not hasattr(self, "_weights_fingerprint"):
+            self._weights_fingerprint = weights_fingerprint(self.config.model_dir())
+        return {
+            "model_type": str(getattr(self.hf_config, "model_type", "")),
+            "weights": self._weights_fingerprint,
+            "quantization": self.config.quantization,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "block_size": self.block_size,
+            "layers": self.kv_groups.num_slots,
+            "kv_groups": len(self.kv_groups.windows),
+            "kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "tp_size": self.tp.size,
+            "block_bytes": self.kv_block_bytes,
+            # LongRoPE rotates keys by factors this engine picks from its max_model_len
+            "rope_factors": self._rope_choice(),
+        }
+
+    def _rope_choice(self) -> str:
+        scaling = getattr(self.hf_config, "rope_scaling", None) or {}
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind not in ("longrope", "su"):
+            return ""
+        original = int(scaling.get("original_max_position_embeddings", 0) or 0)
+        return "long" if self.max_model_len > original else "short"
+
     def _resolve_num_kv_blocks(self) -> int:
         config = self.config
         if config.num_kv_blocks is not None:
@@ -384,6 +420,7 @@ class ModelRunner:
             )
         keep = num_blocks + int(self.attn_backend.needs_sink_block)  # the last block kept: sink
         self.kv_caches = [(k[:keep], v[:keep]) for k, v in self.kv_caches]
+        self.kv_tier.kv_caches = self.kv_caches
         self.num_kv_blocks = num_blocks
         self.attn_builder.bind_cache(num_blocks, num_blocks, self.max_model_len)
         if self.decode_graphs is not None:  # captured over the old cache
@@ -436,6 +473,7 @@ class ModelRunner:
         `batch` is `prepare_batch(so)` when the caller built it already (the TP runner does,
         to broadcast it before every rank runs the forward)."""
         if not so.scheduled:
+            self.apply_kv_ops(so.kv_ops)
             return RunnerOutput({}, None)
         start = time.perf_counter()
         if batch is None:
@@ -576,6 +614,7 @@ class ModelRunner:
         if self.kv_groups.hybrid:  # per group, each request's table
             groups = [list(tables) for tables in zip(*(s.group_block_ids for s in scheduled))]
         batch = StepBatch(input_ids, starts, query_lens, block_ids, sample_rows, groups, lora_slots)
+        batch.kv_ops = so.kv_ops
         if pooling:
             self._pool_spans(so, first_row, batch)
         return batch
@@ -601,12 +640,47 @@ class ModelRunner:
         """The forward pass of one step on this rank; the logits of the sampled rows (full
         vocabulary after the TP gather), or None when no row is sampled. Times its phases in
         `step_times` (prepare: the input tensors; forward: the model and the LM head)."""
+        if not batch.starts:  # KV tier moves alone
+            self.apply_kv_ops(batch.kv_ops)
+            return None
         return self._forward_step(batch)[0]
+
+    # -- KV tiers and transfer (kv_tier.py, kv_transfer.py) ---------------------------------
+    @torch.inference_mode()
+    def apply_kv_ops(self, ops) -> None:
+        """The scheduler's KV tier moves, in order, before anything overwrites a block."""
+        if ops:
+            self.kv_tier.apply(ops)
+
+    @torch.inference_mode()
+    def export_kv(self, sources: list[tuple[int, int]]) -> torch.Tensor:
+        """This rank's K and V of each (pool block id, or -1 and a tier-held hash), as one CPU
+        tensor [blocks, layers, 2, block_size, kv_heads, head_dim]."""
+        blocks = []
+        for block_id, block_hash in sources:
+            if block_id >= 0:
+                blocks.append(self.kv_tier.read_block(block_id))
+            else:
+                blocks.append(self.kv_tier.get(block_hash))
+        return torch.stack(blocks)
+
+    def kv_block_shape(self, num_blocks: int) -> torch.Tensor:
+        """An empty CPU tensor shaped as `num_blocks` exported blocks of this rank."""
+        shape = (num_blocks, self.kv_groups.num_slots, 2, self.block_size, self.num_kv_heads,
+                 self.head_dim)  # fmt: skip
+        return torch.empty(shape, dtype=self.dtype)
+
+    def import_kv(self, hashes: list[int], data: torch.Tensor) -> None:
+        """Stage blocks from another replica in this rank's host tier under their hashes."""
+        for block_hash, block in zip(hashes, data):
+            self.kv_tier.put(block_hash, block.to(self.dtype).clone())
 
     @torch.inference_mode()
     def _forward_step(self, batch: StepBatch) -> tuple[torch.Tensor | None, dict | None]:
         """forward_batch's logits, and the pooled rows of the batch's pooling requests (by
         request id; None when it has none)."""
+        if batch.kv_ops:  # blocks evicted this step are saved before the forward reuses them
+            self.kv_tier.apply(batch.kv_ops)
         graphs = self.decode_graphs
         if graphs is not None and not batch.pool_spans and graphs.fits(batch):
             start = time.perf_counter()
@@ -670,6 +744,7 @@ class ModelRunner:
         if self.kv_prefault is not None:
             self.kv_prefault.close()
             self.kv_prefault = None
+        self.kv_tier.close()
         self.kv_caches = []
         self.model = None
 

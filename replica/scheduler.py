@@ -61,6 +61,9 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # a pooling request (embeddings) may be in the step: the runner looks for them only then
     pooling: bool = False
+    # KV tier moves (kv_tier.py: kind, block hash, block id) every rank makes before the
+    # forward; they may come with no request scheduled
+    kv_ops: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -84,6 +87,12 @@ class SchedulerStats:
     # queued for recompute by prefill (prefix-cache hits included), totals since start
     num_resumed_total: int = 0
     num_resumed_tokens_total: int = 0
+    # KV tiers (kv_tier.py), totals since start, and the blocks they hold now
+    kv_tier_saves: int = 0
+    kv_tier_restores: int = 0
+    kv_tier_hit_tokens: int = 0  # prefix-cache hit tokens that came from the tiers
+    kv_tier_blocks: int = 0
+    kv_imported_blocks: int = 0  # blocks staged from other replicas (kv transfer)
 
 
 def _sort_key(request: Request) -> tuple[int, float, int]:
@@ -122,6 +131,7 @@ class Scheduler:
         else:
             self.kv = KVCacheManager(num_kv_blocks, config.block_size, caching, kv_sliding_window)
         self.hybrid = len(kv_group_windows) > 1
+        self.kv_tier_hit_tokens = 0
         # LoRA: at most max_loras distinct adapters among a step's requests; a request whose
         # adapter is not loaded yet waits (`lora_ready`, the engine's LoRAManager.ready)
         self.max_loras = config.max_loras if config.lora_enabled else None
@@ -367,6 +377,8 @@ class Scheduler:
         out.finished_request_ids = self._finished_since_step
         self._finished_since_step = []
         out.pooling = self.num_pooling > 0
+        if self.kv.pool.tier is not None:
+            out.kv_ops = self.kv.pool.tier.take_ops()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, threshold: int) -> None:
@@ -397,18 +409,34 @@ class Scheduler:
                     break
                 budget += restored
                 continue
+            tier_run: list[int] = []
             if request.needs_every_prompt_row:
                 hits, num_hit_tokens = [], 0  # every prompt position's output is wanted
             else:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
+                if not self.hybrid:  # the pool's hits continued by the tiers below it
+                    tier_run = kv.take_tier_hits(request, len(hits))
+            num_tier_tokens = len(tier_run) * self.block_size
+            num_hit_tokens += num_tier_tokens
             num_new = request.num_tokens - num_hit_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
                 if not chunked:
+                    if tier_run:
+                        kv.pool.tier.put_back(tier_run)
                     break
                 num_new = budget
-            if kv.allocate_slots(request, num_new, hits) is None:
+            # the tier's blocks are new blocks of the pool, filled by the runner's restore
+            new_blocks = kv.allocate_slots(request, num_tier_tokens + num_new, hits)
+            if tier_run:
+                if new_blocks is None:
+                    kv.pool.tier.put_back(tier_run)
+                else:
+                    ids = [b.block_id for b in new_blocks[: len(tier_run)]]
+                    kv.pool.tier.restore(tier_run, ids)
+                    self.kv_tier_hit_tokens += num_tier_tokens
+            if new_blocks is None:
                 # priority: KV blocks are taken from a running request of lower priority
                 restored = self._preempt_lower_priority(request, out)
                 if restored is None:
@@ -607,4 +635,17 @@ class Scheduler:
             loras=tuple(self.lora_names()),
             num_resumed_total=self.num_resumed_total,
             num_resumed_tokens_total=self.num_resumed_tokens_total,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        tier = self.kv.pool.tier
+        if tier is None:
+            return {}
+        return {
+            "kv_tier_saves": tier.num_saves,
+            "kv_tier_restores": tier.num_restores,
+            "kv_tier_hit_tokens": self.kv_tier_hit_tokens,
+            "kv_tier_blocks": len(tier),
+            "kv_imported_blocks": tier.num_imported,
+        }

@@ -131,6 +131,8 @@ class Engine:
             getattr(self.runner, "kv_sliding_window", None),  # blocks behind it are freed
             getattr(self.runner, "kv_group_windows", ()),  # a hybrid model: a table per group
         )
+        # KV tiers below the pool and imports from other replicas (kv_tier.py, kv_transfer.py)
+        self.kv_layout: dict | None = self._setup_kv_tier()
         self._requests: dict[str, Request] = {}  # unfinished, by id
         # resumed requests that ended on their resumed output: delivered by the next step
         self._ended_at_add: list[StepOutput] = []
@@ -163,6 +165,102 @@ class Engine:
         # wall seconds the latest step spent in schedule(); the runner times its own phases
         # (runner.step_times), the rest of step_time is update_from_output and detokenizing
         self.last_schedule_time = 0.0
+
+    def _setup_kv_tier(self) -> dict | None:
+        """The runner's KV layout when this engine can tier and move KV blocks (a runner that
+        holds its KV as ModelRunner does, one KV group, prefix caching on); None otherwise."""
+        config = self.config
+        layout = getattr(self.runner, "kv_layout", None)
+        if layout is None or not config.enable_prefix_caching:
+            return None
+        if self.scheduler.hybrid:
+            if config.kv_offload_bytes or config.kv_transfer:
+                logger.info(
+                    "KV tiers and KV transfer are off: this model's layers form %d KV groups "
+                    "(a hybrid model; docs/kv-transfer.md)",
+                    layout["kv_groups"],
+                )
+            return None
+        from replica.kv_tier import DEFAULT_STAGING_BLOCKS, KVTierIndex
+
+        block_bytes = layout["block_bytes"]
+        host = config.kv_offload_bytes // block_bytes
+        if config.kv_offload_bytes and not host:
+            logger.warning(
+                "kv_offload_bytes=%d holds no KV block of %d bytes: the host tier is off",
+                config.kv_offload_bytes,
+                block_bytes,
+            )
+        disk = config.kv_offload_disk_bytes // block_bytes if config.kv_offload_dir else 0
+        staging = DEFAULT_STAGING_BLOCKS if config.kv_transfer else 0
+        if host or staging:
+            self.scheduler.kv.pool.tier = KVTierIndex(host, disk, staging)
+        return layout
+
+    def _flush_kv_ops(self):
+        """Apply the tier moves queued since the last step now (between steps), so the tier's
+        bytes match its index; the tier index, or None."""
+        tier = self.scheduler.kv.pool.tier
+        if tier is not None:
+            ops = tier.take_ops()
+            if ops:
+                self.runner.apply_kv_ops(ops)
+        return tier
+
+    def export_kv(self, hashes: list[int]):
+        """The leading run of `hashes` this engine holds (pool, then tiers), copied out per
+        tensor-parallel rank (kv_transfer.KVExport); an empty run when it cannot export."""
+        from replica.kv_transfer import KVExport
+
+        if self.kv_layout is None or not self.config.kv_transfer:
+            return KVExport(self.kv_layout or {})
+        tier = self._flush_kv_ops()
+        pool = self.scheduler.kv.pool
+        sources = []
+        for block_hash in hashes:
+            block = pool.get_cached_block(block_hash)
+            if block is not None:
+                sources.append((block.block_id, block_hash))
+            elif tier is not None and block_hash in tier:
+                sources.append((-1, block_hash))
+            else:
+                break  # the rest would not chain
+        if not sources:
+            return KVExport(self.kv_layout)
+        data = self.runner.export_kv(sources)
+        if not isinstance(data, list):
+            data = [data]
+        return KVExport(self.kv_layout, [h for _, h in sources], data)
+
+    def import_kv(self, export, expected: list[int]):
+        """Stage the blocks of another replica's export (kv_transfer.KVExport) that chain as
+        `expected` (this engine's hashes of the prompt) in the host tier; the request's
+        admission restores them. kv_transfer.KVImportResult says what came in, or why not."""
+        from replica.kv_transfer import KVImportResult, check_import
+
+        result = KVImportResult(offered=len(export.hashes))
+        tier = self.scheduler.kv.pool.tier
+        if self.kv_layout is None or tier is None or not self.config.kv_transfer:
+            result.refused = "off"
+            return result
+        run, result.refused = check_import(self.kv_layout, export, expected)
+        if not run:
+            return result
+        pool = self.scheduler.kv.pool
+        fresh = [i for i, h in enumerate(export.hashes[:run]) if pool.get_cached_block(h) is None][
+            : tier.host_capacity
+        ]
+        if not fresh:
+            return result
+        self._flush_kv_ops()
+        hashes = [export.hashes[i] for i in fresh]
+        parts = [t[fresh] for t in export.data]  # per rank
+        self.runner.import_kv(hashes, parts if len(parts) > 1 else parts[0])
+        for h in hashes:
+            tier.staged(h)
+        result.imported = len(hashes)
+        result.nbytes = len(hashes) * self.kv_layout["block_bytes"] * len(export.data)
+        return result
 
     @property
     def tokenizer(self):
@@ -288,6 +386,8 @@ class Engine:
         scheduler_output = self.scheduler.schedule()
         self.last_schedule_time = time.perf_counter() - t0
         ended, self._ended_at_add = self._ended_at_add, []
+        if scheduler_output.is_empty and scheduler_output.kv_ops:
+            self.runner.apply_kv_ops(scheduler_output.kv_ops)  # tier moves alone
         if scheduler_output.is_empty:
             if not ended:
                 if loras is not None and loras.loading:  # nothing runs until an adapter is in

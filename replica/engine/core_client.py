@@ -178,7 +178,9 @@ class ProcessEngine(StreamingEngine):
         except OSError as exc:  # the core is gone (its reader thread says why, if it can)
             raise self.error or EngineDeadError(f"engine core process unreachable: {exc}") from exc
 
-    def call(self, op: CoreOp | str, arg=None) -> concurrent.futures.Future:
+    def call(
+        self, op: CoreOp | str, arg=None, blob: bytes | None = None
+    ) -> concurrent.futures.Future:
         """Run a named operation in the core between two steps; its result in the future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
@@ -192,7 +194,7 @@ class ProcessEngine(StreamingEngine):
         try:
             if self.error is not None:
                 raise self.error
-            self._send(Call(call_id, op, arg))
+            self._send(Call(call_id, op, arg, blob))
         except EngineDeadError as exc:
             self._calls.pop(call_id, None)
             future.set_exception(exc)

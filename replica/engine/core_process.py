@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import select
 import sys
 import threading
@@ -261,6 +262,14 @@ class EngineCore:
             return self.engine.remove_lora(arg)
         if op is CoreOp.LORA_LIST:
             return self.engine.list_loras()
+        if op is CoreOp.KV_EXPORT:
+            return self.engine.export_kv(pickle.loads(call.blob))
+        if op is CoreOp.KV_IMPORT:
+            return self.engine.import_kv(*pickle.loads(call.blob))
+        if op is CoreOp.KV_MEASURE:
+            from replica.kv_transfer import measure_engine
+
+            return measure_engine(self.engine)
         raise ValueError(f"unknown engine core call {op!r}")
 
 

@@ -51,6 +51,9 @@ class CoreOp(enum.Enum):
     LORA_ADD = "lora_add"  # load a LoRA adapter now: arg = [name, path]
     LORA_REMOVE = "lora_remove"  # arg = name
     LORA_LIST = "lora_list"
+    KV_EXPORT = "kv_export"  # blob = pickled block hashes: a kv_transfer.KVExport back
+    KV_IMPORT = "kv_import"  # blob = pickled (KVExport, expected hashes): a KVImportResult
+    KV_MEASURE = "kv_measure"  # kv_transfer.measure_engine: the start-up cost figures
 
 
 class _Message(msgspec.Struct, array_like=True, tag_field="kind", omit_defaults=False):
@@ -82,6 +85,7 @@ class Call(_Message, tag=int(Command.CALL)):
     call_id: int
     op: CoreOp
     arg: int | float | bool | str | list[str] | None = None
+    blob: bytes | None = None  # a bulk argument (KV blocks), pickled
 
 
 class Shutdown(_Message, tag=int(Command.SHUTDOWN)):

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from replica.runner import StepBatch
 
 # commands: a step's batch; stop; install a LoRA adapter (slot, its path as bytes) in every
-# rank; drop the adapter of a slot
-_STEP, _STOP, _LORA_ADD, _LORA_REMOVE = 1, 2, 3, 4
+# rank; drop the adapter of a slot; KV blocks out to rank 0 (gathered) and in from it
+# (scattered) for a transfer between replicas (replica/kv_transfer.py)
+_STEP, _STOP, _LORA_ADD, _LORA_REMOVE, _KV_EXPORT, _KV_IMPORT = 1, 2, 3, 4, 5, 6
 # Ints in the first broadcast of a step: a decode step of dozens of requests fits in one
 # message; a larger one sends the rest in a second broadcast.
 MESSAGE_CAPACITY = 2048
@@ -27,7 +28,7 @@ def encode_batch(batch: StepBatch) -> list[int]:
     flat = [
         len(batch.starts),
         len(batch.sample_rows),
-        int(bool(batch.lora_slots)),
+        int(bool(batch.lora_slots)) | int(bool(batch.kv_ops)) << 1,
         *batch.starts,
         *batch.query_lens,
         *map(len, tables),
@@ -36,9 +37,23 @@ def encode_batch(batch: StepBatch) -> list[int]:
         *itertools.chain.from_iterable(tables),
         *batch.lora_slots,
     ]
+    if batch.kv_ops:  # KV tier moves (kv_tier.py): kind, block id, hash in two int32s
+        flat.append(len(batch.kv_ops))
+        for kind, block_hash, block_id in batch.kv_ops:
+            flat += [kind, block_id, *split_hash(block_hash)]
     for group in batch.group_block_ids:
         flat += [*map(len, group), *itertools.chain.from_iterable(group)]
     return flat
+
+
+def split_hash(block_hash: int) -> tuple[int, int]:
+    """A signed 64-bit block hash as two int32s (the channel's ints)."""
+    hi, lo = block_hash >> 32, block_hash & 0xFFFFFFFF
+    return hi, lo - (1 << 32) if lo >= 1 << 31 else lo
+
+
+def join_hash(hi: int, lo: int) -> int:
+    return (hi << 32) | (lo & 0xFFFFFFFF)
 
 
 def _tables(flat: list[int], i: int, lengths: list[int]) -> tuple[list[list[int]], int]:
@@ -50,7 +65,8 @@ def _tables(flat: list[int], i: int, lengths: list[int]) -> tuple[list[list[int]
 
 
 def decode_batch(flat: list[int]) -> StepBatch:
-    n, m, has_lora = flat[0], flat[1], flat[2]
+    n, m, flags = flat[0], flat[1], flat[2]
+    has_lora, has_ops = flags & 1, flags & 2
     i = 3
     starts = flat[i : i + n]
     query_lens = flat[i + n : i + 2 * n]
@@ -66,11 +82,21 @@ def decode_batch(flat: list[int]) -> StepBatch:
     if has_lora:
         lora_slots = flat[i : i + n]
         i += n
+    kv_ops = []
+    if has_ops:
+        num_ops = flat[i]
+        i += 1
+        for _ in range(num_ops):
+            kind, block_id, hi, lo = flat[i : i + 4]
+            kv_ops.append((kind, join_hash(hi, lo), block_id))
+            i += 4
     groups = []
     while i < len(flat):  # a hybrid model's further KV groups
         group, i = _tables(flat, i + n, flat[i : i + n])
         groups.append(group)
-    return StepBatch(input_ids, starts, query_lens, tables, sample_rows, groups, lora_slots)
+    batch = StepBatch(input_ids, starts, query_lens, tables, sample_rows, groups, lora_slots)
+    batch.kv_ops = kv_ops
+    return batch
 
 
 def encode_lora_add(slot: int, path: str) -> list[int]:
@@ -79,6 +105,38 @@ def encode_lora_add(slot: int, path: str) -> list[int]:
 
 def decode_lora_add(payload: list[int]) -> tuple[int, str]:
     return payload[0], bytes(payload[1:]).decode()
+
+
+def encode_kv_export(sources: list[tuple[int, int]]) -> list[int]:
+    """(pool block id or -1, block hash) pairs as ints."""
+    flat = []
+    for block_id, block_hash in sources:
+        flat += [block_id, *split_hash(block_hash)]
+    return flat
+
+
+def decode_kv_export(flat: list[int]) -> list[tuple[int, int]]:
+    return [(flat[i], join_hash(flat[i + 1], flat[i + 2])) for i in range(0, len(flat), 3)]
+
+
+def gather_kv(local: torch.Tensor, group: Any, size: int = 0) -> list[torch.Tensor] | None:
+    """Every rank's blocks at rank 0 (`size` ranks given there), over the gloo group as bytes
+    (gloo moves any dtype so)."""
+    raw = local.contiguous().view(torch.uint8)
+    if not size:
+        dist.gather(raw, None, dst=0, group=group)
+        return None
+    parts = [torch.empty_like(raw) for _ in range(size)]
+    dist.gather(raw, parts, dst=0, group=group)
+    return [p.view(local.dtype).view(local.shape) for p in parts]
+
+
+def scatter_kv(parts: list[torch.Tensor] | None, group: Any, like: torch.Tensor) -> torch.Tensor:
+    """Rank r gets parts[r] (given at rank 0) shaped and typed as `like`."""
+    out = torch.empty_like(like).view(torch.uint8)
+    raws = None if parts is None else [p.contiguous().view(torch.uint8) for p in parts]
+    dist.scatter(out, raws, src=0, group=group)
+    return out.view(like.dtype).view(like.shape)
 
 
 class StepChannel:

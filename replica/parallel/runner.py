@@ -17,12 +17,17 @@ import replica.parallel.channel as _channel
 import replica.parallel.workers as _workers
 from replica.config import EngineConfig
 from replica.parallel.channel import (
+    _KV_EXPORT,
+    _KV_IMPORT,
     _LORA_ADD,
     _LORA_REMOVE,
     _STEP,
     _STOP,
     StepChannel,
+    encode_kv_export,
     encode_lora_add,
+    gather_kv,
+    scatter_kv,
 )
 from replica.parallel.checks import (
     _check_bundles,
@@ -38,7 +43,7 @@ from replica.parallel.worker import (
     _status_key,
 )
 from replica.request import EngineDeadError
-from replica.runner import ModelRunner
+from replica.runner import ModelRunner, StepBatch
 from replica.runner_protocol import RunnerOutput
 from replica.scheduler import SchedulerOutput
 
@@ -260,7 +265,8 @@ class TensorParallelRunner:
         if self._failure is not None:
             raise TensorParallelError(self._failure)
         if not so.scheduled:
-            return self.runner.execute(so)
+            self.apply_kv_ops(so.kv_ops)
+            return RunnerOutput({}, None)
         with self._step_lock:
             if self._closed:
                 raise TensorParallelError("the tensor-parallel group is shut down")
@@ -274,6 +280,37 @@ class TensorParallelRunner:
                 reason = self._failure or f"tensor-parallel step failed: {exc}"
                 self._mark_failed(reason)
                 raise TensorParallelError(reason) from exc
+
+    # -- KV tiers and transfer: every rank moves its share of the same blocks ---------------
+    @property
+    def kv_layout(self) -> dict:
+        return self.runner.kv_layout
+
+    def apply_kv_ops(self, ops) -> None:
+        """The tier moves alone (no request in the step), on every rank."""
+        if not ops:
+            return
+        batch = StepBatch([], [], [], [], [], kv_ops=list(ops))
+        self._broadcast_op(
+            _STEP, _channel.encode_batch(batch), lambda: self.runner.apply_kv_ops(ops)
+        )
+
+    def export_kv(self, sources: list[tuple[int, int]]) -> list:
+        """Each rank's share of the blocks, gathered here (per rank, in rank order)."""
+
+        def local():
+            return gather_kv(self.runner.export_kv(sources), self.channel.group, self.size)
+
+        return self._broadcast_op(_KV_EXPORT, encode_kv_export(sources), local)
+
+    def import_kv(self, hashes: list[int], data: list) -> None:
+        """Rank r's share of imported blocks (data[r]) into rank r's host tier."""
+
+        def local():
+            mine = scatter_kv(list(data), self.channel.group, data[0])
+            self.runner.import_kv(hashes, mine)
+
+        self._broadcast_op(_KV_IMPORT, encode_kv_export([(-1, h) for h in hashes]), local)
 
     # -- LoRA adapters: the same op on every rank, between two steps ------------------------
     @property
@@ -290,13 +327,16 @@ class TensorParallelRunner:
         self._broadcast_op(_LORA_REMOVE, [slot])
         self.runner.remove_lora(slot)
 
-    def _broadcast_op(self, command: int, payload: list[int]) -> None:
+    def _broadcast_op(self, command: int, payload: list[int], then=None):
+        """Send a command to every rank; `then` (rank 0's part, which may join a collective
+        with the others) runs under the same lock; its result is returned."""
         if self._failure is not None:
             raise TensorParallelError(self._failure)
         with self._step_lock:
             if self._closed:
                 raise TensorParallelError("the tensor-parallel group is shut down")
             self.channel.send(command, payload)
+            return then() if then is not None else None
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop the workers (gracefully when the group is idle and healthy, else by kill),

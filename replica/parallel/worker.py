@@ -18,12 +18,17 @@ import torch.distributed as dist
 
 from replica.config import EngineConfig
 from replica.parallel.channel import (
+    _KV_EXPORT,
+    _KV_IMPORT,
     _LORA_ADD,
     _LORA_REMOVE,
     _STOP,
     StepChannel,
     decode_batch,
+    decode_kv_export,
     decode_lora_add,
+    gather_kv,
+    scatter_kv,
 )
 from replica.runner import ModelRunner
 
@@ -116,6 +121,12 @@ def run_worker_rank(spec: RankSpec) -> None:
                 runner.add_lora(slot, adapter)
             elif command == _LORA_REMOVE:
                 runner.remove_lora(payload[0])
+            elif command == _KV_EXPORT:  # this rank's share of the blocks, gathered at rank 0
+                gather_kv(runner.export_kv(decode_kv_export(payload)), control)
+            elif command == _KV_IMPORT:
+                hashes = decode_kv_export(payload)
+                data = scatter_kv(None, control, runner.kv_block_shape(len(hashes)))
+                runner.import_kv([h for _, h in hashes], data)
             else:
                 runner.forward_batch(decode_batch(payload))
     finally:
