@@ -174,6 +174,12 @@ def test_engine_metrics_are_vllms_names_types_and_labels():
     assert ours == {
         "stepserve:kv_events_publishing", "stepserve:resumed_requests",
         "stepserve:request_num_preemptions", "stepserve:engine_step_duration_seconds",
+        # KV tiers and transfer between replicas (vLLM has no such metrics)
+        "stepserve:kv_tier_saves", "stepserve:kv_tier_restores", "stepserve:kv_tier_hit_tokens",
+        "stepserve:kv_tier_blocks", "stepserve:kv_tier_bytes", "stepserve:kv_blocks_imported",
+        "stepserve:kv_bytes_imported", "stepserve:kv_export_calls",
+        "stepserve:kv_blocks_exported", "stepserve:kv_bytes_exported",
+        "stepserve:kv_fetch_seconds", "stepserve:kv_fetch_failures",
     }  # fmt: skip
     assert not {n.removeprefix("stepserve:") for n in ours} & {
         n.removeprefix("vllm:") for n in families
