@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, PDConfig
 from cluster.embedded import (
     BUSY_HOST_RAY_ENV,  # noqa: F401  (kept importable here: tests/helpers.py)
     StartupError,
@@ -156,11 +156,31 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         data.setdefault("routing", {})["prefix_affinity"] = True
     if args.kv_events is not None:
         data.setdefault("routing", {})["kv_events"] = args.kv_events
+    if args.kv_transfer is not None:
+        data.setdefault("routing", {})["kv_transfer"] = args.kv_transfer
+    if args.pd is not None:
+        data["pd"] = PDConfig.parse(args.pd).model_dump()
     if data.get("models"):
         _flags_to_every_model(data, args, overrides)
     if args.lora_modules:
         _add_lora_modules(data, [parse_lora_module(text) for text in args.lora_modules])
     return ClusterConfig.model_validate(data)
+
+
+def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
+    """--kv-transfer and --pd, shared by `serve` and `simulate`."""
+    parser.add_argument(
+        "--kv-transfer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fetch a prompt's cached prefix from the replica holding it when the cost model "
+        "says that beats recomputing it (routing.kv_transfer)",
+    )
+    parser.add_argument(
+        "--pd",
+        metavar="PREFILL:DECODE",
+        help="prefill/decode disaggregation with these replica counts, e.g. 1:3 (pd)",
+    )
 
 
 def _flags_to_every_model(data: dict, args: argparse.Namespace, overrides: dict) -> None:
@@ -353,6 +373,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="route by each replica's actual prefix cache, mirrored from its KV events "
         "(routing.kv_events)",
     )
+    add_kv_transfer_args(serve_p)
     serve_p.set_defaults(func=cmd_serve)
 
     gen_p = sub.add_parser("generate", help="print one completion (offline engine)")

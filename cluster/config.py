@@ -87,6 +87,24 @@ MaxOngoingRequests = Annotated[
 ]
 
 
+class PDConfig(_Strict):
+    """Prefill/decode disaggregation: prefill replicas run prompts to their first token, decode
+    replicas continue them from there with the prompt's KV fetched from the prefill replica."""
+
+    prefill_replicas: int = Field(ge=1, description="replicas that run prompts")
+    decode_replicas: int = Field(ge=1, description="replicas that continue them (decode)")
+
+    @classmethod
+    def parse(cls, text: str) -> PDConfig:
+        """`--pd PREFILL:DECODE` (e.g. "1:3"): the two roles' replica counts."""
+        parts = text.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(
+                f"--pd {text!r}: expected PREFILL:DECODE replica counts, e.g. --pd 1:3"
+            )
+        return cls(prefill_replicas=int(parts[0]), decode_replicas=int(parts[1]))
+
+
 class ModelDeployment(_Strict):
     """One served model: its engine and its LLMServer deployment's size (cluster/app.py)."""
 
@@ -139,6 +157,11 @@ class ClusterConfig(_Strict):
     log_prompts: bool = Field(
         default=False, description="log the prompt token counts of each request"
     )
+    pd: PDConfig | None = Field(
+        default=None,
+        description="prefill/decode disaggregation (docs/pd.md); null: colocated, every "
+        "replica runs prompts and decodes",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -178,6 +201,20 @@ class ClusterConfig(_Strict):
                         "adapter (lora_modules) a name no model or other adapter has"
                     )
                 seen[name] = what
+        return self
+
+    @model_validator(mode="after")
+    def _pd_fixed_size(self) -> ClusterConfig:
+        """PD splits one model's fixed replica count between two roles."""
+        if self.pd is None:
+            return self
+        if self.models:
+            raise ValueError("pd (prefill/decode disaggregation) serves one model: drop `models`")
+        if self.autoscaling.enabled:
+            raise ValueError(
+                "pd sets its replica counts (pd.prefill_replicas, pd.decode_replicas): turn "
+                "autoscaling.enabled off"
+            )
         return self
 
     @classmethod

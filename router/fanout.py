@@ -16,7 +16,10 @@ another replica as the same choice with `resume` (the tokens and text the client
 replica's deltas continue the same stream, up to http.migration_limit times per choice
 (router/migration.py keeps what was delivered; then the stream ends with
 MigrationLimitReached). A draining replica that hands a call back (ReplicaDraining) is
-migrated the same way, without counting against the limit: the replica asked for it."""
+migrated the same way, without counting against the limit: the replica asked for it. That
+replica is alive and holds the stream's KV: with routing.kv_transfer the continuation carries a
+`kv_fetch` hint naming it (the router weighs it with its cost model, router/kv_transfer.py); a
+lost replica's KV is gone with it, and its continuation fetches nothing from it."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from replica.api import Accepted, EngineRequest, GenerateRequest, RequestOutput
+from replica.api import Accepted, EngineRequest, GenerateRequest, KVFetch, RequestOutput
 from router.errors import (
     MigrationLimitReached,
     ReplicaCallCancelled,
@@ -36,6 +39,7 @@ from router.errors import (
     replica_full,
     replica_handed_back,
     replica_lost,
+    root_cause,
 )
 from router.inflight import note_finished, note_first_token
 from router.kv_routing import note_cached, note_gone
@@ -121,6 +125,20 @@ class ReplicaCalls:
         await asyncio.sleep(RETRY_PAUSE_S)
         return not handed_back
 
+    def handed_back_kv(
+        self, exc: BaseException, choice: EngineRequest, delivered: Delivered
+    ) -> KVFetch | None:
+        """The fetch hint for a stream's continuation (routing.kv_transfer): the blocks of its
+        prompt and delivered tokens on the draining replica that handed it back (alive, its
+        cache intact); None after a loss (that KV is gone) or when transfer is off."""
+        cause = root_cause(exc)
+        source = getattr(cause, "replica_id", "") if replica_handed_back(exc) else ""
+        if not source or not self.policy.cfg.kv_transfer or self.block_size <= 0:
+            return None
+        tokens = len(choice.prompt_token_ids) + len(delivered.token_ids)
+        num_blocks = (tokens - 1) // self.block_size  # one token is always computed
+        return KVFetch(source, num_blocks) if num_blocks > 0 else None
+
     def request(self, choice: EngineRequest) -> GenerateRequest:
         """One send of a choice: the request whole, a fresh id and the routing hints."""
         return GenerateRequest.of(
@@ -149,10 +167,12 @@ class ReplicaCalls:
         origin = ""  # the first send's request id: the one the log names
         sends = moves = lost_moves = 0  # sends before any output; migrations (all, lost)
         max_sends = MAX_SENDS if streamed else min(MAX_SENDS, 1 + self.migrations.limit)
+        fetch: KVFetch | None = None  # the continuation's hint: its KV on a draining replica
         while True:
             sent = choice
             if delivered.started:
-                sent = dataclasses.replace(choice, resume=delivered.resume(moves))
+                resume = delivered.resume(moves)
+                sent = dataclasses.replace(choice, resume=resume, kv_fetch=fetch)
             request = self.request(sent)
             origin = origin or request.request_id
             first = True
@@ -194,6 +214,7 @@ class ReplicaCalls:
                 continue
             lost_moves += await self._migrate(lost, delivered, moves, lost_moves, origin)
             moves += 1
+            fetch = self.handed_back_kv(lost, choice, delivered)
 
     async def complete_all(self, jobs: list[Job]) -> list[tuple[int, RequestOutput]]:
         """Every job run to completion concurrently, one unary call each (a non-streaming
