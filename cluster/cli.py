@@ -156,8 +156,8 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         data.setdefault("routing", {})["prefix_affinity"] = True
     if args.kv_events is not None:
         data.setdefault("routing", {})["kv_events"] = args.kv_events
-    if args.kv_transfer is not None:
-        data.setdefault("routing", {})["kv_transfer"] = args.kv_transfer
+    if args.route_kv_transfer is not None:
+        data.setdefault("routing", {})["kv_transfer"] = args.route_kv_transfer
     if args.pd is not None:
         data["pd"] = PDConfig.parse(args.pd).model_dump()
     if data.get("models"):
@@ -167,14 +167,16 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig.model_validate(data)
 
 
-def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
-    """--kv-transfer and --pd, shared by `serve` and `simulate`."""
+def add_kv_transfer_args(parser: argparse.ArgumentParser, flag: str = "--kv-transfer") -> None:
+    """The router's KV transfer switch (`flag`: `serve` calls it --kv-fetch, as --kv-transfer
+    is the engine's export/import switch there) and --pd, for `serve` and `simulate`."""
     parser.add_argument(
-        "--kv-transfer",
+        flag,
+        dest="route_kv_transfer",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="fetch a prompt's cached prefix from the replica holding it when the cost model "
-        "says that beats recomputing it (routing.kv_transfer)",
+        help="the router fetches a prompt's cached prefix from the replica holding it when "
+        "its cost model says that beats recomputing it (routing.kv_transfer)",
     )
     parser.add_argument(
         "--pd",
@@ -373,7 +375,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="route by each replica's actual prefix cache, mirrored from its KV events "
         "(routing.kv_events)",
     )
-    add_kv_transfer_args(serve_p)
+    add_kv_transfer_args(serve_p, "--kv-fetch")
     serve_p.set_defaults(func=cmd_serve)
 
     gen_p = sub.add_parser("generate", help="print one completion (offline engine)")

@@ -24,7 +24,7 @@ from router.policy import (
 )
 
 # What a router can see of one replica: Ray's in-flight count there and its last recorded stats
-# (None before its first report).
+# (None before its first report, or for a replica it does not route to).
 Observe = Callable[[str], tuple[int, RoutingStats | None]]
 
 
@@ -87,7 +87,12 @@ def decide(
     holders: list[str] = []
     if lora is not None and 0 < policy.cfg.max_candidates < len(replica_ids):
         holders = lora_holders(replica_ids, observe, load, lora)  # kept in the sample
-    ids = policy.candidates(list(replica_ids), prefix, hits, holders)
+    if policy.cfg.kv_transfer and hits:  # hits may name holders beyond `replica_ids`
+        known = set(replica_ids)
+        hits_here = {rid: tokens for rid, tokens in hits.items() if rid in known}
+    else:
+        hits_here = hits
+    ids = policy.candidates(list(replica_ids), prefix, hits_here, holders)
     prefill = load.prefill_by_replica(now, ids)
     stats = []
     for rid in ids:
@@ -129,7 +134,9 @@ def weigh_fetch(
     if source is None or source == lead.replica_id:
         return
     holder = by_id.get(source)
-    if holder is None:  # not among the candidates: what the router knows of it
+    if holder is None and preset is not None:  # a replica the router no longer routes to
+        holder = ReplicaStats(source, ongoing=0)
+    elif holder is None:  # not among the candidates: what the router knows of it
         ongoing, recorded = observe(source)
         prefill = load.prefill_by_replica(now, [source]).get(source, 0.0)
         cached = decision.hits.get(source, 0)

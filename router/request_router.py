@@ -101,8 +101,11 @@ class LoadAwareRouter(RequestRouter):
             self.kv = KVRouting(app, block_size, self.routing_config.kv_events_poll_s, start=False)
             register_kv_routing(self.kv)
 
-    def _observe(self, replica: RunningReplica) -> tuple[int, RoutingStats | None]:
-        """Ray's in-flight count on `replica` and the stats it last recorded."""
+    def _observe(self, replica: RunningReplica | None) -> tuple[int, RoutingStats | None]:
+        """Ray's in-flight count on `replica` and the stats it last recorded (nothing of a
+        replica this router does not route to: a fetch's draining source)."""
+        if replica is None:
+            return 0, None
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
         return int(ongoing or 0), RoutingStats.from_dict(replica.routing_stats)
 
@@ -134,7 +137,7 @@ class LoadAwareRouter(RequestRouter):
             hits = self.kv.hit_tokens(request.prompt_token_ids, list(by_id), request.lora)
         lora = request.lora.name if request.lora is not None else None
         decision = decide(
-            self.policy, self.inflight, list(by_id), lambda rid: self._observe(by_id[rid]),
+            self.policy, self.inflight, list(by_id), lambda rid: self._observe(by_id.get(rid)),
             now, self._rng, prefix=request.prefix_key,
             footprint_tokens=request.footprint_tokens, hits=hits, lora=lora,
             prompt_tokens=prompt_tokens(request), block_size=self.block_size,

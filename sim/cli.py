@@ -213,8 +213,8 @@ def build_cluster_config(args: argparse.Namespace):
         routing["max_candidates"] = args.max_candidates
     if getattr(args, "weight_lora_load", None) is not None:
         routing["weight_lora_load"] = args.weight_lora_load
-    if getattr(args, "kv_transfer", None) is not None:
-        routing["kv_transfer"] = args.kv_transfer
+    if getattr(args, "route_kv_transfer", None) is not None:
+        routing["kv_transfer"] = args.route_kv_transfer
     if getattr(args, "pd", None):
         from cluster.config import PDConfig
 
