@@ -454,6 +454,7 @@ def test_chart_schema_mirrors_cluster_config_fields_and_limits(chart):
         "cpu_threads_per_replica",
         "max_ongoing_requests",
         "log_prompts",
+        "pd",  # null or {prefill_replicas, decode_replicas}
     }
     # `models` entries are ClusterConfig's ModelDeployment, generated like the rest
     models = chart_props["models"]["items"]["properties"]
