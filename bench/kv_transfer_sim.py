@@ -9,7 +9,7 @@ and seeds:
               transfer on
 
 on two workloads with spills: multi-turn chats (bench/sim_studies.py's, at `--load` times its
-rate) and long prompts (few long shared documents, each request one of them plus a question:
+rate, where 8 replicas run at about 70%: spills once the chats' holders fill) and long prompts (few long shared documents, each request one of them plus a question:
 the documents' holders get busy and requests spill), at 64 and 1000 replicas (1000: sampled
 candidates, `--max-candidates`). Records TTFT p50/p99, TPOT p50, prefilled tokens, fetches and
 fetched tokens, each the mean over seeds with its 95% confidence interval (t distribution).
@@ -40,18 +40,19 @@ from sim.workloads import arrival_offsets, prefix_repetition_dataset  # noqa: E4
 
 ENGINE = {"max_num_seqs": 32, "max_num_batched_tokens": 1024}
 MODES = ("recompute", "transfer", "pd")
-# long prompts: requests (per replica per second) that keep 64 replicas busy enough to spill
+# long prompts: requests per replica per second (at --load-long 1)
 LONG_PROMPT_RATE = 0.12
 
 
 def long_prompts(replicas: int, seconds: float, seed: int, load: float) -> Workload:
-    """Long shared documents (2048 tokens, one per 4 replicas), each request one of them plus a
-    64-token question, 32 tokens out."""
+    """Long shared documents (2048 tokens, one per 16 replicas: each is asked more than its
+    holder can answer, so requests spill), each request one of them plus a 64-token question,
+    32 tokens out."""
     rate = LONG_PROMPT_RATE * load * replicas
     rng = random.Random(seed)
     n = max(4, round(rate * seconds))
     specs = prefix_repetition_dataset(
-        n, max(2, replicas // 4), 2048, 64, 32, rng, prefix_rng=random.Random(7)
+        n, max(2, replicas // 16), 2048, 64, 32, rng, prefix_rng=random.Random(7)
     )
     return Workload(requests=list(zip(arrival_offsets(n, rate, 1.0, rng), specs)))
 
@@ -90,7 +91,8 @@ def run_one(args, profile: Profile, mode: str, wl: str, replicas: int, seed: int
         kv_fetch_latency_s=args.fetch_latency_ms / 1e3,
     )
     t0 = time.perf_counter()
-    s = simulate(cfg, profile, the_workload(wl, replicas, seconds, seed, args.load), settings)
+    load = args.load_long if wl == "long-prompt" else args.load
+    s = simulate(cfg, profile, the_workload(wl, replicas, seconds, seed, load), settings)
     s = s.summary()
     s["wall_s"] = time.perf_counter() - t0
     return s
@@ -117,10 +119,13 @@ def main() -> None:
     p.add_argument("--workloads", default="multi-turn,long-prompt")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--seconds", type=float, default=120.0, help="arrival window (< 1000 replicas)")
+    p.add_argument("--seconds", type=float, default=90.0, help="arrival window (< 1000 replicas)")
     p.add_argument("--seconds-1000", type=float, default=20.0, help="arrival window at 1000")
     p.add_argument("--max-candidates", type=int, default=16, help="at 1000 replicas")
-    p.add_argument("--load", type=float, default=1.5, help="times sim_studies' per-replica rate")
+    p.add_argument(
+        "--load", type=float, default=2.0, help="multi-turn: times sim_studies' per-replica rate"
+    )
+    p.add_argument("--load-long", type=float, default=1.0, help="long-prompt: times 0.12/s")
     p.add_argument("--transfer-gbps", type=float, default=1.0)
     p.add_argument("--fetch-latency-ms", type=float, default=5.0)
     p.add_argument("--pd-share", type=float, default=0.25, help="pd: share of prefill replicas")

@@ -215,6 +215,11 @@ class ClusterConfig(_Strict):
                 "pd sets its replica counts (pd.prefill_replicas, pd.decode_replicas): turn "
                 "autoscaling.enabled off"
             )
+        if self.routing.policy == "pow2":
+            raise ValueError(
+                "pd needs stepserve's router (routing.policy load_aware or round_robin): it "
+                "hands each prompt's KV from the replica the router chose; got pow2"
+            )
         return self
 
     @classmethod
@@ -235,4 +240,6 @@ class ClusterConfig(_Strict):
 
     def replicas_per_machine(self) -> int:
         """The most LLM replicas of every model that may share one machine's cores."""
+        if self.pd is not None:
+            return self.pd.prefill_replicas + self.pd.decode_replicas
         return sum(model.max_replicas() for model in self.deployments())

@@ -172,3 +172,67 @@ def test_a_drained_streams_continuation_fetches_from_the_draining_replica() -> N
             fanout.RETRY_PAUSE_S = saved
         first, second = replicas.sent
         assert first.kv_fetch is None and second.kv_fetch == expected
+
+
+# --- PD: prefill replica, then decode replica, one stream ---------------------------------------
+def _pd_run(streamed: bool, max_tokens: int = 6, monkeypatch=None):
+    pytest.importorskip("ray")
+    from router import fanout
+    from router.fanout import ReplicaCalls
+    from router.migration import Migrations
+    from tests.router.test_migration import Replicas, choice
+
+    monkeypatch.setattr(fanout, "replica_of", lambda request_id: "p0")
+    prefill, decode = Replicas(), Replicas()
+    calls = ReplicaCalls(decode, Policy(ON), 16, Migrations(3), prefill=prefill)
+    job = choice([3] * 40, max_tokens=max_tokens)
+
+    async def run():
+        if streamed:
+            return [out async for out in calls.one_stream(job)]
+        return [out async for out in calls._call(job, streamed=False)]
+
+    return asyncio.run(run()), prefill, decode
+
+
+def test_pd_runs_the_prompt_on_a_prefill_replica_and_the_rest_on_a_decode_one(monkeypatch):
+    from tests.router.test_migration import Replicas, calls, choice, joined, stream
+
+    outs, prefill, decode = _pd_run(True, monkeypatch=monkeypatch)
+    colocated = stream(calls(Replicas()), choice([3] * 40))
+    assert joined(outs) == joined(colocated)  # the client's stream, unbroken
+    assert [o.num_output_tokens for o in outs] == [1, 2, 3, 4, 5, 6]
+    assert outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
+    (first,), (rest,) = prefill.sent, decode.sent
+    assert first.sampling.max_tokens == 1 and first.resume is None and first.kv_fetch is None
+    assert rest.sampling.max_tokens == 6 and rest.resume.output_token_ids == [3000]
+    assert rest.kv_fetch == KVFetch("p0", 2)  # 40 prompt tokens + 1: (41 - 1) // 16 blocks
+
+
+def test_pd_unary_answers_both_phases_as_one_and_a_one_token_answer_stays_on_prefill(
+    monkeypatch,
+):
+    (whole,), _, _ = _pd_run(False, monkeypatch=monkeypatch)
+    assert whole.num_output_tokens == 6 and len(whole.new_token_ids) == 6
+    assert whole.new_text.startswith("w3.0 w3.1 ") and whole.finish_reason == "length"
+    outs, prefill, decode = _pd_run(True, max_tokens=1, monkeypatch=monkeypatch)
+    assert len(prefill.sent) == 1 and decode.sent == [] and outs[-1].finish_reason == "length"
+
+
+def test_pd_builds_a_prefill_deployment_beside_the_decode_one() -> None:
+    pytest.importorskip("ray")
+    from cluster.app import llm_deployments
+    from cluster.config import ClusterConfig
+
+    config = ClusterConfig.model_validate({"pd": {"prefill_replicas": 1, "decode_replicas": 3}})
+    got = llm_deployments(config)
+    name = config.model_name()
+    assert list(got) == [name, name + "#prefill"]
+    assert [(o["name"], o["num_replicas"]) for _, o in got.values()] == [
+        ("LLMServer", 3), ("LLMServer-prefill", 1),
+    ]  # fmt: skip
+    assert config.replicas_per_machine() == 4
+    with pytest.raises(ValueError, match="pd needs stepserve's router"):
+        ClusterConfig.model_validate(
+            {"pd": {"prefill_replicas": 1, "decode_replicas": 1}, "routing": {"policy": "pow2"}}
+        )
