@@ -373,6 +373,11 @@ def print_summary(s: dict) -> None:
         f"prompt tokens); preemptions {s['preemptions']}; replica-hours "
         f"{s['replica_seconds'] / 3600:.3f}"
     )
+    if s.get("fetches"):
+        print(
+            f"  KV: {s['prefilled_tokens']} prompt tokens prefilled, {s['fetches']} fetches "
+            f"brought {s['fetched_tokens']} (mean wait {s['fetch_s_mean'] * 1e3:.1f} ms)"
+        )
     if "lora_loads" in s:
         print(
             f"  LoRA: {s['lora_requests']} adapter requests, {s['lora_loads']} adapter loads "
