@@ -112,6 +112,22 @@ def line(label: str, agg: dict) -> str:
     )
 
 
+def tables(data: dict) -> str:
+    """The results of a run (its JSON) as markdown tables, one per workload and size."""
+    out, last = [], None
+    header = (
+        "| mode | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | prefilled (k tokens) | "
+        "fetches | fetched (k tokens) |\n|---|---|---|---|---|---|---|"
+    )
+    for key, agg in data["results"].items():
+        wl, replicas, mode = key.split("/")
+        if (wl, replicas) != last:
+            out.append(f"\n{wl}, {replicas} replicas ({agg['requests']} requests)\n\n{header}")
+            last = (wl, replicas)
+        out.append(line(mode, agg))
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--profile", default="SmolLM2-135M-Instruct-avx2-1t")
@@ -131,7 +147,11 @@ def main() -> None:
     p.add_argument("--pd-share", type=float, default=0.25, help="pd: share of prefill replicas")
     p.add_argument("--quick", action="store_true", help="2 seeds, short windows, 16 replicas")
     p.add_argument("--out", default="sim_kv_transfer")
+    p.add_argument("--tables", metavar="JSON", help="print a results file's tables; run nothing")
     args = p.parse_args()
+    if args.tables:
+        print(tables(json.loads(Path(args.tables).read_text())))
+        return
     if args.quick:
         args.seeds, args.seconds, args.sizes = 2, 30.0, "16"
     profile = Profile.load(args.profile)
