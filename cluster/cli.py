@@ -29,6 +29,7 @@ from cluster.engine_args import (
     GENERATE_OWN_FLAGS,
     SERVE_OWN_FLAGS,
     add_engine_args,
+    add_kv_transfer_args,
     engine_overrides,
 )
 from cluster.processes import (
@@ -165,24 +166,6 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
     if args.lora_modules:
         _add_lora_modules(data, [parse_lora_module(text) for text in args.lora_modules])
     return ClusterConfig.model_validate(data)
-
-
-def add_kv_transfer_args(parser: argparse.ArgumentParser, flag: str = "--kv-transfer") -> None:
-    """The router's KV transfer switch (`flag`: `serve` calls it --kv-fetch, as --kv-transfer
-    is the engine's export/import switch there) and --pd, for `serve` and `simulate`."""
-    parser.add_argument(
-        flag,
-        dest="route_kv_transfer",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the router fetches a prompt's cached prefix from the replica holding it when "
-        "its cost model says that beats recomputing it (routing.kv_transfer)",
-    )
-    parser.add_argument(
-        "--pd",
-        metavar="PREFILL:DECODE",
-        help="prefill/decode disaggregation with these replica counts, e.g. 1:3 (pd)",
-    )
 
 
 def _flags_to_every_model(data: dict, args: argparse.Namespace, overrides: dict) -> None:

@@ -106,7 +106,7 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
     p.add_argument(
         "--weight-lora-load", type=float, help="routing.weight_lora_load (0: ignore adapters)"
     )
-    from cluster.cli import add_kv_transfer_args
+    from cluster.engine_args import add_kv_transfer_args
 
     add_kv_transfer_args(p)
     p.add_argument(
