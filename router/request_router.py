@@ -215,7 +215,10 @@ class LoadAwareRouter(RequestRouter):
                 rid = replica_id.unique_id
                 reason = decision.reason(rid, self.routing_config)
                 if reason is not None:
-                    self.kv.routed(request.request_id, decision.hits.get(rid, 0), reason)
+                    predicted = decision.hits.get(rid, 0)
+                    if reason == "fetch":  # what it will hold once the fetch is in
+                        predicted = decision.fetch.num_blocks * self.block_size
+                    self.kv.routed(request.request_id, predicted, reason)
         if request is not None and request.lora is not None:  # where it went, if not the lead
             self.inflight.adapter_sent(replica_id.unique_id, request.lora.name, time.time())
         if request is not None:
