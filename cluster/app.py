@@ -1,6 +1,7 @@
 """build_app(config) -> serve.Application: the ingress deployment bound to one LLM deployment
 per served model ("LLMServer" for one model, as always; "LLMServer-<served name>" each when
-there are several), each with its own replicas, autoscaling, engine and request router. Also the import path `cluster.app:build_app` used by `serve run deploy/serve_config.yaml` and
+there are several), each with its own replicas, autoscaling, engine and request router; with
+pd, a second one ("LLMServer-prefill") takes the prompts (docs/pd.md). Also the import path `cluster.app:build_app` used by `serve run deploy/serve_config.yaml` and
 by the RayService (Ray validates the YAML `args:` into ClusterConfig)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from cluster.config import ClusterConfig, ModelDeployment
 from replica.deployment import LLMServer
 from replica.metrics import ON_HEAD_NODE
 from router.ingress import make_ingress_deployment
-from router.settings import IngressSettings, ModelSettings
+from router.settings import PREFILL_HANDLE_SUFFIX, IngressSettings, ModelSettings
 
 # On scale-down, redeploy or shutdown a replica takes no new requests and waits this long for
 # its in-flight ones (Serve's graceful shutdown); after http.drain_migrate_after_s it hands the
@@ -180,12 +181,30 @@ def drain_migrate_after_s(config: ClusterConfig) -> float | None:
     return after
 
 
+def llm_deployments(config: ClusterConfig) -> dict[str, tuple[ModelDeployment, dict]]:
+    """The LLM deployments to bind, by the ingress's handle key: each model's (its served
+    name) with its Serve options; with pd, the model's decode replicas under its name
+    ("LLMServer") and its prefill replicas beside them ("LLMServer-prefill", under the name
+    plus PREFILL_HANDLE_SUFFIX)."""
+    out = {}
+    for model in config.deployments():
+        if config.pd is None:
+            out[model.served_name()] = (model, replica_options(config, model))
+            continue
+        decode = model.model_copy(update={"replicas": config.pd.decode_replicas})
+        prefill = model.model_copy(update={"replicas": config.pd.prefill_replicas})
+        out[model.served_name()] = (decode, replica_options(config, decode))
+        options = replica_options(config, prefill) | {"name": "LLMServer-prefill"}
+        out[model.served_name() + PREFILL_HANDLE_SUFFIX] = (prefill, options)
+    return out
+
+
 def build_app(args: ClusterConfig) -> serve.Application:
     config = args if isinstance(args, ClusterConfig) else ClusterConfig.model_validate(args)
     llm_apps = {}
-    for model in config.deployments():
-        llm = serve.deployment(LLMServer).options(**replica_options(config, model))
-        llm_apps[model.served_name()] = llm.bind(
+    for key, (model, options) in llm_deployments(config).items():
+        llm = serve.deployment(LLMServer).options(**options)
+        llm_apps[key] = llm.bind(
             model.engine.model_dump(),
             kv_events=config.routing.kv_events,
             drain_migrate_after_s=drain_migrate_after_s(config),

@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, PDConfig
 from cluster.embedded import (
     BUSY_HOST_RAY_ENV,  # noqa: F401  (kept importable here: tests/helpers.py)
     StartupError,
@@ -29,6 +29,7 @@ from cluster.engine_args import (
     GENERATE_OWN_FLAGS,
     SERVE_OWN_FLAGS,
     add_engine_args,
+    add_kv_transfer_args,
     engine_overrides,
 )
 from cluster.processes import (
@@ -158,6 +159,10 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         data.setdefault("routing", {})["kv_events"] = args.kv_events
     if args.otlp_traces_endpoint is not None:
         data.setdefault("tracing", {})["otlp_traces_endpoint"] = args.otlp_traces_endpoint
+    if args.route_kv_transfer is not None:
+        data.setdefault("routing", {})["kv_transfer"] = args.route_kv_transfer
+    if args.pd is not None:
+        data["pd"] = PDConfig.parse(args.pd).model_dump()
     if data.get("models"):
         _flags_to_every_model(data, args, overrides)
     if args.lora_modules:
@@ -361,6 +366,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="send OpenTelemetry traces of each request to this OTLP/HTTP endpoint, e.g. "
         "http://otel-collector:4318 (tracing.otlp_traces_endpoint; off without it)",
     )
+    add_kv_transfer_args(serve_p, "--kv-fetch")
     serve_p.set_defaults(func=cmd_serve)
 
     gen_p = sub.add_parser("generate", help="print one completion (offline engine)")

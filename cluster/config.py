@@ -88,6 +88,24 @@ MaxOngoingRequests = Annotated[
 ]
 
 
+class PDConfig(_Strict):
+    """Prefill/decode disaggregation: prefill replicas run prompts to their first token, decode
+    replicas continue them from there with the prompt's KV fetched from the prefill replica."""
+
+    prefill_replicas: int = Field(ge=1, description="replicas that run prompts")
+    decode_replicas: int = Field(ge=1, description="replicas that continue them (decode)")
+
+    @classmethod
+    def parse(cls, text: str) -> PDConfig:
+        """`--pd PREFILL:DECODE` (e.g. "1:3"): the two roles' replica counts."""
+        parts = text.split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(
+                f"--pd {text!r}: expected PREFILL:DECODE replica counts, e.g. --pd 1:3"
+            )
+        return cls(prefill_replicas=int(parts[0]), decode_replicas=int(parts[1]))
+
+
 class ModelDeployment(_Strict):
     """One served model: its engine and its LLMServer deployment's size (cluster/app.py)."""
 
@@ -145,6 +163,11 @@ class ClusterConfig(_Strict):
         description="OpenTelemetry traces of each request (ingress and engine spans) to an "
         "OTLP/HTTP endpoint; off without otlp_traces_endpoint",
     )
+    pd: PDConfig | None = Field(
+        default=None,
+        description="prefill/decode disaggregation (docs/pd.md); null: colocated, every "
+        "replica runs prompts and decodes",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -186,6 +209,25 @@ class ClusterConfig(_Strict):
                 seen[name] = what
         return self
 
+    @model_validator(mode="after")
+    def _pd_fixed_size(self) -> ClusterConfig:
+        """PD splits one model's fixed replica count between two roles."""
+        if self.pd is None:
+            return self
+        if self.models:
+            raise ValueError("pd (prefill/decode disaggregation) serves one model: drop `models`")
+        if self.autoscaling.enabled:
+            raise ValueError(
+                "pd sets its replica counts (pd.prefill_replicas, pd.decode_replicas): turn "
+                "autoscaling.enabled off"
+            )
+        if self.routing.policy == "pow2":
+            raise ValueError(
+                "pd needs stepserve's router (routing.policy load_aware or round_robin): it "
+                "hands each prompt's KV from the replica the router chose; got pow2"
+            )
+        return self
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
@@ -204,4 +246,6 @@ class ClusterConfig(_Strict):
 
     def replicas_per_machine(self) -> int:
         """The most LLM replicas of every model that may share one machine's cores."""
+        if self.pd is not None:
+            return self.pd.prefill_replicas + self.pd.decode_replicas
         return sum(model.max_replicas() for model in self.deployments())

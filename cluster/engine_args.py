@@ -89,3 +89,21 @@ def engine_overrides(args: argparse.Namespace) -> dict:
         for key, value in vars(args).items()
         if key.startswith(_ENGINE_DEST) and value is not None
     }
+
+
+def add_kv_transfer_args(parser: argparse.ArgumentParser, flag: str = "--kv-transfer") -> None:
+    """The router's KV transfer switch (`flag`: `serve` calls it --kv-fetch, as --kv-transfer
+    is the engine's export/import switch there) and --pd, for `serve` and `simulate`."""
+    parser.add_argument(
+        flag,
+        dest="route_kv_transfer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the router fetches a prompt's cached prefix from the replica holding it when "
+        "its cost model says that beats recomputing it (routing.kv_transfer)",
+    )
+    parser.add_argument(
+        "--pd",
+        metavar="PREFILL:DECODE",
+        help="prefill/decode disaggregation with these replica counts, e.g. 1:3 (pd)",
+    )

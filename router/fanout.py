@@ -16,7 +16,16 @@ another replica as the same choice with `resume` (the tokens and text the client
 replica's deltas continue the same stream, up to http.migration_limit times per choice
 (router/migration.py keeps what was delivered; then the stream ends with
 MigrationLimitReached). A draining replica that hands a call back (ReplicaDraining) is
-migrated the same way, without counting against the limit: the replica asked for it."""
+migrated the same way, without counting against the limit: the replica asked for it. That
+replica is alive and holds the stream's KV: with routing.kv_transfer the continuation carries a
+`kv_fetch` hint naming it (the router weighs it with its cost model, router/kv_transfer.py); a
+lost replica's KV is gone with it, and its continuation fetches nothing from it.
+
+PD (config.pd, `prefill` handle given): a choice runs first on a prefill replica with
+max_tokens 1, which computes its prompt and its first token; unless that finished it, the same
+choice goes on on a decode replica as a continuation (`resume` with the first token) that
+fetches the prompt's KV from the prefill replica (`kv_fetch`): the client's stream is one, its
+first delta from the prefill replica, the rest from the decode replica (docs/pd.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +36,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from replica.api import Accepted, EngineRequest, GenerateRequest, RequestOutput
+import msgspec
+
+from replica.api import Accepted, EngineRequest, GenerateRequest, KVFetch, RequestOutput, Resume
 from router.errors import (
     MigrationLimitReached,
     ReplicaCallCancelled,
@@ -36,8 +47,9 @@ from router.errors import (
     replica_full,
     replica_handed_back,
     replica_lost,
+    root_cause,
 )
-from router.inflight import note_finished, note_first_token
+from router.inflight import note_finished, note_first_token, replica_of
 from router.kv_routing import note_cached, note_gone
 from router.migration import Delivered, Migrations
 from router.policy import Policy
@@ -59,10 +71,17 @@ FULL_PAUSE_MAX_S = 0.4
 
 class ReplicaCalls:
     def __init__(
-        self, handle, policy: Policy, block_size: int, migrations: Migrations | None = None
+        self,
+        handle,
+        policy: Policy,
+        block_size: int,
+        migrations: Migrations | None = None,
+        prefill=None,
     ) -> None:
+        """`prefill`: PD's prefill deployment's handle (None: colocated; `handle` takes all)."""
         self.handle = handle
         self.stream_handle = handle.options(stream=True)
+        self.prefill_stream = prefill.options(stream=True) if prefill is not None else None
         self.policy = policy
         self.block_size = block_size
         self.retries = 0  # calls sent again after their replica was lost or full (metrics)
@@ -121,6 +140,21 @@ class ReplicaCalls:
         await asyncio.sleep(RETRY_PAUSE_S)
         return not handed_back
 
+    def handed_back_kv(
+        self, exc: BaseException, choice: EngineRequest, delivered: Delivered
+    ) -> KVFetch | None:
+        """The fetch hint for a stream's continuation (routing.kv_transfer): the blocks of its
+        prompt and delivered tokens on the draining replica that handed it back (alive, its
+        cache intact); None after a loss (that KV is gone) or when transfer is off."""
+        cause = root_cause(exc)
+        source = getattr(cause, "replica_id", "") if replica_handed_back(exc) else ""
+        if not source or not self.policy.cfg.kv_transfer or self.block_size <= 0:
+            return None
+        had = len(choice.resume.output_token_ids) if choice.resume is not None else 0
+        tokens = len(choice.prompt_token_ids) + had + len(delivered.token_ids)
+        num_blocks = (tokens - 1) // self.block_size  # one token is always computed
+        return KVFetch(source, num_blocks) if num_blocks > 0 else None
+
     def request(self, choice: EngineRequest) -> GenerateRequest:
         """One send of a choice: the request whole, a fresh id and the routing hints."""
         return GenerateRequest.of(
@@ -137,28 +171,85 @@ class ReplicaCalls:
         that migrates."""
         return self._call(choice, streamed=True)
 
-    async def _call(
+    def _call(self, choice: EngineRequest, streamed: bool) -> AsyncIterator:
+        if self.prefill_stream is not None and choice.resume is None:
+            return self._pd_call(choice, streamed)
+        return self._send(choice, streamed, self.stream_handle)
+
+    async def _pd_call(
         self, choice: EngineRequest, streamed: bool
+    ) -> AsyncIterator[RequestOutput | Accepted]:
+        """PD: the choice's prompt and first token on a prefill replica, the rest on a decode
+        replica that fetches the prompt's KV from it (the module's docstring). Unary: the two
+        phases' outputs as one."""
+        sampling = choice.sampling
+        first_only = dataclasses.replace(
+            sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1)
+        )
+        where: list[str] = []
+        outs: list[RequestOutput] = []
+        prefill = dataclasses.replace(choice, sampling=first_only)
+        async for out in self._send(prefill, True, self.prefill_stream, where):
+            if isinstance(out, Accepted):
+                if streamed:
+                    yield out
+                continue
+            outs.append(out)
+        if not outs:
+            return
+        first = outs[0]
+        for out in outs[1:]:
+            first = first.merge(out)
+        if first.finish_reason != "length" or sampling.max_tokens <= 1:
+            yield first  # its first token ended it (a stop, EOS, max_tokens 1)
+            return
+        first = msgspec.structs.replace(first, finish_reason=None, stop_reason=None)
+        if streamed:
+            yield first
+        tokens = len(choice.prompt_token_ids) + len(first.new_token_ids)
+        source = where[-1] if where else None
+        num_blocks = (tokens - 1) // self.block_size if self.block_size > 0 else 0
+        fetch = KVFetch(source, num_blocks) if source and num_blocks > 0 else None
+        rest = dataclasses.replace(
+            choice, resume=Resume(list(first.new_token_ids), first.new_text, 0), kv_fetch=fetch
+        )
+        async for out in self._send(rest, streamed, self.stream_handle):
+            if isinstance(out, Accepted):
+                continue  # the stream started with the first token
+            if not streamed:  # one whole answer: the first token's delta and the rest
+                out = msgspec.structs.replace(first, request_id=out.request_id).merge(out)
+            yield out
+
+    async def _send(
+        self, choice: EngineRequest, streamed: bool, stream_handle, where: list | None = None
     ) -> AsyncIterator[RequestOutput | Accepted]:
         """One choice's call, streamed (its deltas) or unary (its whole output, one item),
         with the replica's Accepted passed on. The one retry loop: a call its replica lost or
         refused before any output reached the caller is sent again (`_again`); a stream lost
-        after that continues on another replica from what was delivered (`_migrate`)."""
+        after that continues on another replica from what was delivered (`_migrate`), after
+        what a continued choice (`choice.resume`) already had. `where`: each send's replica
+        (as its router noted it) is appended at its first output."""
         first_sent = time.monotonic()
         delivered = Delivered()
         origin = ""  # the first send's request id: the one the log names
         sends = moves = lost_moves = 0  # sends before any output; migrations (all, lost)
         max_sends = MAX_SENDS if streamed else min(MAX_SENDS, 1 + self.migrations.limit)
+        fetch: KVFetch | None = None  # the continuation's hint: its KV on a draining replica
         while True:
             sent = choice
             if delivered.started:
-                sent = dataclasses.replace(choice, resume=delivered.resume(moves))
+                resume = delivered.resume(moves)
+                if choice.resume is not None:  # the output it had before this call's
+                    had = choice.resume
+                    resume = Resume(had.output_token_ids + resume.output_token_ids,
+                                    had.output_text + resume.output_text, moves)  # fmt: skip
+                sent = dataclasses.replace(choice, resume=resume, kv_fetch=fetch)
             request = self.request(sent)
             origin = origin or request.request_id
             first = True
             try:
                 if streamed:
-                    outputs = self.stream_handle.generate.remote(request)
+                    outputs = stream_handle.generate.remote(request)
                 else:
                     outputs = _one(self.handle.generate_all.remote(request))
                 async for out in outputs:
@@ -167,6 +258,8 @@ class ReplicaCalls:
                         continue
                     if first:  # prefill is over: tell the router (it weighs prefill still ahead)
                         first = False
+                        if where is not None:
+                            where.append(replica_of(request.request_id))
                         if streamed:
                             note_first_token(request.request_id)
                         note_cached(request.request_id, out.num_cached_tokens)
@@ -194,6 +287,7 @@ class ReplicaCalls:
                 continue
             lost_moves += await self._migrate(lost, delivered, moves, lost_moves, origin)
             moves += 1
+            fetch = self.handed_back_kv(lost, choice, delivered)
 
     async def complete_all(self, jobs: list[Job]) -> list[tuple[int, RequestOutput]]:
         """Every job run to completion concurrently, one unary call each (a non-streaming

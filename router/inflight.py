@@ -182,6 +182,12 @@ class InflightLoad:
                     del self._prefilling_at[entry[0]]
         return entry
 
+    def replica_of(self, key: str) -> str | None:
+        """Where request `key` went (None: not in flight here)."""
+        with self._lock:
+            entry = self._requests.get(key)
+        return entry[0] if entry is not None else None
+
     def first_token(self, key: str, now: float) -> None:
         """The sender's request `key` has its first token: its prefill is done."""
         with self._lock:
@@ -363,6 +369,16 @@ def note_finished(request_id: str) -> None:
     now = time.time()
     for load in list(_INFLIGHT_LOADS):
         load.finished(request_id, now)
+
+
+def replica_of(request_id: str) -> str | None:
+    """The replica a router of this process sent the ingress's request `request_id` to (while
+    it is in flight; None: unknown). PD hands a prompt's KV from there to a decode replica."""
+    for load in list(_INFLIGHT_LOADS):
+        replica = load.replica_of(request_id)
+        if replica is not None:
+            return replica
+    return None
 
 
 def inflight_state() -> list[dict]:

@@ -41,7 +41,7 @@ from router.protocol import (
 )
 from router.reasoning import request_reasoning
 from router.served_model import ServedModel
-from router.settings import IngressSettings
+from router.settings import PREFILL_HANDLE_SUFFIX, IngressSettings
 from router.streaming import TIMEOUT_HEADER, Ticket
 from router.tool_calls import render_messages
 
@@ -71,6 +71,7 @@ class IngressCore:
                 tokenizer if ms.name == settings.model_name else None,
                 then=freeze_heap,
                 migrations=self.migrations,
+                prefill=handles.get(ms.name + PREFILL_HANDLE_SUFFIX),
             )
             for ms in settings.models
         }

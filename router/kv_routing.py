@@ -22,7 +22,7 @@ from router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
 
-REASONS = ("load", "cache", "spill", "lora")  # decision_reason's answers
+REASONS = ("load", "cache", "spill", "lora", "fetch")  # Decision.reason's answers
 IDLE_POLL_S = 0.5
 
 

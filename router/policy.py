@@ -139,6 +139,36 @@ class RoutingConfig(BaseModel):
         description="in queued requests: what a replica that does not hold the request's LoRA "
         "adapter loaded costs (it loads it first); 0: routing ignores adapters",
     )
+    kv_transfer: bool = Field(
+        default=False,
+        description="fetch a prompt's cached prefix from the replica holding it when that beats "
+        "recomputing it (router/kv_transfer.py's cost model); off: recompute, as before",
+    )
+    kv_transfer_min_blocks: int = Field(
+        default=4, ge=1, description="the fewest blocks worth a fetch"
+    )
+    kv_transfer_margin: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        description="a fetch (or sending to the holder) must be this fraction faster than the "
+        "ranking's choice to replace it",
+    )
+    kv_prefill_tokens_per_s: float = Field(
+        default=2000.0, gt=0, description="prefill rate assumed while a replica reports none"
+    )
+    kv_transfer_bytes_per_s: float = Field(
+        default=1e9, gt=0, description="KV transfer rate assumed while a replica reports none"
+    )
+    kv_bytes_per_block: int = Field(
+        default=737_280,
+        gt=0,
+        description="one block's KV bytes assumed while a replica reports none (a 16-token "
+        "block of a 135M model in fp32)",
+    )
+    kv_fetch_latency_s: float = Field(
+        default=0.005, ge=0, description="fixed cost of one fetch (the calls, the import)"
+    )
     max_candidates: int = Field(
         default=0,
         ge=0,

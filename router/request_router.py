@@ -24,6 +24,7 @@ ingress's `GenerateRequest`, a replica's recorded stats are a `RoutingStats`."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -43,6 +44,13 @@ def _request(pending_request: PendingRequest | None) -> GenerateRequest | None:
         return None
     request = pending_request.args[0]
     return request if isinstance(request, GenerateRequest) else None
+
+
+def prompt_tokens(request: GenerateRequest) -> int:
+    """The tokens a replica computes before the request's next token: its prompt, and for a
+    continued stream (migration) the output it resumes from."""
+    resumed = len(request.resume.output_token_ids) if request.resume is not None else 0
+    return len(request.prompt_token_ids) + resumed
 
 
 def healthy_replicas(replicas: list[RunningReplica]) -> list[RunningReplica]:
@@ -68,6 +76,7 @@ class LoadAwareRouter(RequestRouter):
     ) -> None:
         register_router(self)
         self.routing_config = RoutingConfig.model_validate(routing or {})
+        self.block_size = block_size
         self.policy = Policy(self.routing_config)
         # adapters a replica holds: its max_cpu_loras, for the router's tally of those it sent
         self.inflight = InflightLoad(lora_slots=lora_capacity)
@@ -93,8 +102,11 @@ class LoadAwareRouter(RequestRouter):
             self.kv = KVRouting(app, block_size, self.routing_config.kv_events_poll_s, start=False)
             register_kv_routing(self.kv)
 
-    def _observe(self, replica: RunningReplica) -> tuple[int, RoutingStats | None]:
-        """Ray's in-flight count on `replica` and the stats it last recorded."""
+    def _observe(self, replica: RunningReplica | None) -> tuple[int, RoutingStats | None]:
+        """Ray's in-flight count on `replica` and the stats it last recorded (nothing of a
+        replica this router does not route to: a fetch's draining source)."""
+        if replica is None:
+            return 0, None
         ongoing = self.replica_queue_len_cache.get(replica.replica_id)
         return int(ongoing or 0), RoutingStats.from_dict(replica.routing_stats)
 
@@ -126,10 +138,16 @@ class LoadAwareRouter(RequestRouter):
             hits = self.kv.hit_tokens(request.prompt_token_ids, list(by_id), request.lora)
         lora = request.lora.name if request.lora is not None else None
         decision = decide(
-            self.policy, self.inflight, list(by_id), lambda rid: self._observe(by_id[rid]),
+            self.policy, self.inflight, list(by_id), lambda rid: self._observe(by_id.get(rid)),
             now, self._rng, prefix=request.prefix_key,
             footprint_tokens=request.footprint_tokens, hits=hits, lora=lora,
+            prompt_tokens=prompt_tokens(request), block_size=self.block_size,
+            preset=request.kv_fetch,
         )  # fmt: skip
+        if self.routing_config.kv_transfer and decision.fetch != request.kv_fetch:
+            # what the lead fetches first (or, for a hinted fetch the model turned down, nothing):
+            # Ray sends the pending request's arguments as they are after this choice
+            pending_request.args[0] = dataclasses.replace(request, kv_fetch=decision.fetch)
         if use_kv and request.reports_progress:
             self._decisions[request.request_id] = decision  # for on_request_routed
         if request.traceparent is not None:  # traced: its routing span at on_request_routed
@@ -202,7 +220,10 @@ class LoadAwareRouter(RequestRouter):
                 rid = replica_id.unique_id
                 reason = decision.reason(rid, self.routing_config)
                 if reason is not None:
-                    self.kv.routed(request.request_id, decision.hits.get(rid, 0), reason)
+                    predicted = decision.hits.get(rid, 0)
+                    if reason == "fetch":  # what it will hold once the fetch is in
+                        predicted = decision.fetch.num_blocks * self.block_size
+                    self.kv.routed(request.request_id, predicted, reason)
         traced = self._traced.pop(request.request_id, None) if request is not None else None
         if traced is not None:
             rid = replica_id.unique_id

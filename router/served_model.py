@@ -51,10 +51,12 @@ class ServedModel:
         tokenizer=None,
         then=freeze_heap,
         migrations: Migrations | None = None,
+        prefill=None,
     ) -> None:
         """`tokenizer`: one to use (tests); else the model's loads in the background, and
         `then` runs once it has loaded (the ingress freezes its heap). `migrations`: the
-        ingress's migration limit and tallies (router/migration.py)."""
+        ingress's migration limit and tallies (router/migration.py). `prefill`: PD's prefill
+        deployment's handle (None: colocated)."""
         self.settings = settings
         self.name = settings.name
         self.engine = settings.engine
@@ -72,7 +74,9 @@ class ServedModel:
             self._loading = LazyTokenizer(settings.model_dir, resolve=True).preload(then=then)
         else:
             self._use_tokenizer(tokenizer)
-        self.calls = ReplicaCalls(handle, Policy(routing), settings.engine.block_size, migrations)
+        self.calls = ReplicaCalls(
+            handle, Policy(routing), settings.engine.block_size, migrations, prefill=prefill
+        )
         self.answers = Answers(self.calls, admission, keepalive_s)
         self._info: dict | None = None
         self._limits: EngineLimits | None = None

@@ -122,6 +122,11 @@ class ModelSettings(BaseModel):
     engine: EngineConfig
 
 
+# PD (config.pd): the ingress's handles hold a model's prefill deployment under its served name
+# plus this suffix
+PREFILL_HANDLE_SUFFIX = "#prefill"
+
+
 class IngressSettings(BaseModel):
     """The ingress deployment's arguments: the cluster config's sections it reads. `models`
     are the served models in order (the first answers requests that name none); model_name,

@@ -106,6 +106,21 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
     p.add_argument(
         "--weight-lora-load", type=float, help="routing.weight_lora_load (0: ignore adapters)"
     )
+    from cluster.engine_args import add_kv_transfer_args
+
+    add_kv_transfer_args(p)
+    p.add_argument(
+        "--transfer-gbps", type=float,
+        help="KV transfer rate in GB/s (default: routing.kv_transfer_bytes_per_s, 1 GB/s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fetch-latency-ms", type=float,
+        help="fixed cost of one KV fetch (default: routing.kv_fetch_latency_s, 5 ms)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-bytes-per-block", type=int,
+        help="one KV block's bytes (default: routing.kv_bytes_per_block)",
+    )  # fmt: skip
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -198,6 +213,12 @@ def build_cluster_config(args: argparse.Namespace):
         routing["max_candidates"] = args.max_candidates
     if getattr(args, "weight_lora_load", None) is not None:
         routing["weight_lora_load"] = args.weight_lora_load
+    if getattr(args, "route_kv_transfer", None) is not None:
+        routing["kv_transfer"] = args.route_kv_transfer
+    if getattr(args, "pd", None):
+        from cluster.config import PDConfig
+
+        data["pd"] = PDConfig.parse(args.pd).model_dump()
     engine = data.setdefault("engine", {})
     if getattr(args, "loras", 0):
         engine["enable_lora"] = True
@@ -288,6 +309,9 @@ def build_settings(args: argparse.Namespace, profile=None):
         ray_target_ongoing_requests=args.ray_target_ongoing,
         seed=args.seed,
         lora_load_s=None if args.lora_load_ms is None else args.lora_load_ms / 1000.0,
+        kv_transfer_bytes_per_s=None if args.transfer_gbps is None else args.transfer_gbps * 1e9,
+        kv_fetch_latency_s=None if args.fetch_latency_ms is None else args.fetch_latency_ms / 1e3,
+        kv_bytes_per_block=args.kv_bytes_per_block,
     )
 
 
@@ -349,6 +373,11 @@ def print_summary(s: dict) -> None:
         f"prompt tokens); preemptions {s['preemptions']}; replica-hours "
         f"{s['replica_seconds'] / 3600:.3f}"
     )
+    if s.get("fetches"):
+        print(
+            f"  KV: {s['prefilled_tokens']} prompt tokens prefilled, {s['fetches']} fetches "
+            f"brought {s['fetched_tokens']} (mean wait {s['fetch_s_mean'] * 1e3:.1f} ms)"
+        )
     if "lora_loads" in s:
         print(
             f"  LoRA: {s['lora_requests']} adapter requests, {s['lora_loads']} adapter loads "

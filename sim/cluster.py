@@ -69,6 +69,14 @@ class SimSettings:
     # how long a replica takes to load a LoRA adapter it does not hold; None: the profile's
     # (`Profile.lora_load_s`), else DEFAULT_LORA_LOAD_S
     lora_load_s: float | None = None
+    # KV transfer (routing.kv_transfer, PD): a fetch of n blocks takes
+    # kv_fetch_latency_s + n * kv_bytes_per_block / kv_transfer_bytes_per_s, and a replica sends
+    # one fetch at a time (its egress link is shared: fetches from it queue, first come first
+    # served); None: the routing config's fallbacks (RoutingConfig.kv_*), which the replicas
+    # also report as their measured rates
+    kv_transfer_bytes_per_s: float | None = None
+    kv_bytes_per_block: int | None = None
+    kv_fetch_latency_s: float | None = None
 
 
 # A placeholder until a profile measures it: a rank-16 adapter of the 135M model (q, k, v, o
@@ -107,8 +115,20 @@ class Simulation:
         self._events: list = []
         self._seq = itertools.count()
         self.replicas: list[SimReplica] = []
+        self.by_rid: dict[str, SimReplica] = {}
         self.routable: list[SimReplica] = []
         self._replica_ids = itertools.count()
+        routing = config.routing
+        self.transfer_bytes_per_s = (
+            self.settings.kv_transfer_bytes_per_s or routing.kv_transfer_bytes_per_s
+        )
+        self.bytes_per_block = self.settings.kv_bytes_per_block or routing.kv_bytes_per_block
+        latency = self.settings.kv_fetch_latency_s
+        self.fetch_latency_s = routing.kv_fetch_latency_s if latency is None else latency
+        self.prefill_tokens_per_s = prefill_rate(profile, config.engine.max_num_batched_tokens)
+        # PD disaggregation (config.pd): the first prefill_replicas replicas take prompts, the
+        # rest continue them (decode)
+        self.pd = config.pd
         self.ingresses = [SimIngress(self, i) for i in range(config.http.ingress_replicas)]
         self.requests: list[SimRequest] = []
         self.replica_count: list[tuple[float, int, int]] = []  # (t, running, target)
@@ -121,6 +141,8 @@ class Simulation:
         scaling = config.autoscaling
         self.autoscaling = scaling.enabled
         initial = max(scaling.min_replicas, 1) if scaling.enabled else (replicas or config.replicas)
+        if self.pd is not None:
+            initial = self.pd.prefill_replicas + self.pd.decode_replicas
         self.target = initial
         for _ in range(initial):
             self._add_replica(0.0, ready_at=0.0)
@@ -218,6 +240,19 @@ class Simulation:
         req.first_token_at = now
         req.ingress.load.first_token(req.rid, now + self.settings.net_latency_s)
 
+    def handed_off(self, req: SimRequest, now: float) -> None:
+        """PD: `req`'s prompt ran on a prefill replica (its first token is out): the prefill
+        replica lets it go (at the router a network hop later) and a decode replica continues
+        it, fetching the prompt's KV from the prefill replica (sim/ingress.py)."""
+        prefill = req.replica
+        self.at(now + self.settings.net_latency_s, self._handoff_at_router, (req, prefill))
+
+    def _handoff_at_router(self, now: float, item) -> None:
+        req, prefill = item
+        prefill.ongoing -= 1
+        req.ingress.load.finished(req.rid, now)
+        req.ingress.route_decode(req, prefill, now)
+
     def finish(self, req: SimRequest, now: float, status: str) -> None:
         req.finished_at = now
         req.status = status
@@ -249,8 +284,12 @@ class Simulation:
 
     # -- replicas --------------------------------------------------------------------------
     def _add_replica(self, now: float, ready_at: float) -> SimReplica:
-        replica = SimReplica(self, f"replica-{next(self._replica_ids)}", now)
+        number = next(self._replica_ids)
+        replica = SimReplica(self, f"replica-{number}", now)
+        if self.pd is not None:
+            replica.role = "prefill" if number < self.pd.prefill_replicas else "decode"
         self.replicas.append(replica)
+        self.by_rid[replica.rid] = replica
         self.timelines[replica.rid] = []
         if ready_at <= now:
             self._ready(now, replica)
@@ -369,6 +408,16 @@ class Simulation:
                     self.maybe_stop(r, now)
             self.routable = [r for r in self.replicas if r.state == RUNNING]
         self.target = desired
+
+
+def prefill_rate(profile: Profile, budget: int) -> float:
+    """Prompt tokens per second of a lone prefill in steps of `budget` tokens, as the profile
+    prices it (what a replica measures at start-up: RoutingStats.prefill_tokens_per_s)."""
+    from sim.profile import StepShape
+
+    shape = StepShape.of([(budget, 0)], [])
+    seconds = profile.model.predict(shape)
+    return budget / seconds if seconds > 0 else 0.0
 
 
 @dataclass

@@ -9,15 +9,38 @@ and reports their names in its RoutingStats. A request for an adapter it does no
 adapter already loading wait for the same load); the load evicts the least recently used
 adapter that no request on the replica is using (the least recently used one if all are: the
 sim does not charge its requests a reload). The request carries its adapter into the
-scheduler (EngineRequest.lora), so its KV blocks hash from the adapter's root."""
+scheduler (EngineRequest.lora), so its KV blocks hash from the adapter's root.
+
+KV transfer: a request routed with a fetch (`SimRequest.fetch`, the decision's KVFetch) first
+waits for the blocks to come from their holder: the leading blocks of its prompt the holder
+still holds that this replica does not, priced by the Simulation's transfer model (a fixed
+latency plus bytes over the rate; one fetch at a time out of each holder: `link_free_at`); they
+are then cached here (free, evictable, as blocks a finished request left), so the scheduler's
+prefix lookup finds them and the request prefills only the rest. A holder that stopped meanwhile
+sends nothing (the request recomputes).
+
+PD (config.pd): a prefill replica runs a request's prompt for its first token (max_tokens 1),
+then hands it off (`Simulation.handed_off`); the decode replica runs it as a resumed request
+(EngineRequest.resume with that token), its prompt's KV fetched from the prefill replica."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict, deque
 
 from replica.contracts import AutoscalingStats, PreemptionRate, RoutingStats
-from replica.request import EngineRequest, LoRARequest, Request, RequestRejected, SamplingParams
+from replica.request import (
+    EngineRequest,
+    KVFetch,
+    LoRARequest,
+    Request,
+    RequestRejected,
+    Resume,
+    SamplingParams,
+    extend_block_hashes,
+    root_block_hash,
+)
 from replica.scheduler import Scheduler
 from sim.calibrate import serving_step
 from sim.profile import StepShape
@@ -33,7 +56,7 @@ class SimRequest:
         "recv_at", "first_sched_at", "first_token_at", "finished_at", "n_out",
         "preemptions", "cached_tokens", "status", "answer", "prefix_key", "footprint",
         "engine_request", "joins_step", "hashes", "predicted_hit", "reason", "lora",
-        "lora_waited",
+        "lora_waited", "fetch", "fetched_tokens", "fetch_s", "phase", "prefilled", "first_id",
     )  # fmt: skip
 
     def __init__(self, rid: str, spec: RequestSpec, arrival: float) -> None:
@@ -60,6 +83,12 @@ class SimRequest:
         self.reason = ""  # why the router chose the replica
         self.lora: LoRARequest | None = None  # its adapter (set by the Simulation from the spec)
         self.lora_waited = False  # it waited for its replica to load its adapter
+        self.fetch: KVFetch | None = None  # prefix blocks to bring from their holder first
+        self.fetched_tokens = 0  # prompt tokens that came by fetch (all its sends)
+        self.fetch_s = 0.0  # time it waited for fetches
+        self.phase: str | None = None  # PD: "prefill", then "decode"; None: colocated
+        self.prefilled = 0  # tokens its replicas computed by prefill (all phases)
+        self.first_id: int | None = None  # PD: the first token, which the decode phase resumes
 
     def planned_answer(self) -> list[int] | None:
         """The tokens this request is to generate (a conversation turn's), or None."""
@@ -87,6 +116,9 @@ class SimRequest:
             "reason": self.reason,
             "lora": self.lora.name if self.lora is not None else None,
             "lora_waited": self.lora_waited,
+            "prefilled_tokens": self.prefilled,
+            "fetched_tokens": self.fetched_tokens,
+            "fetch_s": self.fetch_s,
         }
 
 
@@ -123,12 +155,77 @@ class SimReplica:
         self.lora_users: dict[str, int] = {}  # adapter -> its requests on this replica
         self.lora_loading: dict[str, list[SimRequest]] = {}  # adapter -> requests waiting
         self.lora_loads = 0
+        self.role: str | None = None  # PD: "prefill" or "decode"
+        self.link_free_at = 0.0  # when this replica's egress link finishes its queued fetches
+        self.fetches = 0  # fetches into this replica, and the blocks they brought
+        self.fetched_blocks = 0
         # the scheduler reports the adapters held (RoutingStats.loras) as a replica's does
         self.scheduler.lora_names = lambda: list(self.loras)
 
     # -- requests --------------------------------------------------------------------------
     def receive(self, now: float, req: SimRequest) -> None:
         req.recv_at = now
+        fetch, req.fetch = req.fetch, None
+        if fetch is not None:
+            source = self.sim.by_rid.get(fetch.source)
+            if source is not None and source is not self and source.state != STOPPED:
+                done = self._start_fetch(now, req, source, fetch.num_blocks)
+                if done is not None:
+                    self.sim.at(done, self._fetched, req)
+                    return
+        self._arrived(now, req)
+
+    def _start_fetch(self, now: float, req: SimRequest, source, num_blocks: int):
+        """Queue the transfer of the blocks `source` holds of `req`'s leading `num_blocks`
+        that this replica lacks; when it will be done (None: nothing to move)."""
+        hashes = self._prompt_hashes(req)[:num_blocks]
+        have = _leading(self.scheduler.kv.pool, hashes)
+        held = _leading(source.scheduler.kv.pool, hashes)
+        if held <= have:
+            return None
+        moved = held - have
+        sim = self.sim
+        start = max(now, source.link_free_at)
+        done = start + sim.fetch_latency_s + moved * sim.bytes_per_block / sim.transfer_bytes_per_s
+        source.link_free_at = done
+        req.fetch = KVFetch(source.rid, held)  # kept for _fetched: what to import
+        return done
+
+    def _fetched(self, now: float, req: SimRequest) -> None:
+        """The fetched blocks arrive: cached here (free, evictable), then the request goes on."""
+        fetch, req.fetch = req.fetch, None
+        hashes = self._prompt_hashes(req)[: fetch.num_blocks]
+        pool = self.scheduler.kv.pool
+        have = _leading(pool, hashes)
+        imported = 0
+        parent = hashes[have - 1] if have else root_block_hash(req.lora)
+        for h in hashes[have:]:
+            if pool.num_free_blocks == 0:
+                break  # a full cache keeps what it has: the rest is recomputed
+            block = pool.get_new_blocks(1)[0]
+            pool.cache_block(block, h, parent)
+            pool.free_blocks([block])
+            parent = h
+            imported += 1
+        self.fetches += 1
+        self.fetched_blocks += imported
+        req.fetched_tokens += imported * self.sim.config.engine.block_size
+        req.fetch_s += now - req.recv_at
+        self._arrived(now, req)
+
+    def _prompt_hashes(self, req: SimRequest) -> list[int]:
+        """The block hashes of what the request's replica computes: its prompt (and, in the
+        decode phase, its first token), chained from its adapter's root."""
+        tokens = list(req.spec.prompt_ids)
+        if req.phase == "decode" and req.first_id is not None:
+            tokens.append(req.first_id)
+        out: list[int] = []
+        extend_block_hashes(
+            out, tokens, self.sim.config.engine.block_size, root_block_hash(req.lora)
+        )
+        return out
+
+    def _arrived(self, now: float, req: SimRequest) -> None:
         lora = req.lora
         if lora is None:
             self._admit(now, req)
@@ -164,10 +261,17 @@ class SimReplica:
 
     def _admit(self, now: float, req: SimRequest) -> None:
         """Hand `req` to the scheduler (its adapter, if any, is loaded)."""
-        params = SamplingParams(max_tokens=req.spec.output_len, temperature=0.0, ignore_eos=True)
+        max_tokens = 1 if req.phase == "prefill" else req.spec.output_len
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        resume = None
+        if req.phase == "decode":  # PD: it continues from the first token the prefill made
+            resume = Resume([req.first_id], "", 0)
         request = Request(
-            EngineRequest(req.spec.prompt_ids, params, req.rid, arrival_time=now, lora=req.lora)
-        )
+            EngineRequest(
+                req.spec.prompt_ids, params, req.rid, arrival_time=now, lora=req.lora,
+                resume=resume,
+            )
+        )  # fmt: skip
         try:
             self.scheduler.add_request(request)
         except RequestRejected:
@@ -232,8 +336,20 @@ class SimReplica:
                 sim.first_token(req, now)
             if out.finish_reason is not None:
                 request_obj = req.engine_request
-                req.preemptions = request_obj.num_preemptions
-                req.cached_tokens = max(request_obj.num_cached_tokens, 0)
+                req.preemptions += request_obj.num_preemptions
+                cached = max(request_obj.num_cached_tokens, 0)
+                computed = request_obj.num_prompt_tokens + request_obj.num_resumed_tokens
+                req.prefilled += max(computed - cached, 0)
+                if req.phase == "prefill" and req.spec.output_len > 1:
+                    req.cached_tokens = cached  # the prompt's hit (the decode's is a fetch)
+                    req.first_id = request_obj.all_token_ids[request_obj.num_prompt_tokens]
+                    req.engine_request = None
+                    del self.requests[out.request_id]
+                    self._release_lora(req)
+                    sim.handed_off(req, now)
+                    continue
+                if req.phase != "decode":
+                    req.cached_tokens = cached
                 if req.conv is not None or sim.oracle:  # the next turn's history holds it
                     req.answer = request_obj.all_token_ids[request_obj.num_prompt_tokens :]
                 elif req.hashes is None:
@@ -256,6 +372,13 @@ class SimReplica:
             self.rid, now, self.scheduler.stats(), self.sim.config.engine, self.preemptions,
             num_kv_blocks=kv.num_blocks, num_free_blocks=kv.pool.num_free_blocks,
         )  # fmt: skip
+        sim = self.sim  # the rates a serving replica measures at start-up
+        stats = dataclasses.replace(
+            stats,
+            prefill_tokens_per_s=sim.prefill_tokens_per_s,
+            kv_transfer_bytes_per_s=sim.transfer_bytes_per_s,
+            kv_bytes_per_block=sim.bytes_per_block,
+        )
         delay = self.sim.settings.stats_delivery_s
         if delay <= 0:
             self.visible = stats
@@ -268,3 +391,13 @@ class SimReplica:
         while self.recorded and self.recorded[0].ts + delay <= now:
             self.visible = self.recorded.popleft()
         return self.visible
+
+
+def _leading(pool, hashes: list[int]) -> int:
+    """How many of `hashes`, from the first, `pool` holds cached."""
+    n = 0
+    for h in hashes:
+        if pool.get_cached_block(h) is None:
+            break
+        n += 1
+    return n

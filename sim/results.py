@@ -42,6 +42,9 @@ class SimResult:
                 "prefix_cache_queries": r.scheduler.prefix_cache_queries,
                 "prefix_cache_hits": r.scheduler.prefix_cache_hits,
                 "lora_loads": r.lora_loads,
+                "role": r.role,
+                "fetches": r.fetches,
+                "fetched_blocks": r.fetched_blocks,
             }
             for r in sim.replicas
         ]
@@ -74,7 +77,13 @@ class SimResult:
         hits = sum(r["hit_tokens"] for r in ok)
         out["hit_tokens"] = hits
         out["prompt_tokens"] = prompt
-        out["prefilled_tokens"] = prompt - hits
+        # what the replicas computed by prefill (a PD request's decode phase included)
+        out["prefilled_tokens"] = sum(r["prefilled_tokens"] for r in ok)
+        fetched = [r for r in ok if r["fetched_tokens"]]
+        out["fetched_tokens"] = sum(r["fetched_tokens"] for r in ok)
+        out["fetches"] = len(fetched)
+        if fetched:
+            out["fetch_s_mean"] = sum(r["fetch_s"] for r in fetched) / len(fetched)
         out["hit_rate"] = hits / prompt if prompt else 0.0
         out["preemptions"] = sum(r["preemptions"] for r in ok)
         if ok and "oracle_hit_tokens" in ok[0]:

@@ -24,6 +24,7 @@ from cluster.config import (
     ClusterConfig,
     HttpConfig,
     ModelDeployment,
+    PDConfig,
 )
 from replica.config import EngineConfig
 from replica.tracing import TracingConfig
@@ -467,9 +468,12 @@ def test_chart_schema_mirrors_cluster_config_fields_and_limits(chart):
     assert set(models) == set(ModelDeployment.model_fields)
     assert set(models["engine"]["properties"]) == set(EngineConfig.model_fields)
     assert chart.values["models"] == []
-    assert set(ClusterConfig.model_fields) == set(blocks) | scalars | {"auth", "models"}, (
+    assert set(ClusterConfig.model_fields) == set(blocks) | scalars | {"auth", "models", "pd"}, (
         "a top-level ClusterConfig field is not mapped by the chart"
     )
+    # pd: null (colocated) or its two counts
+    (pd,) = [alt for alt in chart_props["pd"]["anyOf"] if alt.get("type") == "object"]
+    assert set(pd["properties"]) == set(PDConfig.model_fields) and chart.values["pd"] is None
     assert set(AuthConfig.model_fields) - {"api_keys"} <= set(chart_props["auth"]["properties"])
 
     for block, (model, set_by_chart) in blocks.items():

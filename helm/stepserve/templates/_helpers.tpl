@@ -105,7 +105,7 @@ the one model's does (stepserve.serveConfig) */}}
 {{- $_ := set $http "host" "0.0.0.0" }}
 {{- $_ := set $http "port" 8000 }}
 {{- $_ := unset $http "ingress_replicas" }}
-{{- $config := pick .Values "name" "autoscaling" "routing" "num_cpus_per_replica" "cpu_threads_per_replica" "max_ongoing_requests" "log_prompts" "tracing" }}
+{{- $config := pick .Values "name" "autoscaling" "routing" "num_cpus_per_replica" "cpu_threads_per_replica" "max_ongoing_requests" "log_prompts" "tracing" "pd" }}
 {{- $_ := set $config "engine" $engine }}
 {{- $_ := set $config "models" $models }}
 {{- $_ := set $config "http" $http }}
