@@ -140,9 +140,9 @@ class RoutingConfig(BaseModel):
         "adapter loaded costs (it loads it first); 0: routing ignores adapters",
     )
     kv_transfer: bool = Field(
-        default=False,
+        default=True,
         description="fetch a prompt's cached prefix from the replica holding it when that beats "
-        "recomputing it (router/kv_transfer.py's cost model); off: recompute, as before",
+        "recomputing it (router/kv_transfer.py's cost model); off: recompute",
     )
     kv_transfer_min_blocks: int = Field(
         default=4, ge=1, description="the fewest blocks worth a fetch"
