@@ -18,6 +18,7 @@ from router.policy import Policy, ReplicaStats, RoutingConfig
 
 NOW = 100.0
 ON = RoutingConfig(kv_transfer=True)
+OFF = RoutingConfig(kv_transfer=False)
 
 
 def report(rid: str, **fields) -> RoutingStats:
@@ -72,7 +73,7 @@ def test_a_margin_keeps_the_ranked_choice_when_the_gain_is_small() -> None:
 
 
 def test_nothing_to_weigh_when_off_when_the_holder_leads_or_holds_no_more() -> None:
-    assert plan(stats("a"), stats("h", cached=960), cfg=RoutingConfig()) is None
+    assert plan(stats("a"), stats("h", cached=960), cfg=OFF) is None
     assert plan(stats("h", cached=960), stats("h", cached=960)) is None
     assert plan(stats("a", cached=960), stats("h", cached=960)) is None
 
@@ -110,7 +111,7 @@ def test_a_spill_fetches_from_the_busy_holder_and_says_so() -> None:
     got = _decide(ON, ongoing, {"h": 960})
     assert got.lead in ("a", "b") and got.fetch == KVFetch("h", 60)
     assert got.reason(got.lead, ON) == "fetch"
-    off = _decide(RoutingConfig(), ongoing, {"h": 960})
+    off = _decide(OFF, ongoing, {"h": 960})
     assert off.fetch is None and off.plan is None and off.reason(off.lead, ON) == "spill"
     assert off.tiers == got.tiers  # the ranking itself is unchanged
 
@@ -119,7 +120,7 @@ def test_with_the_holder_leading_nothing_is_fetched_and_the_ranking_is_unchanged
     ongoing = {"a": 0, "b": 0, "h": 0}
     got = _decide(ON, ongoing, {"h": 960})
     assert got.lead == "h" and got.fetch is None
-    assert got.tiers == _decide(RoutingConfig(), ongoing, {"h": 960}).tiers
+    assert got.tiers == _decide(OFF, ongoing, {"h": 960}).tiers
 
 
 def test_the_holder_is_found_beyond_the_sampled_candidates() -> None:
@@ -154,7 +155,7 @@ def test_a_drained_streams_continuation_fetches_from_the_draining_replica() -> N
     prompt = list(range(1, 40))  # 39 tokens + 2 delivered: 40 computed, 2 full blocks
     for cfg, script, expected in (
         (ON, [(2, drained)], KVFetch("r7", 2)),
-        (RoutingConfig(), [(2, drained)], None),
+        (OFF, [(2, drained)], None),
         (ON, [(2, ActorDiedError)], None),  # a lost replica's KV is gone with it
     ):
         replicas = Replicas(script)
