@@ -27,7 +27,7 @@ serve: $(STAMP)
 	$(VENV)/bin/stepserve serve $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -ra -m "not ray" $(PYTEST_ARGS)
