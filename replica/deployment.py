@@ -295,11 +295,17 @@ class LLMServer:
             return
         self.engine.set_num_threads(threads)
 
-    async def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def _outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """The engine's stream of the request (no wrapper per token), or, with a kv_fetch,
+        one that fetches the prefix first."""
         if self.metrics is not None:  # its max_tokens and trace context, for its end
             self.metrics.taken(request)
-        if request.kv_fetch is not None:  # its prefix's KV from the replica holding it first
-            await self._fetch_kv(request)
+        if request.kv_fetch is None:
+            return self.engine.generate(request)
+        return self._fetched_outputs(request)
+
+    async def _fetched_outputs(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        await self._fetch_kv(request)  # its prefix's KV from the replica holding it first
         inner = self.engine.generate(request)
         try:
             async for out in inner:
