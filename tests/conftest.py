@@ -48,6 +48,16 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """A tiny random Qwen2 (the family whose Hermes tool format we parse), whose chat template
+    renders tools, with room for the tool signatures in its prompt: the tiny tokenizer spends
+    ~3 characters a token."""
+    out = tmp_path_factory.mktemp("tiny-qwen2-tools")
+    build_tiny_model(out, tiny_tokenizer_dir, "qwen2", seed=5, max_position_embeddings=2048)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """Qwen2: QKV bias, tied embeddings."""
     out = tmp_path_factory.mktemp("tiny-qwen2")

@@ -94,17 +94,6 @@ def serve_model(model_dir, name: str, port: int, route_prefix: str = "/"):
 
 
 @pytest.fixture(scope="module")
-def tiny_tools_dir(tmp_path_factory, tiny_tokenizer_dir):
-    """A tiny random Qwen2 (the family whose Hermes tool format we parse) with room for the
-    tool signatures in its prompt: the tiny tokenizer spends ~3 characters a token."""
-    from replica.tiny_models import build_tiny_model
-
-    out = tmp_path_factory.mktemp("tiny-qwen2-tools")
-    build_tiny_model(out, tiny_tokenizer_dir, "qwen2", seed=5, max_position_embeddings=2048)
-    return out
-
-
-@pytest.fixture(scope="module")
 def url(tiny_tools_dir):
     port = free_port()
     with loopback_serve(port) as base:

@@ -45,16 +45,6 @@ class Verdict(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def tiny_tools_dir(tmp_path_factory, tiny_tokenizer_dir):
-    """A tiny random Qwen2, whose chat template renders tools (the Hermes format we parse)."""
-    from replica.tiny_models import build_tiny_model
-
-    out = tmp_path_factory.mktemp("tiny-qwen2-responses")
-    build_tiny_model(out, tiny_tokenizer_dir, "qwen2", seed=5, max_position_embeddings=2048)
-    return out
-
-
-@pytest.fixture(scope="module")
 def url(tiny_tools_dir):
     port = free_port()
     with loopback_serve(port) as base:
