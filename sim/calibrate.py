@@ -1,40 +1,202 @@
-"""Serving calibration: what a step costs in a serving replica beyond `Engine.step` alone.
+"""Serving calibration: what a step costs in a serving replica beyond `Engine.step` alone, and
+how long a request takes to reach a replica and its tokens to come back.
 
 A profile times `Engine.step` in a quiet process. Serving adds work the engine does not see:
-each token travels from the engine thread through the replica's event loop, Ray's streaming and
-the ingress to the HTTP proxy, and on a small host those processes share the cores with the
-engines (and the engines with each other). This measures it against a running cluster
-(`stepserve profile --calibrate-url URL --replicas N`, or bench/sim_fidelity.py): closed-loop
-streams of fixed shape at a few concurrencies, whose median time per output token is a serving
-replica's decode step at that batch b (the concurrency over the replicas). Its difference to the
-profile's price of the same decode step, extra(b), is the serving overhead of a step that
-streams b tokens; the simulator prices every step as
+each streamed token crosses the replica's event loop, Ray's streaming, the ingress and the HTTP
+proxy, and on a small host those processes take the cores the forward runs on. The simulator
+prices a serving step as (`serving_step`)
 
-    serving step = Engine.step (the profile) + extra(tokens the step streams)
+    served step = Engine.step(shape) + (prefill_scale - 1) * prefill part of Engine.step
+                  + step_s + token_s * (tokens the step streams)
 
-with extra interpolated piecewise-linearly between the measured batches (flat below the first,
-along the last segment beyond the last, never below 0) (`SimSettings.serving`). The overhead is
-not linear in b (Ray and the ingress pass a step's tokens on together). Prefill is priced
-apart: with every replica prefilling at once (closed-loop prompts of 256 and 1024 tokens,
-max_tokens 1, one stream per replica) the TTFT less the path latency, over the profile's price
-of that prefill, is `prefill_scale`, applied to the prefill part of every step (what compute
-costs when the host's other cores are busy too: the profile ran beside idle ones). The
-one-way path latency (client -> replica) is measured on idle single requests, as the TTFT of a
-short prompt less its predicted prefill step, halved.
+and the one-way path client -> replica as `path_latency_s + path_rate_s * R`, R the tokens per
+second the host streams (its replicas together; the proxy and ingress serve them all). All five
+coefficients are signed: a profile slower than the cluster gets negative corrections, not
+zeros, and a poor fit is reported (`warnings`), not hidden.
+
+They are fitted together, by least squares on relative error with outliers rejected (median and
+MAD of the residuals), over repeated measurements against a running cluster of N replicas
+(`stepserve profile` starts one; `--calibrate-url URL --calibrate-replicas N` uses yours):
+- decode: closed-loop streams (64-token prompts, 48 tokens out) at N x (1, 2, 4, 8, 16, 32)
+  concurrency, the levels run `rounds` times in turn; each stream's time per output token is
+  the mean served step of a replica with b = concurrency / N streams, which includes the steps
+  where another stream's prompt was prefilled (priced as such, not as pure decode steps);
+- probes under load: beside each level, sequential 16-token prompts with max_tokens 1: TTFT =
+  2 x path at that streaming rate + the wait for the step under way + the probe's mixed step;
+- prefill: one stream per replica of 256- and 1024-token prompts, max_tokens 1 (every replica
+  prefilling at once, as under load): TTFT = 2 x path + the served prefill step;
+- idle probes: 16-token prompts, max_tokens 1, one at a time on the idle cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
-from sim.profile import Profile, StepShape
+import numpy as np
 
-CONCURRENCIES = (2, 4, 8, 16, 32, 64)
+from sim.profile import (
+    OUTLIER_FLOOR,
+    OUTLIER_MADS,
+    SERVING_MODEL,
+    Profile,
+    StepShape,
+    StepTimeModel,
+)
+
+BATCHES = (1, 2, 4, 8, 16, 32)  # streams per replica at each decode level
+COEFFICIENTS = ("step_s", "token_s", "prefill_extra", "path_latency_s", "path_rate_s")
+PROBE_TOKENS = 16
+POOR_GROUP_MEDIAN = 0.10  # a group of measurements priced off by more than this: poor fit
 
 
+# -- the model -----------------------------------------------------------------------------------
+def prefill_part(model: StepTimeModel, shape: StepShape) -> float:
+    """The share of a step's Engine.step price that is its prefill chunks."""
+    if shape.tokens <= shape.decodes:
+        return 0.0
+    return max(0.0, model.predict(shape) - model.predict(shape.decode_part()))
+
+
+def serving_step(serving: dict, model: StepTimeModel, shape: StepShape, streamed: int) -> float:
+    """A step's serving time (module docstring): the profile's price, its prefill part times
+    `prefill_scale`, a per-step cost and a cost per token it streams (a step that streams none,
+    an intermediate prefill chunk, pays no per-token cost)."""
+    t = model.predict(shape)
+    scale = serving.get("prefill_scale", 1.0)
+    if scale != 1.0:
+        t += (scale - 1.0) * prefill_part(model, shape)
+    t += serving.get("step_s", 0.0) + serving.get("token_s", 0.0) * streamed
+    return max(t, 1e-6)  # a fit far below the profile: still a step (and a warning)
+
+
+def path_extra(serving: dict, host_tokens_per_s: float) -> float:
+    """One-way path latency beyond the idle one when the host streams this many tokens/s."""
+    extra = serving.get("path_rate_s", 0.0) * host_tokens_per_s
+    return max(extra, -serving.get("path_latency_s", 0.0))
+
+
+# -- measurements as rows of the least-squares problem -------------------------------------------
+@dataclass
+class Row:
+    """One measurement: y (seconds) = known (the profile's Engine.step part) + x . coefficients."""
+
+    group: str  # decode | probe | prefill | idle
+    level: str  # which batch, prompt or load it was measured at
+    y: float
+    known: float
+    x: tuple[float, float, float, float, float]
+
+
+def decode_row(
+    model: StepTimeModel, batch: int, prompt_len: int, out_len: int, tpot: float, rate: float
+) -> Row:
+    """A stream's time per output token with `batch` streams per replica (closed loop): its
+    decode steps, of which a share (batch - 1) / out_len also prefill another stream's prompt
+    (each stream prefills once per out_len steps). Every step streams `batch` tokens."""
+    ctx = prompt_len + out_len // 2
+    decode = model.predict(StepShape.of([], [ctx] * batch))
+    q = min(1.0, (batch - 1) / max(out_len, 1))
+    mixed_shape = StepShape.of([(prompt_len, 0)], [ctx] * (batch - 1))
+    known = (1 - q) * decode + q * model.predict(mixed_shape)
+    pre = q * prefill_part(model, mixed_shape)
+    return Row("decode", f"b={batch}", tpot, known, (1.0, float(batch), pre, 0.0, 0.0))
+
+
+def probe_row(model: StepTimeModel, batch: int, ctx: int, ttft: float, rate: float) -> Row:
+    """A 16-token prompt's TTFT (max_tokens 1) beside `batch` decoding streams per replica:
+    2 x path at the streaming rate + half a served decode step (the wait for the step under way)
+    + its own step (its prefill and the batch's decodes, streaming batch + 1 tokens)."""
+    shape = StepShape.of([(PROBE_TOKENS, 0)], [ctx] * batch)
+    known = model.predict(shape)
+    step, token = 1.0, batch + 1.0
+    if batch:
+        known += 0.5 * model.predict(StepShape.of([], [ctx] * batch))
+        step, token = 1.5, batch + 1.0 + 0.5 * batch
+    x = (step, token, prefill_part(model, shape), 2.0, 2.0 * rate)
+    return Row("probe" if batch else "idle", f"b={batch}", ttft, known, x)
+
+
+def prefill_row(model: StepTimeModel, prompt_len: int, ttft: float, rate: float) -> Row:
+    """A prompt's TTFT (max_tokens 1, nothing else on its replica): 2 x path + its served step."""
+    shape = StepShape.of([(prompt_len, 0)], [])
+    known = model.predict(shape)
+    return Row("prefill", f"p={prompt_len}", ttft, known, (1.0, 1.0, known, 2.0, 2.0 * rate))
+
+
+def fit_serving(rows: list[Row]) -> dict:
+    """Least squares of the rows' residuals (y - known) on their x, weighted by 1/y (relative
+    error), outliers (OUTLIER_MADS scaled MADs and OUTLIER_FLOOR off) rejected and refitted;
+    coefficients signed. Returns the serving dict's coefficients, per-group errors, rejected
+    counts and warnings."""
+    if len(rows) < len(COEFFICIENTS):
+        raise ValueError(f"{len(rows)} measurements cannot fit {len(COEFFICIENTS)} coefficients")
+    y = np.asarray([r.y for r in rows])
+    known = np.asarray([r.known for r in rows])
+    x = np.asarray([r.x for r in rows])
+    w = 1.0 / np.maximum(y, 1e-6)
+    # a coefficient no row measures stays 0 (e.g. no load: no path rate)
+    free = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
+    keep = np.ones(len(rows), dtype=bool)
+    coef = np.zeros(x.shape[1])
+    for _ in range(5):
+        a = x[keep][:, free] * w[keep, None]
+        b = (y[keep] - known[keep]) * w[keep]
+        coef[free] = np.linalg.lstsq(a, b, rcond=None)[0]
+        rel = (known + x @ coef) / y - 1.0
+        med = float(np.median(rel[keep]))
+        mad = float(np.median(np.abs(rel[keep] - med))) * 1.4826
+        new_keep = np.abs(rel - med) <= max(OUTLIER_MADS * mad, OUTLIER_FLOOR)
+        if np.array_equal(new_keep, keep) or new_keep.sum() < len(COEFFICIENTS):
+            break
+        keep = new_keep
+    values = dict(zip(COEFFICIENTS, (float(c) for c in coef), strict=True))
+    groups: dict[str, dict] = {}
+    for g in sorted({r.group for r in rows}):
+        idx = [i for i, r in enumerate(rows) if r.group == g]
+        errs = np.abs(rel[idx])
+        groups[g] = {
+            "n": len(idx),
+            "rejected": int((~keep[idx]).sum()),
+            "median_abs_rel_error": float(np.median(errs[keep[idx]] if keep[idx].any() else errs)),
+            "bias": float(np.median(rel[idx])),
+        }
+    warnings = []
+    for g, e in groups.items():
+        if e["median_abs_rel_error"] > POOR_GROUP_MEDIAN:
+            warnings.append(
+                f"poor fit: {g} measurements priced {e['median_abs_rel_error']:.0%} off at the "
+                f"median (limit {POOR_GROUP_MEDIAN:.0%})"
+            )
+    scale = 1.0 + values["prefill_extra"]
+    if not 0.5 <= scale <= 3.0:
+        warnings.append(
+            f"prefill_scale {scale:.2f} is outside 0.5..3: the profile does not price this "
+            "cluster's prefill (another CPU, or a busy host while profiling?)"
+        )
+    if values["path_latency_s"] < 0:
+        warnings.append(f"path latency {values['path_latency_s'] * 1e3:.1f} ms < 0: a mis-fit")
+    rejected = int((~keep).sum())
+    if rejected > max(3, len(rows) // 10):
+        warnings.append(f"{rejected} of {len(rows)} measurements rejected as outliers")
+    return {
+        "model": SERVING_MODEL,
+        "step_s": values["step_s"],
+        "token_s": values["token_s"],
+        "prefill_scale": scale,
+        "path_latency_s": values["path_latency_s"],
+        "path_rate_s": values["path_rate_s"],
+        "fit_error": groups,
+        "warnings": warnings,
+    }
+
+
+# -- measuring -----------------------------------------------------------------------------------
 async def _stream(client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
     """One streamed completion: (TTFT, seconds per output token after the first, tokens)."""
     body = {
@@ -49,8 +211,6 @@ async def _stream(client, url: str, prompt: list[int], max_tokens: int) -> tuple
         async for line in resp.aiter_lines():
             if not line.startswith("data:") or '"token_ids"' not in line:
                 continue
-            import json
-
             data = line[5:].strip()
             if data == "[DONE]":
                 break
@@ -64,6 +224,13 @@ async def _stream(client, url: str, prompt: list[int], max_tokens: int) -> tuple
     return ttft, (end - (first or end)) / max(n - 1, 1), n
 
 
+@dataclass
+class LevelRun:
+    streams: list[tuple[float, float, int]]  # (TTFT, time per token, tokens) per stream
+    probes: list[float]  # probe TTFTs
+    tokens_per_s: float  # tokens the streams got per second, all together
+
+
 async def _closed_loop(
     base_url: str,
     concurrency: int,
@@ -71,127 +238,137 @@ async def _closed_loop(
     out_len: int,
     seconds: float,
     seed: int,
+    probe: bool = False,
     at_least_one: bool = False,
-) -> list[tuple[float, float, int]]:
+) -> LevelRun:
     """`concurrency` streams of random prompts, each sent when the last ended, for `seconds`
-    (and until one has ended, with `at_least_one`): (TTFT, time per token, tokens) of each."""
+    (and until one has ended, with `at_least_one`); with `probe`, beside them one client sends
+    PROBE_TOKENS-token prompts with max_tokens 1, one at a time, 0.25 s apart."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
     rng = random.Random(seed)
-    samples: list[tuple[float, float, int]] = []
-    deadline = time.perf_counter() + seconds
-    async with httpx.AsyncClient(timeout=300) as client:
+    run = LevelRun([], [], 0.0)
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    async with httpx.AsyncClient(timeout=600) as client:
 
         async def worker() -> None:
-            while time.perf_counter() < deadline or (at_least_one and not samples):
+            while time.perf_counter() < deadline or (at_least_one and not run.streams):
                 prompt = [rng.randrange(10, 500) for _ in range(prompt_len)]
-                samples.append(await _stream(client, url, prompt, out_len))
+                run.streams.append(await _stream(client, url, prompt, out_len))
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return samples
+        async def prober() -> None:
+            await asyncio.sleep(min(1.0, seconds / 4))  # the streams reach their steady state
+            while time.perf_counter() < deadline - 0.5:
+                prompt = [rng.randrange(10, 500) for _ in range(PROBE_TOKENS)]
+                ttft, _, _ = await _stream(client, url, prompt, 1)
+                run.probes.append(ttft)
+                await asyncio.sleep(0.25)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)), *([prober()] * probe))
+    run.tokens_per_s = sum(n for _, _, n in run.streams) / (time.perf_counter() - t0)
+    return run
 
 
-def path_latency(base_url: str, profile: Profile, n: int = 12) -> float:
-    """One-way latency outside the engine: (TTFT of a 16-token prompt, max_tokens 1, at idle,
-    less the profile's price of its prefill step) / 2, median of n sequential requests."""
+def _idle_probes(base_url: str, n: int) -> list[float]:
     import httpx
 
-    step = profile.model.predict(StepShape.of([(16, 0)], []))
     url = base_url.rstrip("/") + "/v1/completions"
 
     async def run() -> list[float]:
         out = []
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=120) as client:
             for i in range(n + 2):
-                prompt = [random.Random(i).randrange(10, 500) for _ in range(16)]
+                prompt = [random.Random(i).randrange(10, 500) for _ in range(PROBE_TOKENS)]
                 ttft, _, _ = await _stream(client, url, prompt, 1)
                 if i >= 2:  # the first ones warm the path
                     out.append(ttft)
                 await asyncio.sleep(0.2)
         return out
 
-    return max(0.0, (statistics.median(asyncio.run(run())) - step) / 2)
-
-
-def serving_step(serving: dict, model, shape: StepShape, streamed: int) -> float:
-    """A step's serving time: the profile's price, its prefill part times `prefill_scale`, and
-    the overhead of the tokens it streams."""
-    t = model.predict(shape)
-    scale = serving.get("prefill_scale", 1.0)
-    if scale != 1.0 and shape.tokens > shape.decodes:
-        t += (scale - 1.0) * max(0.0, t - model.predict(shape.decode_part()))
-    return t + serving_extra(serving, streamed)
-
-
-def serving_extra(serving: dict, streamed: int) -> float:
-    """The calibration's serving overhead of a step that streams `streamed` tokens."""
-    xs, ys = serving["batches"], serving["extra_s"]
-    if streamed <= xs[0] or len(xs) == 1:
-        return ys[0]
-    for i in range(1, len(xs)):
-        if streamed <= xs[i]:
-            w = (streamed - xs[i - 1]) / (xs[i] - xs[i - 1])
-            return ys[i - 1] + w * (ys[i] - ys[i - 1])
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return max(0.0, ys[-1] + slope * (streamed - xs[-1]))
+    return asyncio.run(run())
 
 
 def measure_serving(
     base_url: str,
     profile: Profile,
     replicas: int,
-    concurrencies: tuple[int, ...] = CONCURRENCIES,
+    batches: tuple[int, ...] = BATCHES,
     prompt_len: int = 64,
     out_len: int = 48,
     seconds: float = 12.0,
+    rounds: int = 2,
+    prefill_prompts: tuple[int, ...] = (256, 1024),
+    idle_probes: int = 12,
     seed: int = 0,
     progress=print,
 ) -> dict:
-    """The serving calibration of a running cluster of `replicas` (module docstring)."""
-    rows = []
-    for c in concurrencies:
-        streams = asyncio.run(_closed_loop(base_url, c, prompt_len, out_len, seconds, seed + c))
-        tpots = [tpot for _, tpot, n in streams if n > 1]
-        if not tpots:
-            continue
-        batch = max(1, round(c / replicas))
-        ctx = prompt_len + out_len // 2
-        predicted = profile.model.predict(StepShape.of([], [ctx] * batch))
-        real = statistics.median(tpots)
-        rows.append({"concurrency": c, "batch": batch, "predicted_s": predicted, "real_s": real})
-        progress(
-            f"  concurrency {c:3d} (batch ~{batch}): serving step {real * 1e3:7.2f} ms, "
-            f"Engine.step {predicted * 1e3:7.2f} ms"
-        )
-    if len(rows) < 2:
-        raise RuntimeError("serving calibration needs at least 2 concurrency levels that ran")
-    latency = path_latency(base_url, profile)
-    scales = []
-    for prompt in (256, 1024):
-        streams = asyncio.run(
-            _closed_loop(base_url, replicas, prompt, 1, seconds, seed + prompt, at_least_one=True)
-        )
-        ttfts = [ttft for ttft, _, _ in streams]
-        predicted = profile.model.predict(StepShape.of([(prompt, 0)], []))
-        if ttfts and predicted > 0:
-            scale = max(1.0, (statistics.median(ttfts) - 2 * latency) / predicted)
-            scales.append(scale)
-            progress(
-                f"  prefill {prompt:5d} tokens, {replicas} at once: TTFT "
-                f"{statistics.median(ttfts) * 1e3:8.1f} ms, Engine.step {predicted * 1e3:8.1f} "
-                f"ms: x{scale:.2f}"
+    """The serving calibration of a running cluster of `replicas` (module docstring): the
+    measurements, then `fit_serving`. Levels beyond the engine's max_num_seqs are skipped."""
+    from sim.host import CpuTimes
+
+    start = CpuTimes.now()
+    model = profile.model
+    max_seqs = profile.engine.get("max_num_seqs", 256)
+    batches = tuple(b for b in batches if b <= max_seqs)
+    rows: list[Row] = []
+    ctx = prompt_len + out_len // 2
+    for ttft in _idle_probes(base_url, idle_probes):
+        rows.append(probe_row(model, 0, ctx, ttft, 0.0))
+    progress(f"  idle probes: TTFT median {statistics.median(r.y for r in rows) * 1e3:.1f} ms")
+    for rnd in range(rounds):
+        order = batches if rnd % 2 == 0 else tuple(reversed(batches))  # drift averages out
+        for b in order:
+            c = b * replicas
+            run = asyncio.run(
+                _closed_loop(
+                    base_url, c, prompt_len, out_len, seconds, seed + 97 * rnd + c, probe=True
+                )
             )
-    by_batch: dict[int, list[float]] = {}
-    for r in rows:
-        by_batch.setdefault(r["batch"], []).append(max(0.0, r["real_s"] - r["predicted_s"]))
-    batches = sorted(by_batch)
-    return {
-        "prefill_scale": statistics.median(scales) if scales else 1.0,
-        "batches": batches,
-        "extra_s": [statistics.median(by_batch[b]) for b in batches],
-        "path_latency_s": latency,
-        "replicas": replicas,
-        "points": rows,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+            tpots = [tpot for _, tpot, n in run.streams if n > 1]
+            rows += [decode_row(model, b, prompt_len, out_len, t, run.tokens_per_s) for t in tpots]
+            rows += [probe_row(model, b, ctx, t, run.tokens_per_s) for t in run.probes]
+            if tpots:
+                progress(
+                    f"  round {rnd + 1} batch {b:3d} ({c} streams): time per token "
+                    f"{statistics.median(tpots) * 1e3:7.2f} ms (Engine.step decode "
+                    f"{model.predict(StepShape.of([], [ctx] * b)) * 1e3:.2f} ms), probe TTFT "
+                    f"{statistics.median(run.probes) * 1e3 if run.probes else math.nan:.1f} "
+                    f"ms, {run.tokens_per_s:.0f} tok/s"
+                )
+        for p in prefill_prompts:
+            run = asyncio.run(
+                _closed_loop(
+                    base_url, replicas, p, 1, seconds / 2, seed + 31 * rnd + p, at_least_one=True
+                )
+            )
+            rate = run.tokens_per_s
+            rows += [prefill_row(model, p, ttft, rate) for ttft, _, _ in run.streams]
+            progress(
+                f"  round {rnd + 1} prefill {p:5d} tokens, {replicas} at once: TTFT "
+                f"{statistics.median(t for t, _, _ in run.streams) * 1e3:8.1f} ms, Engine.step "
+                f"{model.predict(StepShape.of([(p, 0)], [])) * 1e3:8.1f} ms"
+            )
+    serving = fit_serving(rows)
+    end = CpuTimes.now()
+    serving.update(
+        replicas=replicas,
+        rows=[
+            {"group": r.group, "level": r.level, "y": r.y, "known": r.known, "x": list(r.x)}
+            for r in rows
+        ],
+        host={"loadavg_start": list(start.loadavg), "loadavg_end": list(end.loadavg)},
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    return serving
+
+
+def describe(serving: dict) -> str:
+    """One line of a serving calibration's coefficients."""
+    return (
+        f"per step {serving['step_s'] * 1e3:+.2f} ms, per streamed token "
+        f"{serving['token_s'] * 1e3:+.3f} ms, prefill x{serving['prefill_scale']:.2f}, path "
+        f"{serving['path_latency_s'] * 1e3:.2f} ms one way "
+        f"{serving['path_rate_s'] * 1e6:+.2f} ms per 1000 tok/s streamed"
+    )

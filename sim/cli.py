@@ -1,7 +1,8 @@
 """`stepserve profile`, `stepserve simulate` and `stepserve plan` (registered by cluster/cli.py).
 
-stepserve profile --model default --threads 1 --out sim/profiles/mine.json
-stepserve simulate --profile default-avx2-1t --replicas 8 --workload heterogeneous --rate 4
+stepserve profile --model default --threads 1 --out sim/profiles/mine.json   # + serving calibration
+stepserve profile --model default --threads 1 --no-serving                    # Engine.step only
+stepserve simulate --profile SmolLM2-135M-Instruct-avx2-1t --replicas 8 --workload heterogeneous
 stepserve simulate --config cluster.yaml --profile P --workload trace:sim/traces/azure_sample.csv
 stepserve simulate --profile P --replicas 16 --workload random --rate 8 --loras 64 --max-cpu-loras 8
 stepserve plan --profile P --workload heterogeneous --rate 20 --slo-ttft-ms 1000 --slo-tpot-ms 200
@@ -33,11 +34,26 @@ def add_commands(sub) -> None:
     prof.add_argument("--quick", action="store_true", help="a coarse grid (tests, smoke runs)")
     prof.add_argument("--reps", type=int, default=7, help="steps timed per grid point")
     prof.add_argument(
+        "--allow-busy-host", action="store_true",
+        help="profile even when other processes keep the host busy (the profile is flagged)",
+    )  # fmt: skip
+    prof.add_argument(
+        "--no-serving", action="store_true",
+        help="skip the serving calibration (the profile prices Engine.step alone)",
+    )  # fmt: skip
+    prof.add_argument(
         "--calibrate-url",
-        help="also measure the serving overhead of the stepserve cluster at this URL (its "
-        "replicas running this model and engine settings) into the profile",
+        help="calibrate against the stepserve cluster already serving at this URL (its replicas "
+        "running this model and engine settings) instead of starting one",
     )
-    prof.add_argument("--calibrate-replicas", type=int, default=1, help="that cluster's replicas")
+    prof.add_argument(
+        "--calibrate-replicas", type=int, default=2,
+        help="replicas of the calibration cluster (started with --threads torch threads each)",
+    )  # fmt: skip
+    prof.add_argument(
+        "--calibrate-seconds", type=float, default=12.0,
+        help="seconds per calibration level (each level runs twice)",
+    )  # fmt: skip
     prof.add_argument(
         "--from", dest="from_profile", help="calibrate this existing profile instead of measuring"
     )
@@ -124,19 +140,34 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure Engine.step over the grid (unless --from), then calibrate the serving path on a
+    cluster started for it (or the one at --calibrate-url; --no-serving: neither)."""
     import torch
 
     from cluster.engine_args import engine_overrides
     from replica.config import EngineConfig
-    from replica.engine import Engine
-    from replica.layers import cpu_isa
     from replica.tiny_models import resolve_model_dir
-    from sim.profile import PROFILES, Profile, measure
+    from sim.host import check_quiet
+    from sim.profile import PROFILES, Profile
 
+    if args.from_profile and args.no_serving:
+        raise ValueError("--from calibrates an existing profile: it cannot take --no-serving")
+    if args.calibrate_replicas < 1:
+        raise ValueError(f"--calibrate-replicas {args.calibrate_replicas}: at least 1")
+    quiet = check_quiet()
+    if quiet["busy"]:
+        msg = (
+            f"the host is busy ({quiet['busy_reason']}; load average "
+            f"{quiet['loadavg_start'][0]:.2f} on {quiet['cpus']} cores): step times would be "
+            "those of a contended host"
+        )
+        if not args.allow_busy_host:
+            print(f"stepserve profile: {msg}. Stop the other work, or pass --allow-busy-host "
+                  "(the profile is then flagged as busy)", file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"stepserve profile: warning: {msg}", file=sys.stderr)
     if args.from_profile:
         prof = Profile.load(args.from_profile)
-        if not args.calibrate_url:
-            raise ValueError("--from needs --calibrate-url (there is nothing else to do)")
         return _calibrate(prof, args, Path(args.out or args.from_profile))
     overrides = engine_overrides(args)
     overrides["model"] = str(resolve_model_dir(overrides.get("model") or "default"))
@@ -146,43 +177,154 @@ def cmd_profile(args: argparse.Namespace) -> int:
     config = EngineConfig.model_validate(overrides)
     if args.threads:
         torch.set_num_threads(args.threads)
+    prof = _measure_engine(config, args)
+    if quiet["busy"]:
+        prof.meta["host"]["busy"] = True
+        reason = prof.meta["host"]["busy_reason"]
+        prof.meta["host"]["busy_reason"] = "; ".join(
+            x for x in (f"before the run: {quiet['busy_reason']}", reason) if x
+        )
+    name = args.name or prof.meta["name"]
+    prof.meta["name"] = name
+    out = Path(args.out) if args.out else PROFILES / f"{name}.json"
+    prof.save(out)  # the engine profile stands even if the calibration fails
+    fit = prof.as_dict()
+    print(f"stepserve profile: {len(prof.points)} points")
+    print(f"  fit error (grid): {_fmt_err(fit['fit_error'])}")
+    print(f"  held-out mixed steps: {_fmt_err(fit['held_out_error'])}")
+    host = prof.meta["host"]
+    print(
+        f"  host: load average {host['loadavg_start'][0]:.2f} -> {host['loadavg_end'][0]:.2f} "
+        f"(max {host['loadavg_max']:.2f}), other processes {host['other_cores']:.2f} cores, "
+        f"steal {host['steal_share']:.1%}"
+    )
+    print(f"  wrote {out}")
+    if args.no_serving:
+        _print_warnings("profile", prof.warnings())
+        return 0
+    return _calibrate(prof, args, out, overrides)
+
+
+def _measure_engine(config, args: argparse.Namespace):
+    """The engine profile of `config` in this process (the engine shut down after)."""
+    import torch
+
+    from replica.engine import Engine
+    from replica.layers import cpu_isa
+    from sim.profile import measure
+
     t0 = time.perf_counter()
     engine = Engine(config)
     print(f"stepserve profile: engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    prof = measure(engine, quick=args.quick, reps=args.reps, progress=print)
-    name = args.name or (
+    try:
+        prof = measure(engine, quick=args.quick, reps=args.reps, progress=print)
+    finally:
+        engine.shutdown()
+    prof.meta["name"] = (
         f"{Path(config.model).name}-{cpu_isa.active_level()}-{torch.get_num_threads()}t"
     )
-    prof.meta["name"] = name
-    out = Path(args.out) if args.out else PROFILES / f"{name}.json"
-    engine.shutdown()
+    print(f"stepserve profile: measured in {time.perf_counter() - t0:.0f} s", flush=True)
+    return prof
+
+
+def _calibrate(prof, args: argparse.Namespace, out: Path, overrides: dict | None = None) -> int:
+    from sim.calibrate import describe, measure_serving
+
+    replicas = args.calibrate_replicas
     if args.calibrate_url:
-        return _calibrate(prof, args, out)
+        url, server = args.calibrate_url, None
+    else:
+        url, server = _start_cluster(prof, args, overrides, replicas)
+    try:
+        print(f"stepserve profile: serving calibration against {url} ({replicas} replicas)")
+        prof.serving = measure_serving(url, prof, replicas, seconds=args.calibrate_seconds)
+    finally:
+        if server is not None:
+            _stop_cluster(server)
+    print(f"  serving: {describe(prof.serving)}")
+    for group, e in prof.serving["fit_error"].items():
+        print(
+            f"  {group:8s} {e['n']:4d} measurements, median error "
+            f"{e['median_abs_rel_error']:.1%} (bias {e['bias']:+.1%}), {e['rejected']} rejected"
+        )
     prof.save(out)
-    fit = prof.as_dict()
-    print(f"stepserve profile: {len(prof.points)} points in {time.perf_counter() - t0:.0f} s")
-    print(f"  fit error (grid): {_fmt_err(fit['fit_error'])}")
-    print(f"  held-out mixed steps: {_fmt_err(fit['held_out_error'])}")
     print(f"  wrote {out}")
+    _print_warnings("profile", prof.warnings())
     return 0
 
 
-def _calibrate(prof, args: argparse.Namespace, out: Path) -> int:
-    from sim.calibrate import measure_serving
+def _start_cluster(prof, args: argparse.Namespace, overrides: dict | None, replicas: int):
+    """`stepserve serve` of the profile's model and engine settings in a child process, on a
+    free loopback port; returns (its URL, the process) once /health answers."""
+    import os
+    import socket
+    import subprocess
+    import tempfile
 
-    print(f"stepserve profile: serving calibration against {args.calibrate_url}", flush=True)
-    prof.serving = measure_serving(args.calibrate_url, prof, args.calibrate_replicas)
-    s = prof.serving
-    extra = ", ".join(
-        f"{b}: {x * 1e3:.2f}" for b, x in zip(s["batches"], s["extra_s"], strict=True)
+    import httpx
+    import yaml
+
+    engine = dict(overrides or {})
+    engine.setdefault("model", prof.meta["model"])
+    engine.setdefault("num_speculative_tokens", 0)
+    for key in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dtype"):
+        engine.setdefault(key, prof.engine.get(key))
+    engine = {k: v for k, v in engine.items() if v is not None}
+    with socket.socket() as sock:  # a free loopback port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    data = {"engine": engine, "replicas": replicas, "http": {"host": "127.0.0.1", "port": port}}
+    threads = prof.meta.get("threads")
+    if threads:
+        data["cpu_threads_per_replica"] = threads
+    cfg = Path(tempfile.mkdtemp(prefix="stepserve-profile-")) / "cluster.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    print(f"stepserve profile: starting a {replicas}-replica cluster on port {port}", flush=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(cfg)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
     )
-    print(
-        f"  serving overhead per step (ms) by tokens streamed: {extra}; path latency "
-        f"{s['path_latency_s'] * 1e3:.2f} ms one way"
-    )
-    prof.save(out)
-    print(f"  wrote {out}")
-    return 0
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"stepserve serve exited with {proc.returncode} before it served")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return url, proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            _stop_cluster(proc)
+            raise TimeoutError("the calibration cluster did not answer /health within 900 s")
+        time.sleep(2.0)
+
+
+def _stop_cluster(proc) -> None:
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)  # serve drains and shuts Ray down
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _print_warnings(command: str, warnings: list[str]) -> None:
+    for w in warnings:
+        print(f"stepserve {command}: warning: {w}", file=sys.stderr)
+
+
+def profile_warnings(profile) -> list[str]:
+    """What `simulate` and `plan` warn about a profile: its own warnings and a CPU that differs
+    from this host's."""
+    from sim.host import cpu_mismatch
+
+    return profile.warnings() + [
+        f"{m}: its step times may not be this host's" for m in cpu_mismatch(profile.meta)
+    ]
 
 
 def _fmt_err(e: dict) -> str:
@@ -320,6 +462,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from sim.profile import Profile
 
     profile = Profile.load(args.profile)
+    _print_warnings("simulate", profile_warnings(profile))
     config = build_cluster_config(args)
     workload = build_workload(args, profile)
     t0 = time.perf_counter()
@@ -397,6 +540,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from sim.profile import Profile
 
     profile = Profile.load(args.profile)
+    _print_warnings("plan", profile_warnings(profile))
     slo = (args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0)
     cache: dict[int, dict] = {}
 

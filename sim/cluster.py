@@ -34,7 +34,7 @@ from cluster.config import ClusterConfig
 from replica.contracts import AutoscalingStats
 from replica.request import LoRARequest
 from sim.ingress import SimIngress
-from sim.profile import Profile
+from sim.profile import Profile, upgrade_serving
 from sim.replica import (
     DRAINING,
     RUNNING,
@@ -102,6 +102,7 @@ class Simulation:
         )
         if self.serving is not None and not self.serving:
             self.serving = None  # {}: explicitly Engine.step alone
+        self.serving = upgrade_serving(self.serving)  # any layout the profile format had
         self.rng = random.Random(self.settings.seed)
         load_s = self.settings.lora_load_s
         if load_s is None:

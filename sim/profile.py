@@ -41,7 +41,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+SERVING_MODEL = 2  # the serving dict's layout (1: interpolated per-batch differences)
+READABLE_FORMATS = (3, 4)  # 3: before host load, samples and serving model 2
 _TERMS = ("a_causal", "a_prefix", "a_decode", "a_seq")
 
 
@@ -104,6 +106,7 @@ class StepTimeModel:
         self.knots = [float(k) for k in knots]
         self.values = [float(v) for v in values]
         self.attention = [float(a) for a in attention]
+        self.notes: dict = {}  # what the fit rejected and dropped (fit())
         self._knots = np.asarray(self.knots)
         self._values = np.asarray(self.values)
         if len(knots) >= 2:
@@ -123,11 +126,16 @@ class StepTimeModel:
         return max(t, 0.0)
 
     def as_dict(self) -> dict:
-        return {"knots": self.knots, "values": self.values, "attention": self.attention}
+        d = {"knots": self.knots, "values": self.values, "attention": self.attention}
+        if self.notes:
+            d["notes"] = self.notes
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> StepTimeModel:
-        return cls(d["knots"], d["values"], d["attention"])
+        model = cls(d["knots"], d["values"], d["attention"])
+        model.notes = d.get("notes") or {}
+        return model
 
 
 def _hat_features(tokens: float, knots: list[float]) -> list[float]:
@@ -150,29 +158,92 @@ def _hat_features(tokens: float, knots: list[float]) -> list[float]:
     return out
 
 
+OUTLIER_MADS = 3.5  # a point whose relative residual is this many MADs off is rejected
+OUTLIER_FLOOR = 0.05  # ... and more than 5% off (a tight fit's MAD is tiny)
+POOR_FIT_MEDIAN = 0.10  # grid median relative error above this: the fit is poor
+POOR_HELD_OUT_MEDIAN = 0.15  # held-out mixed steps' median relative error above this: poor
+
+
+def robust_center(samples: list[float], mads: float = OUTLIER_MADS) -> tuple[float, list[bool]]:
+    """The median of `samples` after rejecting those more than `mads` scaled MADs (1.4826 MAD,
+    the standard deviation of a normal sample) from the median; and which were kept."""
+    med = statistics.median(samples)
+    mad = statistics.median(abs(x - med) for x in samples) * 1.4826
+    if mad <= 0:
+        return med, [True] * len(samples)
+    keep = [abs(x - med) <= mads * mad for x in samples]
+    return statistics.median(x for x, k in zip(samples, keep) if k), keep
+
+
+def _solve(rows: list[list[float]], targets: list[float], drop: set[int]) -> np.ndarray:
+    a = np.asarray(rows)
+    if drop:
+        a = a.copy()
+        a[:, sorted(drop)] = 0.0
+    coef = np.linalg.lstsq(a, np.asarray(targets), rcond=None)[0]
+    coef[sorted(drop)] = 0.0
+    return coef
+
+
 def fit(points: list[dict]) -> StepTimeModel:
     """Least-squares fit of the model to measured points ({"shape": StepShape, "time_s": t}),
-    weighted by 1/t so that small steps count as much as big ones (relative error)."""
+    weighted by 1/t so that small steps count as much as big ones (relative error). Points
+    whose residual is an outlier (OUTLIER_MADS scaled MADs and OUTLIER_FLOOR off) are rejected
+    and the fit repeated; a shape term whose coefficient comes out negative (attention cannot
+    make a step faster: the grid does not resolve it) is dropped and said so. What was
+    rejected and dropped is in the model's `notes` (saved with the profile)."""
     if not points:
         raise ValueError("no measured points to fit")
     knots = sorted({float(p["shape"].tokens) for p in points})
-    rows, targets = [], []
+    k = len(knots)
+    rows = []
     for p in points:
         s: StepShape = p["shape"]
-        w = 1.0 / max(p["time_s"], 1e-6)
-        rows.append([x * w for x in _hat_features(s.tokens, knots)] + [f * w for f in s.features()])
-        targets.append(p["time_s"] * w)
-    a = np.asarray(rows)
-    b = np.asarray(targets)
-    coef = np.linalg.lstsq(a, b, rcond=None)[0]
-    # attention cannot make a step faster: refit without a term whose coefficient came out < 0
-    k = len(knots)
-    for col in range(k, k + len(_TERMS)):
-        if coef[col] < 0:
-            a[:, col] = 0.0
-            coef = np.linalg.lstsq(a, b, rcond=None)[0]
-            coef[col] = 0.0
-    return StepTimeModel(knots, list(coef[:k]), list(coef[k:]))
+        rows.append(_hat_features(s.tokens, knots) + list(s.features()))
+    times = [max(p["time_s"], 1e-6) for p in points]
+    keep = [True] * len(points)
+    drop: set[int] = set()
+    notes: dict = {"rejected": [], "dropped_terms": [], "warnings": []}
+    for _ in range(4):
+        use = [i for i in range(len(points)) if keep[i]]
+        wrows = [[x / times[i] for x in rows[i]] for i in use]
+        coef = _solve(wrows, [1.0] * len(use), drop)
+        negative = [c for c in range(k, k + len(_TERMS)) if coef[c] < 0 and c not in drop]
+        if negative:
+            drop |= set(negative)
+            coef = _solve(wrows, [1.0] * len(use), drop)
+        pred = np.asarray(rows) @ coef
+        rel = pred / np.asarray(times) - 1.0
+        med = float(np.median(rel[use]))
+        mad = float(np.median(np.abs(rel[use] - med))) * 1.4826
+        limit = max(OUTLIER_MADS * mad, OUTLIER_FLOOR)
+        new_keep = [abs(r - med) <= limit for r in rel]
+        # a knot needs a point: never reject the last one at a token count
+        for i, p in enumerate(points):
+            if not new_keep[i] and not any(
+                new_keep[j] for j, q in enumerate(points) if q["shape"].tokens == p["shape"].tokens
+            ):
+                new_keep[i] = True
+        if new_keep == keep:
+            break
+        keep = new_keep
+    notes["rejected"] = [
+        {"desc": points[i].get("desc", ""), "time_s": times[i], "rel_error": float(rel[i])}
+        for i in range(len(points))
+        if not keep[i]
+    ]
+    notes["dropped_terms"] = [_TERMS[c - k] for c in sorted(drop)]
+    for name in notes["dropped_terms"]:
+        notes["warnings"].append(
+            f"{name} came out negative and was left out (the grid does not resolve it)"
+        )
+    if len(notes["rejected"]) > max(2, len(points) // 10):
+        notes["warnings"].append(
+            f"{len(notes['rejected'])} of {len(points)} points rejected as outliers (a noisy host?)"
+        )
+    model = StepTimeModel(knots, list(coef[:k]), list(coef[k:]))
+    model.notes = notes
+    return model
 
 
 def fit_errors(model: StepTimeModel, points: list[dict]) -> dict:
@@ -217,6 +288,8 @@ class Profile:
                     "time_s": p["time_s"],
                     "kind": p["kind"],
                     "desc": p["desc"],
+                    "samples_s": p.get("samples_s", [p["time_s"]]),
+                    "rejected": p.get("rejected", 0),
                 }
                 for p in ps
             ]
@@ -237,8 +310,10 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
-        if d.get("format") != FORMAT_VERSION:
-            raise ValueError(f"profile format {d.get('format')!r}, expected {FORMAT_VERSION}")
+        if d.get("format") not in READABLE_FORMATS:
+            raise ValueError(
+                f"profile format {d.get('format')!r}, expected one of {READABLE_FORMATS}"
+            )
 
         def dec(ps):
             return [
@@ -250,6 +325,8 @@ class Profile:
                     "time_s": p["time_s"],
                     "kind": p["kind"],
                     "desc": p["desc"],
+                    "samples_s": p.get("samples_s", [p["time_s"]]),
+                    "rejected": p.get("rejected", 0),
                 }
                 for p in ps
             ]
@@ -261,9 +338,35 @@ class Profile:
             dec(d["points"]),
             dec(d["held_out"]),
             StepTimeModel.from_dict(d["model"]),
-            d.get("serving"),
+            upgrade_serving(d.get("serving")),
             d.get("lora_load_s"),
         )
+
+    def warnings(self) -> list[str]:
+        """Why this profile's prices may be off: taken on a busy host, a poor fit (on the grid
+        or the held-out mixed steps), terms or serving coefficients the fit could not resolve."""
+        out = []
+        host = self.meta.get("host")
+        if host is None:
+            out.append("profile records no host load (format 3): re-profile on a quiet host")
+        elif host.get("busy"):
+            out.append(f"profile taken on a busy host: {host.get('busy_reason')}")
+        grid = fit_errors(self.model, self.points)
+        if grid and grid["median_abs_rel_error"] > POOR_FIT_MEDIAN:
+            out.append(
+                f"poor fit: median error {grid['median_abs_rel_error']:.1%} on the grid "
+                f"(limit {POOR_FIT_MEDIAN:.0%})"
+            )
+        held = fit_errors(self.model, self.held_out)
+        if held and held["median_abs_rel_error"] > POOR_HELD_OUT_MEDIAN:
+            out.append(
+                f"poor fit: median error {held['median_abs_rel_error']:.1%} on the held-out "
+                f"mixed steps (limit {POOR_HELD_OUT_MEDIAN:.0%})"
+            )
+        out += self.model.notes.get("warnings", [])
+        if self.serving:
+            out += [f"serving calibration: {w}" for w in self.serving.get("warnings", [])]
+        return out
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -283,6 +386,29 @@ class Profile:
         Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n")
 
 
+def upgrade_serving(serving: dict | None) -> dict | None:
+    """A serving dict of any layout as SERVING_MODEL's: the interpolated per-batch overheads of
+    layout 1 ({"batches", "extra_s", ...}) become the least-squares line through them."""
+    if not serving or serving.get("model") == SERVING_MODEL:
+        return serving
+    xs = np.asarray(serving["batches"], dtype=float)
+    ys = np.asarray(serving["extra_s"], dtype=float)
+    if len(xs) >= 2:
+        token_s, step_s = np.polyfit(xs, ys, 1)
+    else:
+        token_s, step_s = 0.0, float(ys[0])
+    return {
+        **{k: v for k, v in serving.items() if k not in ("batches", "extra_s")},
+        "model": SERVING_MODEL,
+        "step_s": float(step_s),
+        "token_s": float(token_s),
+        "prefill_scale": serving.get("prefill_scale", 1.0),
+        "path_latency_s": serving.get("path_latency_s", 0.0),
+        "path_rate_s": 0.0,
+        "warnings": ["converted from an interpolated calibration (layout 1): recalibrate"],
+    }
+
+
 # -- measuring -----------------------------------------------------------------------------------
 def raw_step(so) -> dict:
     """A scheduler output as plain data: its prefill chunks [[c, o], ...] and decode contexts."""
@@ -298,6 +424,17 @@ def raw_step(so) -> dict:
 
 def shape_of_raw(raw: dict) -> StepShape:
     return StepShape.of([tuple(x) for x in raw["prefill"]], list(raw["decode"]))
+
+
+@dataclass
+class Timing:
+    """A grid point's timing: its robust median, the step the scheduler ran, every sample and
+    how many of them were rejected as outliers."""
+
+    time_s: float
+    raw: dict
+    samples_s: list[float]
+    rejected: int
 
 
 class _Prober:
@@ -346,12 +483,15 @@ class _Prober:
         return time.perf_counter() - t0, self._last
 
     @staticmethod
-    def _median(samples: list[tuple[float, dict]]) -> tuple[float, dict]:
-        """The median time, with the step of the sample at the middle."""
+    def _median(samples: list[tuple[float, dict]]) -> Timing:
+        """The median time after rejecting outliers (robust_center), with the step of the
+        sample at the middle and every sample."""
+        times = [t for t, _ in samples]
+        center, keep = robust_center(times)
         ordered = sorted(samples, key=lambda x: x[0])
-        return statistics.median(t for t, _ in samples), ordered[len(ordered) // 2][1]
+        return Timing(center, ordered[len(ordered) // 2][1], times, keep.count(False))
 
-    def decode(self, n: int, ctx: int, reps: int) -> tuple[float, dict]:
+    def decode(self, n: int, ctx: int, reps: int) -> Timing:
         """Median step time of n decodes at context ~ctx."""
         ids = []
         for _ in range(n):
@@ -363,9 +503,7 @@ class _Prober:
         self._drain()
         return self._median(samples)
 
-    def prefill(
-        self, c: int, o: int, reps: int, decodes: tuple[int, int] = (0, 0)
-    ) -> tuple[float, dict]:
+    def prefill(self, c: int, o: int, reps: int, decodes: tuple[int, int] = (0, 0)) -> Timing:
         """Median time of a step that prefills c tokens after o cached ones (and runs
         `decodes` = (n, ctx) decodes beside it)."""
         samples = []
@@ -424,8 +562,11 @@ def _grid(config, max_model_len: int, capacity_tokens: int, quick: bool, budget_
     return decode, prefill, mixed
 
 
-def _point(t: float, raw: dict, kind: str, desc: str) -> dict:
-    return {"shape": shape_of_raw(raw), "time_s": t, "kind": kind, "desc": desc, **raw}
+def _point(timing: Timing, kind: str, desc: str) -> dict:
+    return {
+        "shape": shape_of_raw(timing.raw), "time_s": timing.time_s, "kind": kind, "desc": desc,
+        "samples_s": timing.samples_s, "rejected": timing.rejected, **timing.raw,
+    }  # fmt: skip
 
 
 def measure(
@@ -444,32 +585,45 @@ def measure(
     capacity = engine.num_kv_blocks * config.block_size
     decode, prefill, mixed = _grid(config, engine.max_model_len, capacity, quick, max_setup_tokens)
     say = progress or (lambda msg: None)
+    from sim.host import CpuTimes, cpu_identity, host_load
+
+    start = CpuTimes.now()
+    load_max = max(start.loadavg[0], 0.0)
     # warm-up: the first steps of each kind pay one-off costs (allocations, kernel caches)
     prober.decode(2, 16, 3)
     prober.prefill(32, 0, 2)
     points, held_out = [], []
+    prefill_reps = max(3, reps // 2)  # at least 3: a median that can reject one outlier
+
+    def note(timing: Timing, what: str) -> None:
+        nonlocal load_max
+        load_max = max(load_max, CpuTimes.now().loadavg[0])
+        dropped = f"  ({timing.rejected} outliers)" if timing.rejected else ""
+        say(f"{what} {timing.time_s * 1e3:8.2f} ms{dropped}")
+
     for n, ctx in decode:
-        t, raw = prober.decode(n, ctx, reps)
-        points.append(_point(t, raw, "decode", f"n={n} ctx={ctx}"))
-        say(f"decode n={n:<4d} ctx={ctx:<5d} {t * 1e3:8.2f} ms")
+        timing = prober.decode(n, ctx, reps)
+        points.append(_point(timing, "decode", f"n={n} ctx={ctx}"))
+        note(timing, f"decode n={n:<4d} ctx={ctx:<5d}")
     for c, o in prefill:
-        t, raw = prober.prefill(c, o, max(2, reps // 2))
-        points.append(_point(t, raw, "prefill", f"c={c} o={o}"))
-        say(f"prefill c={c:<5d} o={o:<5d} {t * 1e3:8.2f} ms")
+        timing = prober.prefill(c, o, prefill_reps)
+        points.append(_point(timing, "prefill", f"c={c} o={o}"))
+        note(timing, f"prefill c={c:<5d} o={o:<5d}")
     for n, ctx, c in mixed:
-        t, raw = prober.prefill(c, 0, max(2, reps // 2), decodes=(n, ctx))
-        held_out.append(_point(t, raw, "mixed", f"n={n} ctx={ctx} c={c}"))
-        say(f"mixed n={n:<4d} ctx={ctx:<5d} c={c:<5d} {t * 1e3:8.2f} ms")
+        timing = prober.prefill(c, 0, prefill_reps, decodes=(n, ctx))
+        held_out.append(_point(timing, "mixed", f"n={n} ctx={ctx} c={c}"))
+        note(timing, f"mixed n={n:<4d} ctx={ctx:<5d} c={c:<5d}")
     prober.close()
     model = fit(points)
-    from replica.layers import cpu_isa
+    host = host_load(start, CpuTimes.now())
+    host["loadavg_max"] = load_max
 
     meta = {
         "model": str(engine.model_dir),
         "model_name": Path(engine.model_dir).name,
         "machine": platform.machine(),
-        "processor": cpu_isa.cpu_model(),
-        "cpu_isa": cpu_isa.active_level(),
+        **cpu_identity(),
+        "host": host,
         "threads": _torch_threads(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "quick": quick,

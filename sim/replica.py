@@ -42,12 +42,13 @@ from replica.request import (
     root_block_hash,
 )
 from replica.scheduler import Scheduler
-from sim.calibrate import serving_step
+from sim.calibrate import path_extra, serving_step
 from sim.profile import StepShape
 from sim.workloads import Conversation, RequestSpec
 
 FILLER_TOKEN = 7  # what a simulated request generates when its spec names no answer tokens
 STARTING, RUNNING, DRAINING, STOPPED = "starting", "running", "draining", "stopped"
+STREAM_RATE_TAU_S = 1.0  # the time constant of a replica's streaming-rate average
 
 
 class SimRequest:
@@ -57,6 +58,7 @@ class SimRequest:
         "preemptions", "cached_tokens", "status", "answer", "prefix_key", "footprint",
         "engine_request", "joins_step", "hashes", "predicted_hit", "reason", "lora",
         "lora_waited", "fetch", "fetched_tokens", "fetch_s", "phase", "prefilled", "first_id",
+        "path_first", "path_last",
     )  # fmt: skip
 
     def __init__(self, rid: str, spec: RequestSpec, arrival: float) -> None:
@@ -89,14 +91,18 @@ class SimRequest:
         self.phase: str | None = None  # PD: "prefill", then "decode"; None: colocated
         self.prefilled = 0  # tokens its replicas computed by prefill (all phases)
         self.first_id: int | None = None  # PD: the first token, which the decode phase resumes
+        # one-way path beyond the idle one (the serving calibration's path_rate_s x the host's
+        # streaming rate) when its first token and its last came out
+        self.path_first = self.path_last = 0.0
 
     def planned_answer(self) -> list[int] | None:
         """The tokens this request is to generate (a conversation turn's), or None."""
         return None if self.conv is None else self.conv.turns[self.turn].answer_ids
 
     def result(self, net: float) -> dict:
-        ttft = self.first_token_at + net - self.arrival
-        e2e = self.finished_at + net - self.arrival
+        # in and out at the first token's load; in at it and out at the last one's for e2e
+        ttft = self.first_token_at + net + 2 * self.path_first - self.arrival
+        e2e = self.finished_at + net + self.path_first + self.path_last - self.arrival
         tpot = (e2e - ttft) / (self.n_out - 1) if self.n_out > 1 else math.nan
         return {
             "id": self.rid,
@@ -159,6 +165,9 @@ class SimReplica:
         self.link_free_at = 0.0  # when this replica's egress link finishes its queued fetches
         self.fetches = 0  # fetches into this replica, and the blocks they brought
         self.fetched_blocks = 0
+        # tokens per second this replica streams, a moving average over ~STREAM_RATE_TAU_S
+        self.stream_rate = 0.0
+        self._rate_at = created
         # the scheduler reports the adapters held (RoutingStats.loras) as a replica's does
         self.scheduler.lora_names = lambda: list(self.loras)
 
@@ -308,9 +317,10 @@ class SimReplica:
         serving = self.sim.serving
         if serving is None:
             duration = self.sim.model.predict(shape)
-        else:
+        else:  # the tokens it streams: the requests that sample a token in it
             streamed = sum(1 for s in so.scheduled if s.sample)
             duration = serving_step(serving, self.sim.model, shape, streamed)
+            self._note_streamed(now, 0)  # idle until now
         self.busy_s += duration
         self.num_steps += 1
         self.sim.at(now + duration, self._end_step, so)
@@ -325,6 +335,12 @@ class SimReplica:
                 sampled[s.request_id] = answer[k] if answer and k < len(answer) else FILLER_TOKEN
         outputs = self.scheduler.update_from_output(so, sampled)
         sim = self.sim
+        serving = sim.serving
+        extra = 0.0
+        if serving is not None:
+            self._note_streamed(now, len(sampled))
+            # the proxy and ingress serve every replica of a host: the calibration's replicas
+            extra = path_extra(serving, self.stream_rate * serving.get("replicas", 1))
         if self.events is not None:
             batch = self.events.seal()
             if batch is not None:
@@ -333,8 +349,10 @@ class SimReplica:
             req = self.requests[out.request_id]
             req.n_out += 1
             if req.n_out == 1:
+                req.path_first = extra
                 sim.first_token(req, now)
             if out.finish_reason is not None:
+                req.path_last = extra
                 request_obj = req.engine_request
                 req.preemptions += request_obj.num_preemptions
                 cached = max(request_obj.num_cached_tokens, 0)
@@ -364,6 +382,15 @@ class SimReplica:
             self.busy = False
             if self.state == DRAINING:
                 sim.maybe_stop(self, now)
+
+    def _note_streamed(self, now: float, tokens: int) -> None:
+        """Fold `tokens` streamed over the time since the last note into `stream_rate`."""
+        dt = now - self._rate_at
+        if dt <= 0:
+            return
+        alpha = 1.0 - math.exp(-dt / STREAM_RATE_TAU_S)
+        self.stream_rate += alpha * (tokens / dt - self.stream_rate)
+        self._rate_at = now
 
     # -- reports ---------------------------------------------------------------------------
     def record_stats(self, now: float) -> RoutingStats:

@@ -117,6 +117,9 @@ def test_profile_measures_the_shapes_it_says_on_a_real_engine(tiny_llama_dir) ->
         else:
             assert p["prefill"] and p["decode"]
     assert engine.scheduler.has_unfinished() is False
+    assert {"processor", "cpu_isa", "cpu_isa_detected", "host"} <= set(prof.meta)
+    assert {"loadavg_start", "loadavg_max", "other_cores", "busy"} <= set(prof.meta["host"])
+    assert all(len(p["samples_s"]) >= 1 for p in prof.points)
     again = Profile.from_dict(json.loads(json.dumps(prof.as_dict())))
     assert again.model.as_dict() == prof.model.as_dict()
     assert [p["shape"] for p in again.points] == [p["shape"] for p in prof.points]
@@ -325,7 +328,7 @@ def test_conversation_prompt_is_system_then_turns() -> None:
 
 
 def test_serving_calibration_prices_each_step_and_streamed_token() -> None:
-    serving = {"batches": [1, 4], "extra_s": [0.001, 0.0025], "path_latency_s": 0.004}
+    serving = {"model": 2, "step_s": 0.0005, "token_s": 0.0005, "path_latency_s": 0.004}
     items = [(0.0, RequestSpec([11] * 32, 10))]
     config = _config(replicas=1)
     plain = simulate(config, _profile(), Workload(requests=items), SimSettings(net_latency_s=0.0))
@@ -337,13 +340,8 @@ def test_serving_calibration_prices_each_step_and_streamed_token() -> None:
     )
     (a,), (b,), (c,) = plain.requests, served.requests, off.requests
     assert c["e2e_s"] == pytest.approx(a["e2e_s"])  # {}: Engine.step alone
-    # one prefill step (streams its first token) and 9 decodes: 1 ms more each
+    # one prefill step (streams its first token) and 9 decodes: 0.5 + 0.5 ms more each
     assert b["e2e_s"] == pytest.approx(a["e2e_s"] + 10 * 0.001)
-    from sim.calibrate import serving_extra
-
-    assert serving_extra(serving, 0) == 0.001  # flat below the first measured batch
-    assert serving_extra(serving, 2) == pytest.approx(0.0015)  # interpolated
-    assert serving_extra(serving, 8) == pytest.approx(0.0045)  # the last segment's slope
     again = Profile.from_dict(json.loads(json.dumps(prof.as_dict())))
     assert again.serving == serving
 
@@ -368,7 +366,7 @@ def test_kv_event_routing_in_the_simulator_predicts_hits_and_beats_affinity_on_c
 def test_prefill_scale_stretches_only_the_prefill_part_of_a_step() -> None:
     from sim.calibrate import serving_step
 
-    serving = {"batches": [1], "extra_s": [0.0], "prefill_scale": 2.0}
+    serving = {"model": 2, "step_s": 0.0, "token_s": 0.0, "prefill_scale": 2.0}
     decode_only = StepShape.of([], [100] * 4)
     mixed = StepShape.of([(256, 0)], [100] * 4)
     assert serving_step(serving, KNOWN, decode_only, 4) == pytest.approx(KNOWN.predict(decode_only))

@@ -1,0 +1,211 @@
+"""The simulator's timing model: the engine fit (repeated points, outliers, negative terms), the
+serving calibration's fit (signed coefficients recovered from noisy measurements, a poor fit
+warned about), the served step's price, the host checks (busy host, another CPU) and the older
+profile layouts still loading."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from sim.calibrate import (
+    decode_row,
+    fit_serving,
+    path_extra,
+    prefill_row,
+    probe_row,
+    serving_step,
+)
+from sim.cluster import SimSettings, Workload, simulate
+from sim.host import CpuTimes, cpu_mismatch, host_load
+from sim.profile import (
+    PROFILES,
+    Profile,
+    StepShape,
+    StepTimeModel,
+    fit,
+    robust_center,
+    upgrade_serving,
+)
+from sim.workloads import RequestSpec
+from tests.sim.test_sim import KNOWN, _config, _profile
+
+
+def _grid_points(model: StepTimeModel, rng: random.Random, noise: float, repeats: int):
+    points = []
+    for _ in range(repeats):
+        for n in (1, 2, 4, 8, 16, 32, 64):
+            for ctx in (16, 256, 1024):
+                points.append(StepShape.of([], [ctx] * n))
+        for c in (8, 64, 512, 2048):
+            for o in (0, 256, 1024):
+                points.append(StepShape.of([(c, o)], []))
+    return [
+        {"shape": s, "time_s": model.predict(s) * (1 + rng.gauss(0, noise)), "desc": str(i)}
+        for i, s in enumerate(points)
+    ]
+
+
+def test_fit_recovers_the_model_from_noisy_repeated_points_and_rejects_outliers() -> None:
+    rng = random.Random(1)
+    points = _grid_points(KNOWN, rng, noise=0.03, repeats=3)
+    for i in (5, 40, 77, 90):  # a host hiccup: four points 2.5-4x slow
+        points[i]["time_s"] *= 2.5 + i / 100
+    model = fit(points)
+    rejected = {r["desc"] for r in model.notes["rejected"]}
+    assert {"5", "40", "77", "90"} <= rejected
+    assert len(rejected) <= 8  # the noise itself is not thrown away
+    for shape in (
+        StepShape.of([], [100] * 12),
+        StepShape.of([(300, 0)], [500] * 6),
+        StepShape.of([(128, 256)], []),
+        StepShape.of([(1500, 0)], []),
+    ):
+        assert model.predict(shape) == pytest.approx(KNOWN.predict(shape), rel=0.04)
+
+
+def test_fit_says_when_it_drops_a_term_it_cannot_resolve() -> None:
+    # decode context made to cost negative time: the fit leaves a_decode out and says so
+    bad = StepTimeModel(KNOWN.knots, KNOWN.values, [2e-8, 4e-8, -1e-7, 5e-5])
+    points = [
+        {"shape": p["shape"], "time_s": max(bad.predict(p["shape"]), 1e-4), "desc": p["desc"]}
+        for p in _grid_points(KNOWN, random.Random(0), 0.0, 1)
+    ]
+    model = fit(points)
+    assert "a_decode" in model.notes["dropped_terms"] and model.attention[2] == 0.0
+    assert any("a_decode" in w for w in model.notes["warnings"])
+
+
+def test_robust_center_rejects_outlying_samples() -> None:
+    center, keep = robust_center([0.010, 0.0101, 0.0099, 0.0102, 0.050, 0.0098])
+    assert center == pytest.approx(0.0100, rel=0.02)
+    assert keep == [True, True, True, True, False, True]
+
+
+# -- the serving calibration -----------------------------------------------------------------------
+TRUE = {"step_s": -0.0015, "token_s": 0.0008, "prefill_extra": 0.2, "path": 0.006, "rate": 2e-5}
+
+
+def _rows(model: StepTimeModel, truth: dict, rng: random.Random, noise: float, outliers: int):
+    """Calibration measurements as `truth` would produce them: each row's y = known + x.coef,
+    times noise."""
+    coef = (
+        truth["step_s"], truth["token_s"], truth["prefill_extra"], truth["path"], truth["rate"]
+    )  # fmt: skip
+    rows = []
+    for _ in range(2):  # two rounds
+        for b in (1, 2, 4, 8, 16, 32):
+            rate = 2 * b / 0.02  # two replicas streaming b tokens each per ~20 ms
+            rows += [decode_row(model, b, 64, 48, 0.0, rate) for _ in range(b * 2)]
+            rows += [probe_row(model, b, 88, 0.0, rate) for _ in range(6)]
+        rows += [prefill_row(model, p, 0.0, 3.0) for p in (256, 1024) for _ in range(6)]
+    rows += [probe_row(model, 0, 88, 0.0, 0.0) for _ in range(12)]
+    for r in rows:
+        exact = r.known + sum(x * c for x, c in zip(r.x, coef))
+        r.y = exact * (1 + rng.gauss(0, noise))
+    for r in rng.sample(rows, outliers):
+        r.y *= 3.0
+    return rows
+
+
+def test_fit_serving_recovers_signed_coefficients_despite_noise_and_outliers() -> None:
+    rows = _rows(KNOWN, TRUE, random.Random(2), noise=0.03, outliers=6)
+    s = fit_serving(rows)
+    # negative: the cluster's steps are faster than the profile's (no clamp to 0)
+    assert s["step_s"] == pytest.approx(TRUE["step_s"], abs=0.0004)
+    assert s["token_s"] == pytest.approx(TRUE["token_s"], abs=0.0001)
+    assert s["prefill_scale"] == pytest.approx(1 + TRUE["prefill_extra"], abs=0.05)
+    assert s["path_latency_s"] == pytest.approx(TRUE["path"], abs=0.001)
+    assert s["path_rate_s"] == pytest.approx(TRUE["rate"], rel=0.25)
+    assert sum(e["rejected"] for e in s["fit_error"].values()) >= 6
+    assert s["warnings"] == []
+
+
+def test_fit_serving_warns_when_the_profile_does_not_price_the_cluster() -> None:
+    # the cluster's decode step grows with the batch squared: no offset or per-token cost fits it
+    rows = _rows(KNOWN, TRUE, random.Random(3), noise=0.02, outliers=0)
+    for r in rows:
+        if r.group == "decode":
+            r.y += 5e-5 * int(r.level[2:]) ** 2
+    s = fit_serving(rows)
+    assert any("poor fit: decode" in w for w in s["warnings"]), s["warnings"]
+
+
+def test_a_step_that_streams_nothing_pays_no_token_cost() -> None:
+    serving = {"model": 2, "step_s": 0.001, "token_s": 0.002, "prefill_scale": 1.0}
+    chunk = StepShape.of([(256, 0)], [])
+    assert serving_step(serving, KNOWN, chunk, 0) == pytest.approx(KNOWN.predict(chunk) + 0.001)
+    assert serving_step(serving, KNOWN, chunk, 1) == pytest.approx(KNOWN.predict(chunk) + 0.003)
+
+
+def test_path_grows_with_the_hosts_streaming_rate_in_the_simulation() -> None:
+    serving = {"model": 2, "step_s": 0.0, "token_s": 0.0, "path_latency_s": 0.002,
+               "path_rate_s": 1e-4, "replicas": 1}  # fmt: skip
+    assert path_extra(serving, 100.0) == pytest.approx(0.01)
+    lone = [(0.0, RequestSpec([11] * 32, 4))]
+    busy = [(i * 0.01, RequestSpec([11 + i] * 32, 64)) for i in range(8)] + [
+        (1.0, RequestSpec([99] * 32, 4))
+    ]
+    prof = _profile()
+    prof.serving = serving
+    config = _config(replicas=1)
+    settings = SimSettings(net_latency_s=0.002)
+    alone = simulate(config, prof, Workload(requests=lone), settings).requests[-1]
+    loaded = simulate(config, prof, Workload(requests=busy), settings).requests[-1]
+    assert alone["ttft_s"] < loaded["ttft_s"]
+    step = KNOWN.predict(StepShape.of([(32, 0)], []))
+    assert alone["ttft_s"] == pytest.approx(2 * 0.002 + step, rel=0.05)
+
+
+# -- the host -------------------------------------------------------------------------------------
+def _times(wall, busy, idle, steal, own, load=(0.5, 0.5, 0.5)) -> CpuTimes:
+    return CpuTimes(wall, busy, idle, steal, own, load)
+
+
+def test_host_load_flags_a_busy_host_and_passes_a_quiet_one() -> None:
+    start = _times(0.0, 100.0, 100.0, 0.0, 10.0)
+    # 10 s on 2 cores: the profiler used 9.9 s, others 0.1 s: quiet
+    quiet = host_load(start, _times(10.0, 110.0, 110.0, 0.0, 19.9), cpus=2)
+    assert not quiet["busy"] and quiet["other_cores"] == pytest.approx(0.01)
+    # others used 8 s of 20: 0.8 cores
+    busy = host_load(start, _times(10.0, 118.0, 102.0, 0.0, 20.0, (3.1, 2.0, 1.0)), cpus=2)
+    assert busy["busy"] and "0.80 of 2 cores" in busy["busy_reason"]
+    assert busy["loadavg_end"] == [3.1, 2.0, 1.0]
+    stolen = host_load(start, _times(10.0, 110.0, 108.0, 2.0, 20.0), cpus=2)
+    assert stolen["busy"] and "stolen" in stolen["busy_reason"]
+
+
+def test_busy_profile_and_cpu_mismatch_are_warned_about(capsys, monkeypatch, tmp_path) -> None:
+    here = {"processor": "Intel Xeon", "cpu_isa": "avx512", "cpu_isa_detected": "avx512"}
+    meta = {"processor": "AMD EPYC", "cpu_isa": "avx2"}
+    found = cpu_mismatch(meta, here)
+    assert len(found) == 2 and "AMD EPYC" in found[0] and "'avx2'" in found[1]
+    assert cpu_mismatch({**meta, **here}, here) == []
+    prof = _profile()
+    prof.meta.update(here, host={"busy": True, "busy_reason": "other processes used 1.20"})
+    path = tmp_path / "p.json"
+    prof.save(path)
+    monkeypatch.setattr("sim.host.cpu_identity", lambda: {**here, "processor": "Other CPU"})
+    from cluster.cli import main
+
+    rc = main(["simulate", "--profile", str(path), "--replicas", "1", "--num-requests", "3"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "busy host: other processes used 1.20" in err
+    assert "'Intel Xeon', this host is 'Other CPU'" in err
+
+
+def test_format_3_profiles_and_interpolated_calibrations_still_load() -> None:
+    shipped = Profile.load("SmolLM2-135M-Instruct-avx2-1t")  # format 3
+    assert shipped.points and shipped.serving is None
+    assert any("no host load" in w for w in shipped.warnings())
+    old = {"batches": [1, 2, 4], "extra_s": [0.001, 0.002, 0.003], "prefill_scale": 1.2,
+           "path_latency_s": 0.003, "replicas": 2}  # fmt: skip
+    new = upgrade_serving(old)
+    assert new["token_s"] == pytest.approx(0.000643, rel=0.01)  # the least-squares line
+    assert new["prefill_scale"] == 1.2 and new["path_latency_s"] == 0.003
+    d = json.loads((PROFILES / "SmolLM2-135M-Instruct-avx2-1t.json").read_text())
+    d["serving"] = old
+    assert Profile.from_dict(d).serving == new
