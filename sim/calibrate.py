@@ -93,9 +93,7 @@ class Row:
     x: tuple[float, float, float, float, float]
 
 
-def decode_row(
-    model: StepTimeModel, batch: int, prompt_len: int, out_len: int, tpot: float, rate: float
-) -> Row:
+def decode_row(model: StepTimeModel, batch: int, prompt_len: int, out_len: int, tpot: float) -> Row:
     """A stream's time per output token with `batch` streams per replica (closed loop): its
     decode steps, of which a share (batch - 1) / out_len also prefill another stream's prompt
     (each stream prefills once per out_len steps). Every step streams `batch` tokens."""

@@ -2,7 +2,8 @@
 detokenize: the whole `Engine.step`) over a grid of step shapes on the machine it runs on, and
 fits the model the simulator uses to price a step it did not measure.
 
-Grid (each point the median of several steps):
+Grid (each point timed several times; samples more than OUTLIER_MADS scaled MADs from the
+median are rejected and the point is the median of the rest; every sample is kept):
 - decode: n sequences of context L each (distinct prompts, so the KV read is real);
 - prefill: one chunk of c new tokens after o tokens already cached (a prefix-cache hit of o);
 - mixed: n decodes plus one prefill chunk in the same step (held out of the fit: they measure
@@ -22,7 +23,13 @@ reads; `requests` are the step's scheduled requests (each one's sampling, bookke
 detokenizing, beyond the first). A chunk with nothing cached before it and one after a prefix-cache hit (or an earlier
 chunk) take different attention paths in the runner (a causal kernel, and attention over the
 cached prefix plus the chunk), so each has its own coefficient. Beyond the last knot g continues
-along its last segment.
+along its last segment. Points the fit prices as outliers are rejected and the fit repeated;
+what it rejected, and terms it could not resolve, are in the model's `notes`.
+
+A profile records the CPU (model, ISA level) and the host's load while it ran (sim/host.py), so
+that `Profile.warnings` can say when it was taken on a busy host or fits poorly. The serving
+calibration (sim/calibrate.py) is stored beside the fit (`Profile.serving`, layout
+SERVING_MODEL; older layouts are converted on load by `upgrade_serving`).
 """
 
 from __future__ import annotations

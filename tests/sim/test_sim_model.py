@@ -98,7 +98,7 @@ def _rows(model: StepTimeModel, truth: dict, rng: random.Random, noise: float, o
     for _ in range(2):  # two rounds
         for b in (1, 2, 4, 8, 16, 32):
             rate = 2 * b / 0.02  # two replicas streaming b tokens each per ~20 ms
-            rows += [decode_row(model, b, 64, 48, 0.0, rate) for _ in range(b * 2)]
+            rows += [decode_row(model, b, 64, 48, 0.0) for _ in range(b * 2)]
             rows += [probe_row(model, b, 88, 0.0, rate) for _ in range(6)]
         rows += [prefill_row(model, p, 0.0, 3.0) for p in (256, 1024) for _ in range(6)]
     rows += [probe_row(model, 0, 88, 0.0, 0.0) for _ in range(12)]
@@ -209,3 +209,37 @@ def test_format_3_profiles_and_interpolated_calibrations_still_load() -> None:
     d = json.loads((PROFILES / "SmolLM2-135M-Instruct-avx2-1t.json").read_text())
     d["serving"] = old
     assert Profile.from_dict(d).serving == new
+
+
+def test_profile_refuses_a_busy_host_unless_allowed_and_then_flags_it(
+    capsys, monkeypatch, tmp_path
+) -> None:
+    from cluster.cli import main
+
+    busy = {"busy": True, "busy_reason": "other processes used 1.50 of 2 cores", "cpus": 2,
+            "loadavg_start": [3.0, 2.0, 1.0]}  # fmt: skip
+    monkeypatch.setattr("sim.host.check_quiet", lambda: busy)
+    measured = []
+
+    def fake_measure(config, args):
+        measured.append(config.model)
+        prof = _profile()
+        prof.meta.update(
+            name="fake", host={"busy": False, "busy_reason": "", "loadavg_start": [0.1] * 3,
+                               "loadavg_end": [0.1] * 3, "loadavg_max": 0.2, "other_cores": 0.0,
+                               "steal_share": 0.0},
+        )  # fmt: skip
+        return prof
+
+    monkeypatch.setattr("sim.cli._measure_engine", fake_measure)
+    out = tmp_path / "p.json"
+    args = ["profile", "--model", "tiny", "--no-serving", "--out", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "the host is busy (other processes used 1.50 of 2 cores" in err
+    assert "--allow-busy-host" in err and not measured and not out.exists()
+    assert main([*args, "--allow-busy-host"]) == 0
+    saved = Profile.load(out)
+    assert saved.meta["host"]["busy"] is True
+    assert "before the run: other processes used 1.50" in saved.meta["host"]["busy_reason"]
+    assert "busy host" in capsys.readouterr().err
