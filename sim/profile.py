@@ -167,6 +167,8 @@ def _hat_features(tokens: float, knots: list[float]) -> list[float]:
 
 OUTLIER_MADS = 3.5  # a point whose relative residual is this many MADs off is rejected
 OUTLIER_FLOOR = 0.05  # ... and more than 5% off (a tight fit's MAD is tiny)
+FIT_OUTLIER_FLOOR = 0.5  # a grid point is an outlier only if priced 50% off (else: a misfit)
+MAX_REJECTED_SHARE = 0.05  # the fit rejects at most this share of the grid's points
 POOR_FIT_MEDIAN = 0.10  # grid median relative error above this: the fit is poor
 POOR_HELD_OUT_MEDIAN = 0.15  # held-out mixed steps' median relative error above this: poor
 
@@ -194,9 +196,10 @@ def _solve(rows: list[list[float]], targets: list[float], drop: set[int]) -> np.
 
 def fit(points: list[dict]) -> StepTimeModel:
     """Least-squares fit of the model to measured points ({"shape": StepShape, "time_s": t}),
-    weighted by 1/t so that small steps count as much as big ones (relative error). Points
-    whose residual is an outlier (OUTLIER_MADS scaled MADs and OUTLIER_FLOOR off) are rejected
-    and the fit repeated; a shape term whose coefficient comes out negative (attention cannot
+    weighted by 1/t so that small steps count as much as big ones (relative error). The worst
+    point, while it is a gross outlier (OUTLIER_MADS scaled MADs and FIT_OUTLIER_FLOOR off:
+    a host hiccup, not a shape the model misprices), is rejected and the fit repeated, up to
+    MAX_REJECTED_SHARE of the points; a shape term whose coefficient comes out negative (attention cannot
     make a step faster: the grid does not resolve it) is dropped and said so. What was
     rejected and dropped is in the model's `notes` (saved with the profile)."""
     if not points:
@@ -211,7 +214,8 @@ def fit(points: list[dict]) -> StepTimeModel:
     keep = [True] * len(points)
     drop: set[int] = set()
     notes: dict = {"rejected": [], "dropped_terms": [], "warnings": []}
-    for _ in range(4):
+    tokens = [p["shape"].tokens for p in points]
+    while True:
         use = [i for i in range(len(points)) if keep[i]]
         wrows = [[x / times[i] for x in rows[i]] for i in use]
         coef = _solve(wrows, [1.0] * len(use), drop)
@@ -219,21 +223,18 @@ def fit(points: list[dict]) -> StepTimeModel:
         if negative:
             drop |= set(negative)
             coef = _solve(wrows, [1.0] * len(use), drop)
-        pred = np.asarray(rows) @ coef
-        rel = pred / np.asarray(times) - 1.0
+        rel = (np.asarray(rows) @ coef) / np.asarray(times) - 1.0
+        if len(points) - len(use) >= max(1, int(MAX_REJECTED_SHARE * len(points))):
+            break
+        # the worst point, if it is a gross outlier and not the last one at its token count
         med = float(np.median(rel[use]))
         mad = float(np.median(np.abs(rel[use] - med))) * 1.4826
-        limit = max(OUTLIER_MADS * mad, OUTLIER_FLOOR)
-        new_keep = [abs(r - med) <= limit for r in rel]
-        # a knot needs a point: never reject the last one at a token count
-        for i, p in enumerate(points):
-            if not new_keep[i] and not any(
-                new_keep[j] for j, q in enumerate(points) if q["shape"].tokens == p["shape"].tokens
-            ):
-                new_keep[i] = True
-        if new_keep == keep:
+        limit = max(OUTLIER_MADS * mad, FIT_OUTLIER_FLOOR)
+        worst = max(use, key=lambda i: abs(rel[i] - med))
+        alone = sum(1 for i in use if tokens[i] == tokens[worst]) == 1
+        if abs(rel[worst] - med) <= limit or alone:
             break
-        keep = new_keep
+        keep[worst] = False
     notes["rejected"] = [
         {"desc": points[i].get("desc", ""), "time_s": times[i], "rel_error": float(rel[i])}
         for i in range(len(points))
@@ -244,9 +245,10 @@ def fit(points: list[dict]) -> StepTimeModel:
         notes["warnings"].append(
             f"{name} came out negative and was left out (the grid does not resolve it)"
         )
-    if len(notes["rejected"]) > max(2, len(points) // 10):
+    if notes["rejected"]:
         notes["warnings"].append(
-            f"{len(notes['rejected'])} of {len(points)} points rejected as outliers (a noisy host?)"
+            f"{len(notes['rejected'])} of {len(points)} points rejected as outliers (a noisy "
+            f"host?): {', '.join(r['desc'] for r in notes['rejected'])}"
         )
     model = StepTimeModel(knots, list(coef[:k]), list(coef[k:]))
     model.notes = notes
