@@ -264,7 +264,9 @@ async def _closed_loop(
                 run.probes.append(ttft)
                 await asyncio.sleep(0.25)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)), *([prober()] * probe))
+        await asyncio.gather(
+            *(worker() for _ in range(concurrency)), *([prober()] if probe else [])
+        )
     run.tokens_per_s = sum(n for _, _, n in run.streams) / (time.perf_counter() - t0)
     return run
 
@@ -325,7 +327,7 @@ def measure_serving(
                 )
             )
             tpots = [tpot for _, tpot, n in run.streams if n > 1]
-            rows += [decode_row(model, b, prompt_len, out_len, t, run.tokens_per_s) for t in tpots]
+            rows += [decode_row(model, b, prompt_len, out_len, t) for t in tpots]
             rows += [probe_row(model, b, ctx, t, run.tokens_per_s) for t in run.probes]
             if tpots:
                 progress(

@@ -243,3 +243,53 @@ def test_profile_refuses_a_busy_host_unless_allowed_and_then_flags_it(
     assert saved.meta["host"]["busy"] is True
     assert "before the run: other processes used 1.50" in saved.meta["host"]["busy_reason"]
     assert "busy host" in capsys.readouterr().err
+
+
+def test_measure_serving_runs_every_measurement_against_a_streaming_server() -> None:
+    """The calibration's plumbing end to end (streams, probes, the fit) against a stand-in
+    OpenAI-style server whose steps take a fixed time; the real cluster: `stepserve profile`."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from sim.calibrate import measure_serving
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            time.sleep(0.002 + 2e-6 * len(body["prompt"]))
+            for _ in range(body["max_tokens"]):
+                chunk = {"choices": [{"index": 0, "text": "x", "token_ids": [7]}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.003)
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        prof = _profile()
+        prof.engine = {"max_num_seqs": 16}
+        lines: list[str] = []
+        s = measure_serving(
+            f"http://127.0.0.1:{server.server_address[1]}", prof, replicas=1, batches=(1, 2, 64),
+            out_len=8, seconds=0.8, rounds=1, prefill_prompts=(256,), idle_probes=3,
+            progress=lines.append,
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+    assert set(s["fit_error"]) == {"decode", "probe", "prefill", "idle"}
+    assert {r["level"] for r in s["rows"] if r["group"] == "decode"} == {"b=1", "b=2"}  # <= 16
+    assert s["replicas"] == 1 and len(s["host"]["loadavg_start"]) == 3
+    assert {"step_s", "token_s", "prefill_scale", "path_latency_s", "path_rate_s"} <= set(s)
+    assert any("batch   2" in line for line in lines)
+    again = Profile.from_dict(json.loads(json.dumps({**prof.as_dict(), "serving": s})))
+    assert again.serving["token_s"] == s["token_s"]
