@@ -286,6 +286,7 @@ def test_measure_serving_runs_every_measurement_against_a_streaming_server() -> 
         )  # fmt: skip
     finally:
         server.shutdown()
+        server.server_close()
     assert set(s["fit_error"]) == {"decode", "probe", "prefill", "idle"}
     assert {r["level"] for r in s["rows"] if r["group"] == "decode"} == {"b=1", "b=2"}  # <= 16
     assert s["replicas"] == 1 and len(s["host"]["loadavg_start"]) == 3
