@@ -292,5 +292,6 @@ def test_measure_serving_runs_every_measurement_against_a_streaming_server() -> 
     assert s["replicas"] == 1 and len(s["host"]["loadavg_start"]) == 3
     assert {"step_s", "token_s", "prefill_scale", "path_latency_s", "path_rate_s"} <= set(s)
     assert any("batch   2" in line for line in lines)
+    assert s["batches"] == [1, 2] and s["extra_s"][1] == s["step_s"] + 2 * s["token_s"]
     again = Profile.from_dict(json.loads(json.dumps({**prof.as_dict(), "serving": s})))
     assert again.serving["token_s"] == s["token_s"]
