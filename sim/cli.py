@@ -282,9 +282,11 @@ def _start_cluster(prof, args: argparse.Namespace, overrides: dict | None, repli
     cfg = Path(tempfile.mkdtemp(prefix="stepserve-profile-")) / "cluster.yaml"
     cfg.write_text(yaml.safe_dump(data))
     print(f"stepserve profile: starting a {replicas}-replica cluster on port {port}", flush=True)
+    root = str(Path(__file__).resolve().parent.parent)  # this checkout's stepserve
+    pythonpath = os.environ.get("PYTHONPATH", "")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--config", str(cfg)],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, pythonpath)))},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -319,14 +321,20 @@ def _print_warnings(command: str, warnings: list[str]) -> None:
         print(f"stepserve {command}: warning: {w}", file=sys.stderr)
 
 
-def profile_warnings(profile) -> list[str]:
-    """What `simulate` and `plan` warn about a profile: its own warnings and a CPU that differs
-    from this host's."""
+def profile_warnings(profile, args: argparse.Namespace | None = None) -> list[str]:
+    """What `simulate` and `plan` warn about a profile: its own warnings, a CPU that differs
+    from this host's, and no serving calibration to apply."""
     from sim.host import cpu_mismatch
 
-    return profile.warnings() + [
+    out = profile.warnings() + [
         f"{m}: its step times may not be this host's" for m in cpu_mismatch(profile.meta)
     ]
+    if profile.serving is None and not getattr(args, "no_serving_calibration", False):
+        out.append(
+            "the profile has no serving calibration: steps are priced as Engine.step alone, "
+            "without the serving path's cost (stepserve profile --from PROFILE calibrates it)"
+        )
+    return out
 
 
 def _fmt_err(e: dict) -> str:
@@ -464,7 +472,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from sim.profile import Profile
 
     profile = Profile.load(args.profile)
-    _print_warnings("simulate", profile_warnings(profile))
+    _print_warnings("simulate", profile_warnings(profile, args))
     config = build_cluster_config(args)
     workload = build_workload(args, profile)
     t0 = time.perf_counter()
@@ -542,7 +550,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from sim.profile import Profile
 
     profile = Profile.load(args.profile)
-    _print_warnings("plan", profile_warnings(profile))
+    _print_warnings("plan", profile_warnings(profile, args))
     slo = (args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0)
     cache: dict[int, dict] = {}
 
