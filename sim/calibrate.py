@@ -17,7 +17,7 @@ zeros, and a poor fit is reported (`warnings`), not hidden.
 They are fitted together, by least squares on relative error with outliers rejected (median and
 MAD of the residuals), over repeated measurements against a running cluster of N replicas
 (`stepserve profile` starts one; `--calibrate-url URL --calibrate-replicas N` uses yours):
-- decode: closed-loop streams (64-token prompts, 48 tokens out) at N x (1, 2, 4, 8, 16, 32)
+- decode: closed-loop streams (64-token prompts, 24-72 tokens out) at N x (1, 2, 4, 8, 16, 32)
   concurrency, the levels run `rounds` times in turn; each stream's time per output token is
   the mean served step of a replica with b = concurrency / N streams, which includes the steps
   where another stream's prompt was prefilled (priced as such, not as pure decode steps);
@@ -96,7 +96,8 @@ class Row:
 def decode_row(model: StepTimeModel, batch: int, prompt_len: int, out_len: int, tpot: float) -> Row:
     """A stream's time per output token with `batch` streams per replica (closed loop): its
     decode steps, of which a share (batch - 1) / out_len also prefill another stream's prompt
-    (each stream prefills once per out_len steps). Every step streams `batch` tokens."""
+    (each stream prefills once per out_len steps, out_len its mean output: the streams' lengths
+    differ so they do not march in step). Every step streams `batch` tokens."""
     ctx = prompt_len + out_len // 2
     decode = model.predict(StepShape.of([], [ctx] * batch))
     q = min(1.0, (batch - 1) / max(out_len, 1))
@@ -239,7 +240,8 @@ async def _closed_loop(
     probe: bool = False,
     at_least_one: bool = False,
 ) -> LevelRun:
-    """`concurrency` streams of random prompts, each sent when the last ended, for `seconds`
+    """`concurrency` streams of random prompts (outputs of out_len tokens on average), each sent
+    when the last ended, for `seconds`
     (and until one has ended, with `at_least_one`); with `probe`, beside them one client sends
     PROBE_TOKENS-token prompts with max_tokens 1, one at a time, 0.25 s apart."""
     import httpx
@@ -254,7 +256,10 @@ async def _closed_loop(
         async def worker() -> None:
             while time.perf_counter() < deadline or (at_least_one and not run.streams):
                 prompt = [rng.randrange(10, 500) for _ in range(prompt_len)]
-                run.streams.append(await _stream(client, url, prompt, out_len))
+                # output lengths spread over out_len/2 .. 3 out_len/2 (mean out_len), so that the
+                # streams do not march in step (all prefilling together, then all decoding)
+                n = rng.randint(max(1, out_len - out_len // 2), out_len + out_len // 2)
+                run.streams.append(await _stream(client, url, prompt, n))
 
         async def prober() -> None:
             await asyncio.sleep(min(1.0, seconds / 4))  # the streams reach their steady state
