@@ -130,7 +130,7 @@ def prefill_row(model: StepTimeModel, prompt_len: int, ttft: float, rate: float)
 
 def fit_serving(rows: list[Row]) -> dict:
     """Least squares of the rows' residuals (y - known) on their x, weighted by 1/y (relative
-    error), outliers (OUTLIER_MADS scaled MADs and OUTLIER_FLOOR off) rejected and refitted;
+    error) and 1/sqrt(rows in the group) (each group counts the same), outliers (OUTLIER_MADS scaled MADs and OUTLIER_FLOOR off) rejected and refitted;
     coefficients signed. Returns the serving dict's coefficients, per-group errors, rejected
     counts and warnings."""
     if len(rows) < len(COEFFICIENTS):
@@ -138,7 +138,12 @@ def fit_serving(rows: list[Row]) -> dict:
     y = np.asarray([r.y for r in rows])
     known = np.asarray([r.known for r in rows])
     x = np.asarray([r.x for r in rows])
-    w = 1.0 / np.maximum(y, 1e-6)
+    # relative error, and each group (decode, probe, prefill, idle) weighs the same in all:
+    # hundreds of decode streams would otherwise drown a dozen idle probes
+    count: dict[str, int] = {}
+    for r in rows:
+        count[r.group] = count.get(r.group, 0) + 1
+    w = np.asarray([1.0 / math.sqrt(count[r.group]) for r in rows]) / np.maximum(y, 1e-6)
     # a coefficient no row measures stays 0 (e.g. no load: no path rate)
     free = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
     keep = np.ones(len(rows), dtype=bool)
