@@ -220,12 +220,22 @@ def describe(level: str | None = None) -> str:
         + (f", capped by {ISA_ENV}={cap}" if cap and level != detected else "")
         + ")",
         f"native kernels built with {' '.join(march_flags(level))}",
-        "oneDNN weight packing: fp32 and bf16"
+        f"fp32 weights packed for {_fp32_gemm_name()}",
+        "oneDNN weight packing: fp32 and bf16 (bf16 on AMX tiles / AVX512-BF16 where the CPU "
+        "has them)"
         if bf16_pack
         else "oneDNN weight packing: fp32 only (bf16 weights stay row-major: packing them needs "
         "AVX-512 BW/VL/DQ or AVX-NE-CONVERT)",
     ]
     return ", ".join(parts)
+
+
+def _fp32_gemm_name() -> str:
+    from replica.layers import cpu_gemm
+
+    return {"mkl": "MKL's packed sgemm", "onednn": "oneDNN", None: "nothing (F.linear)"}[
+        cpu_gemm.fp32_packing()
+    ]
 
 
 def log_choice(level: str | None = None) -> None:
