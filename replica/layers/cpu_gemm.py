@@ -112,10 +112,10 @@ def mkl_pack(weight: torch.Tensor) -> torch.Tensor:
 def mkl_linear(
     x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x W^T (+ bias) from `mkl_pack`'s buffer; x [..., in] fp32."""
+    """x W^T (+ bias) from `mkl_pack`'s buffer; x [..., in] fp32. Called per linear layer per
+    step: the 2-D contiguous input (every model's) takes no reshape."""
     k = x.shape[-1]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     rows = x2.shape[0]
@@ -127,4 +127,4 @@ def mkl_linear(
         )  # fmt: skip
     if bias is not None:
         out.add_(bias)
-    return out.view(*lead, out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)

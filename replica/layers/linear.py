@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replica.layers import cpu_gemm
 from replica.quant.weights import QuantizedWeight, new_weight
 
 
@@ -94,7 +95,7 @@ def onednn_available(weight: torch.Tensor) -> bool:
     dtype its matmul takes at the active instruction-set level (bf16 packing needs AVX-512
     BW/VL/DQ or AVX-NE-CONVERT: decided from the CPU's features, cpu_isa.py, not from a failed
     call)."""
-    from replica.layers import cpu_gemm, cpu_isa
+    from replica.layers import cpu_isa
 
     return (
         weight.device.type == "cpu"
@@ -129,8 +130,6 @@ class PackableLinear(nn.Module):
     lora = None
 
     def pack_weights(self) -> bool:
-        from replica.layers import cpu_gemm
-
         weight = self.weight
         if isinstance(weight, QuantizedWeight):  # quantized blocks: the quantized kernels
             return False
@@ -153,9 +152,7 @@ class PackableLinear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packing = self.packing
         if packing == "mkl":
-            from replica.layers.cpu_gemm import mkl_linear
-
-            return mkl_linear(x, self.packed_weight, self.out_features, bias)
+            return cpu_gemm.mkl_linear(x, self.packed_weight, self.out_features, bias)
         if packing == "onednn":
             rows = x.shape[0]
             padded = rows < MIN_PACKED_ROWS  # zero rows added, their outputs dropped
