@@ -2,7 +2,7 @@
 cblas_sgemm_compute, exported by torch's own libtorch_cpu where torch links MKL), called
 through ctypes, which releases the GIL for the call.
 
-fp32 weights: MKL's packed sgemm, 0.74-0.93x the time of oneDNN's packed fp32 for a model's
+fp32 weights: MKL's packed sgemm, 0.74-0.96x the time of oneDNN's packed fp32 for a model's
 linear layers at 1-512 rows (docs/perf-engine.md, "Lone-prompt prefill"); oneDNN's where torch
 has no MKL (aarch64, some builds). bf16 weights: oneDNN's packed bf16, which runs on AMX tiles or
 AVX512-BF16 where the CPU has them, at the levels where oneDNN packs bf16 at all
