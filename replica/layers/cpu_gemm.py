@@ -31,6 +31,7 @@ GEMM_CHOICES = ("auto", "mkl", "onednn")
 PACK_ROWS_HINT = 512
 # cblas enums (mkl_cblas.h)
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162
+_warned: list[bool] = []
 
 
 @lru_cache(maxsize=1)
@@ -58,8 +59,8 @@ def mkl_library() -> ctypes.CDLL | None:
 
 def gemm_choice(environ: dict[str, str] | None = None) -> str:
     """STEPSERVE_CPU_GEMM as written (default auto); ValueError naming a bad value."""
-    value = (os.environ if environ is None else environ).get(GEMM_ENV, "auto").strip().lower()
-    if value not in GEMM_CHOICES:
+    value = (os.environ if environ is None else environ).get(GEMM_ENV, "").strip().lower()
+    if value and value not in GEMM_CHOICES:
         raise ValueError(f"{GEMM_ENV}={value!r} is not one of: {', '.join(GEMM_CHOICES)}")
     return value or "auto"
 
@@ -69,7 +70,8 @@ def fp32_packing() -> str | None:
     choice = gemm_choice()
     if choice in ("auto", "mkl") and mkl_library() is not None:
         return "mkl"
-    if choice == "mkl":
+    if choice == "mkl" and not _warned:
+        _warned.append(True)  # once per process, not per layer
         logger.warning("%s=mkl but torch has no MKL packed sgemm: using oneDNN", GEMM_ENV)
     return "onednn" if _onednn_ops() else None
 

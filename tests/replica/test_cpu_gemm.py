@@ -52,6 +52,8 @@ def test_the_path_follows_the_dtype_the_level_and_the_override(monkeypatch):
     assert cpu_gemm.packing_for(torch.randn(8, 8).half()) is None
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "onednn")
     assert cpu_gemm.packing_for(w32) == "onednn"
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, " ")
+    assert cpu_gemm.gemm_choice() == "auto" and cpu_gemm.packing_for(w32) == fp32
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "blas")
     with pytest.raises(ValueError, match=r"STEPSERVE_CPU_GEMM='blas' is not one of: auto, mkl"):
         cpu_gemm.packing_for(w32)
