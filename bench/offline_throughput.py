@@ -392,6 +392,9 @@ def launch(system: str, args, workload_path: Path, tmp: Path) -> dict:
     if name == "ours-int8":  # weights quantized to int8 (Q8_0) at load
         name = "ours"
         cmd += ["--quantization", "int8"]
+    if name == "ours-onednn":  # fp32 linears from oneDNN's packing, not MKL's (the GEMM A/B)
+        name = "ours"
+        env["STEPSERVE_CPU_GEMM"] = "onednn"
     if name in ("ours", "ours-torch-prefill"):
         cmd += ["--worker", "ours", "--dtype", dtype or "float32"]
         cmd += ["--prefill", "torch" if name == "ours-torch-prefill" else "native"]
@@ -596,10 +599,10 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
     rate = {k: v["output_tokens_per_s"] for k, v in ok.items()}
     ratios = {}
     for ours in ("ours:float32", "ours:bfloat16", "ours-torch-prefill:float32",
-                 "ours-spec:float32", "ours-int8:float32"):  # fmt: skip
+                 "ours-spec:float32", "ours-int8:float32", "ours-onednn:float32"):  # fmt: skip
         for base in ("hf-static", "hf-seq", "vllm:float32", "vllm:bfloat16",
                      "ours-torch-prefill:float32", "vllm-spec:float32",
-                     "ours:float32"):  # fmt: skip
+                     "ours:float32", "ours-onednn:float32"):  # fmt: skip
             if ours in rate and base in rate and ours != base:
                 ratios[f"{ours} / {base}"] = round(rate[ours] / rate[base], 2)
     agree = {}
@@ -669,8 +672,34 @@ def build_report(args, workload: dict, results: dict[str, dict], wall: float) ->
         "ratios": ratios,
         "targets": targets,
         "agreement": agree,
+        "length_band_time_ratios": length_band_ratios(workload, results),
         "systems": results,
     }
+
+
+# --one-at-a-time: per-request times summed per prompt-length band, as a time ratio to vLLM's
+LENGTH_BANDS = ((1, 63), (64, 127), (128, 255), (256, 511), (512, 1 << 20))
+
+
+def length_band_ratios(workload: dict, results: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """{system: {"32-63 (n)": its time / vllm:float32's}} over the requests of each band."""
+    base = results.get("vllm:float32", {}).get("per_request_ms")
+    if not base:
+        return {}
+    lengths = [len(p) for p in workload["prompts"]][: len(base)]
+    out: dict[str, dict[str, float]] = {}
+    for name, r in results.items():
+        times = r.get("per_request_ms")
+        if not name.startswith("ours") or not times:
+            continue
+        bands = {}
+        for lo, hi in LENGTH_BANDS:
+            idx = [i for i, n in enumerate(lengths) if lo <= n <= hi and i < len(times)]
+            if idx:
+                ours, theirs = sum(times[i] for i in idx), sum(base[i] for i in idx)
+                bands[f"{lo}-{min(hi, max(lengths))} ({len(idx)})"] = round(ours / theirs, 3)
+        out[name] = bands
+    return out
 
 
 def print_report(report: dict) -> None:
@@ -705,6 +734,10 @@ def print_report(report: dict) -> None:
         print(
             f"  steps with prefill: {p['steps']} ({p['tokens']} tokens) {p['total_s']} s of {steps['total_step_s']} s"
         )
+    for name, bands in report.get("length_band_time_ratios", {}).items():
+        print(f"{name} time / vllm:float32's by prompt length (requests):")
+        for band, ratio in bands.items():
+            print(f"  {band:>16} {ratio:.3f}x")
     for name, t in report["targets"].items():
         print(f"target {name}: {t['value']} -> {'met' if t['met'] else 'MISSED'}")
 

@@ -10,7 +10,9 @@ Levels, lowest first (each includes the ones before it):
 The level in use is the CPU's own, capped by `STEPSERVE_CPU_ISA` (one of the names above, or
 `auto`; read once per process) so that every path can be run on a host that has a higher one: the native kernels are
 compiled for that level (`-march=x86-64-v3` and so on) and oneDNN's bf16 weight packing is used
-only where the level (or the CPU's AVX-NE-CONVERT) allows it. On other architectures there is
+only where the level (or the CPU's AVX-NE-CONVERT) allows it (cpu_gemm.py: the GEMM per dtype).
+AMX is no level of its own: oneDNN's bf16 GEMM picks AMX tiles or AVX512-BF16 itself, nothing
+of ours decides between them (ONEDNN_MAX_CPU_ISA caps it, as the tests do). On other architectures there is
 one level, `native`. The choice is logged once per process and level.
 """
 
@@ -220,12 +222,32 @@ def describe(level: str | None = None) -> str:
         + (f", capped by {ISA_ENV}={cap}" if cap and level != detected else "")
         + ")",
         f"native kernels built with {' '.join(march_flags(level))}",
-        "oneDNN weight packing: fp32 and bf16"
+        f"fp32 weights packed for {_fp32_gemm_name()}",
+        f"bf16 weights packed for oneDNN ({_bf16_units(level)})"
         if bf16_pack
-        else "oneDNN weight packing: fp32 only (bf16 weights stay row-major: packing them needs "
-        "AVX-512 BW/VL/DQ or AVX-NE-CONVERT)",
+        else "bf16 weights stay row-major (F.linear): packing them for oneDNN needs AVX-512 "
+        "BW/VL/DQ or AVX-NE-CONVERT",
     ]
     return ", ".join(parts)
+
+
+def _bf16_units(level: str) -> str:
+    """What oneDNN's bf16 GEMM runs on here: it picks AMX tiles or AVX512-BF16 itself (no level
+    of ours decides between them; ONEDNN_MAX_CPU_ISA caps it)."""
+    flags = cpu_flags()
+    if level == "avx512_bf16" and {"amx_bf16", "amx_tile"} <= flags:
+        return "AMX tiles"
+    if level == "avx512_bf16":
+        return "AVX512-BF16"
+    return "bf16 converted to fp32 in AVX-512 registers"
+
+
+def _fp32_gemm_name() -> str:
+    from replica.layers import cpu_gemm
+
+    return {"mkl": "MKL's packed sgemm", "onednn": "oneDNN", None: "nothing (F.linear)"}[
+        cpu_gemm.fp32_packing()
+    ]
 
 
 def log_choice(level: str | None = None) -> None:

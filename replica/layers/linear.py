@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replica.layers import cpu_gemm
 from replica.quant.weights import QuantizedWeight, new_weight
 
 
@@ -102,8 +103,7 @@ def onednn_available(weight: torch.Tensor) -> bool:
             weight.dtype == torch.float32
             or (weight.dtype == torch.bfloat16 and cpu_isa.onednn_bf16_packing())
         )
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and cpu_gemm._onednn_ops()
     )
 
 
@@ -113,13 +113,17 @@ MIN_PACKED_ROWS = 4
 
 
 class PackableLinear(nn.Module):
-    """A linear layer whose weight can be reordered once, after loading, into oneDNN's blocked
-    layout. On CPU that is what makes decode fast: at 4-64 rows an fp32 matmul from the packed
-    layout runs 1.4-2.6x faster than F.linear from the row-major weight (docs/perf-engine.md),
-    because the skinny matmuls of decode are bound by how fast the weights stream from memory.
+    """A linear layer whose weight can be reordered once, after loading, into a blocked layout
+    its CPU GEMM streams without re-packing per call: the skinny matmuls of decode and of a short
+    prompt's prefill are bound by how fast the weights stream from memory (docs/perf-engine.md).
+    fp32 weights go to MKL's packed sgemm where torch links MKL (cpu_gemm.py; 0.74-0.96x the time
+    of oneDNN's packed fp32 at 1-512 rows), bf16 ones (and fp32 without MKL) to oneDNN, which
+    uses AMX tiles or AVX512-BF16 where the CPU has them. `packing` records the path taken.
     Packing is one-way: the row-major weight is released."""
 
     packed_weight: torch.Tensor | None = None
+    packing: str | None = None  # "mkl" or "onednn" once packed
+    packed_nbytes = 0  # the bytes the packed copy holds (an MKL buffer reserves more, untouched)
     release_after_packing = True  # False where another module reads the same weight
     # the layer's LoRA adapters (replica/lora/layer.py LoRALinear), set when LoRA is on: their
     # products are added to the base output, before a row-parallel layer's all-reduce
@@ -129,15 +133,27 @@ class PackableLinear(nn.Module):
         weight = self.weight
         if isinstance(weight, QuantizedWeight):  # quantized blocks: the quantized kernels
             return False
-        if self.packed_weight is not None or not onednn_available(weight):
+        if self.packed_weight is not None:
             return False
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        packing = cpu_gemm.packing_for(weight)
+        if packing is None:
+            return False
+        if packing == "mkl":
+            self.packed_weight = cpu_gemm.mkl_pack(weight.detach())
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.packing = packing
+        self.packed_nbytes = weight.numel() * weight.element_size()
+        self.out_features = weight.shape[0]
         if self.release_after_packing:  # else the blocked copy would double the memory
             weight.data = weight.data.new_empty(0)
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
+        packing = self.packing
+        if packing == "mkl":
+            return cpu_gemm.mkl_linear(x, self.packed_weight, self.out_features, bias)
+        if packing == "onednn":
             rows = x.shape[0]
             padded = rows < MIN_PACKED_ROWS  # zero rows added, their outputs dropped
             if padded:

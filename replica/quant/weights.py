@@ -394,7 +394,8 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         packed = getattr(module, "packed_weight", None)
         if isinstance(packed, torch.Tensor) and id(packed) not in seen:
             seen.add(id(packed))
-            floats += packed.numel() * packed.element_size()
+            # the weight's own bytes (an MKL buffer reserves more than it writes)
+            floats += getattr(module, "packed_nbytes", 0) or packed.numel() * packed.element_size()
     return {
         "total_bytes": quantized + floats,
         "quantized_bytes": quantized,

@@ -103,7 +103,7 @@ def test_the_choice_is_logged_once_per_level(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1
     assert "'portable'" in lines[0] and "-march=x86-64" in lines[0]
-    assert "fp32 only" in lines[0]
+    assert "bf16 weights stay row-major" in lines[0] and "fp32 weights packed for" in lines[0]
 
 
 @needs_native
