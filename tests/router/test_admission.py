@@ -11,7 +11,7 @@ import pytest
 from router.admission import Admission
 from router.errors import HTTPError
 from router.guard import RequestGuard
-from router.ingress import _KEEPALIVE, Ticket, _paced, _until
+from router.ingress import _KEEPALIVE, Ticket, _batches
 from router.settings import AuthConfig, HttpConfig
 
 
@@ -205,8 +205,8 @@ def test_paced_events_send_keepalives_while_waiting_and_deadlines_end_them():
         ticket = Ticket(slot=None, deadline_s=deadline_s)
         out = []
         try:
-            async for item in _until(_paced(_slow_events(delays), 0.1, first_wait_s), ticket):
-                out.append("ka" if item is _KEEPALIVE else item)
+            async for items in _batches(_slow_events(delays), 0.1, first_wait_s, ticket):
+                out.extend(["ka"] if items is _KEEPALIVE else items)
         except HTTPError as err:
             out.append(err.status)
         return out
