@@ -34,7 +34,7 @@ from router.protocol import (
 from router.protocol.responses_api import ResponsesRequest
 from router.responses_api import retrieve_response, serve_responses
 from router.settings import IngressSettings
-from router.streaming import _KEEPALIVE, Ticket, _paced, _until  # noqa: F401  (tests)
+from router.streaming import _KEEPALIVE, Ticket, _batches  # noqa: F401  (tests)
 
 
 def request_body_spec(model: type[BaseModel]) -> dict:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from replica.api import Accepted
+from replica.api import Accepted, RequestOutput
 from router.admission import Admission
 from router.dialects import Choice, Dialect, Echo, token_logprobs, without_generated
 from router.errors import HTTPError, classify_error
@@ -94,29 +94,35 @@ class Answers:
         started = False
         first_token = False
         keepalive = self.keepalive_s
-        paced = _paced(self.calls.fan_out(jobs), keepalive, STREAM_HOLD_S)
+        batches = _batches(self.calls.fan_out(jobs), keepalive, STREAM_HOLD_S, ticket)
         try:
-            async for item in _until(paced, ticket):
-                if item is _KEEPALIVE or isinstance(item[1], Accepted):
+            async for items in batches:
+                if items is _KEEPALIVE:
                     started = True
                     yield KEEPALIVE_COMMENT
                     continue
-                index, out = item
-                if not first_token:
-                    first_token = True
-                    self.admission.started(ticket.key)
-                if echo_only:
-                    out = without_generated(out)
-                completion_tokens += len(out.new_token_ids)
-                if not out.new_text and not out.finished and not token_ids and not echo:
-                    continue
-                lps = token_logprobs(out) if wants_logprobs else None
-                events = shape.render(shape.chunks(index, out, lps))
-                if not events:
-                    continue  # a tool call still being buffered
-                started = True
-                yield pending + events
-                pending = ""
+                parts = []  # everything that arrived since the last write, as one write
+                for index, out in _merged(items):
+                    if isinstance(out, Accepted):
+                        parts.append(KEEPALIVE_COMMENT)
+                        continue
+                    if not first_token:
+                        first_token = True
+                        self.admission.started(ticket.key)
+                    if echo_only:
+                        out = without_generated(out)
+                    completion_tokens += len(out.new_token_ids)
+                    if not out.new_text and not out.finished and not token_ids and not echo:
+                        continue
+                    lps = token_logprobs(out) if wants_logprobs else None
+                    events = shape.render(shape.chunks(index, out, lps))
+                    if not events:
+                        continue  # a tool call still being buffered
+                    parts.append(pending + events)
+                    pending = ""
+                if parts:
+                    started = True
+                    yield "".join(parts)
             if req.include_usage:
                 usage = UsageInfo.of(self._prompt_tokens(jobs, req.n), completion_tokens)
                 pending += shape.render([shape.usage(usage)])
@@ -132,6 +138,7 @@ class Answers:
             logger.warning("stream %s failed: %s", shape.id, err.message)
             yield shape.failure(err)
         finally:
+            await batches.aclose()  # at once: its reader stops and the calls are cancelled
             self.admission.leave(ticket.key)
             ticket.slot.release()
         end = shape.end()
@@ -192,52 +199,93 @@ EXPECTED_WAIT_HEADER = "X-Expected-Wait-S"
 _KEEPALIVE = object()
 
 
-async def _paced(events: AsyncIterator, every_s: float, first_wait_s: float) -> AsyncIterator:
-    """The items of `events`, with _KEEPALIVE between them whenever one takes longer than
-    `every_s` (`first_wait_s` for the first: a replica's Accepted, as an item, usually says
-    sooner when the response may start). Closing this closes `events`."""
-    pending = None
-    wait = first_wait_s
+async def _batches(
+    events: AsyncIterator, every_s: float, first_wait_s: float, ticket: Ticket
+) -> AsyncIterator:
+    """The items of `events` as lists of every item that arrived since the last list (a
+    stream that fell behind its replicas writes them as one), with _KEEPALIVE whenever none
+    came for `every_s` (`first_wait_s` before the first: a replica's Accepted, as an item,
+    usually says sooner when the response may start); past the ticket's deadline, a timeout
+    error. One task reads `events` ahead into a buffer, so a delta costs a wake-up, not a
+    task and two timers. Closing this closes `events`."""
+    loop = asyncio.get_running_loop()
+    buffer: list = []
+    ended: list[BaseException | None] = []  # [None] at the end of `events`, or its error
+    waiter: list[asyncio.Future | None] = [None]
+
+    def wake(_=None) -> None:
+        if waiter[0] is not None and not waiter[0].done():
+            waiter[0].set_result(None)
+
+    async def pump() -> None:
+        try:
+            async for item in events:
+                buffer.append(item)
+                wake()
+            ended.append(None)
+        except BaseException as exc:  # raised to the consumer after what came before it
+            ended.append(exc)
+            wake()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        wake()
+
+    reader = asyncio.ensure_future(pump())
+    wait_until = loop.time() + first_wait_s
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(events))
-            done, _ = await asyncio.wait({pending}, timeout=wait)
-            if not done:
-                yield _KEEPALIVE
-                wait = every_s
+            if ticket.remaining_s() <= 0:
+                raise ticket.timeout_error()
+            if buffer:
+                items = buffer[:]
+                buffer.clear()
+                yield items
+                wait_until = loop.time() + every_s
                 continue
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
+            if ended:
+                if ended[0] is not None:
+                    raise ended[0]
                 return
-            finally:
-                pending = None
-            yield item
-            wait = every_s
-    finally:
-        if pending is not None:
-            pending.cancel()
+            now = loop.time()
+            if now >= wait_until:
+                yield _KEEPALIVE
+                wait_until = loop.time() + every_s
+                continue
+            waiter[0] = loop.create_future()
+            delay = min(wait_until - now, ticket.remaining_s())
+            timer = loop.call_later(delay, wake)
             try:
-                await pending
+                await waiter[0]
+            finally:
+                timer.cancel()
+                waiter[0] = None
+    finally:
+        if not reader.done():
+            reader.cancel()
+            try:
+                await reader
             except BaseException:
                 pass
         await events.aclose()
 
 
-async def _until(items: AsyncIterator, ticket: Ticket) -> AsyncIterator:
-    """`items` until the ticket's deadline, then a timeout error (and `items` closed)."""
-    try:
-        while True:
-            try:
-                item = await asyncio.wait_for(anext(items), ticket.remaining_s())
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise ticket.timeout_error() from None
-            yield item
-    finally:
-        await items.aclose()
+def _merged(items: list) -> list:
+    """(index, item) pairs with each run of one call's deltas to one choice merged into one
+    delta (one SSE chunk where the replica's deltas queued up here)."""
+    merged: list = []
+    for index, out in items:
+        if merged and isinstance(out, RequestOutput):
+            last_index, last = merged[-1]
+            if (
+                last_index == index
+                and isinstance(last, RequestOutput)
+                and last.request_id == out.request_id
+                and not last.finished
+            ):
+                merged[-1] = (index, last.merge(out))
+                continue
+        merged.append((index, out))
+    return merged
 
 
 async def _prepend(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -11,7 +11,7 @@ import pytest
 from router.admission import Admission
 from router.errors import HTTPError
 from router.guard import RequestGuard
-from router.ingress import _KEEPALIVE, Ticket, _paced, _until
+from router.ingress import _KEEPALIVE, Ticket, _batches
 from router.settings import AuthConfig, HttpConfig
 
 
@@ -205,8 +205,8 @@ def test_paced_events_send_keepalives_while_waiting_and_deadlines_end_them():
         ticket = Ticket(slot=None, deadline_s=deadline_s)
         out = []
         try:
-            async for item in _until(_paced(_slow_events(delays), 0.1, first_wait_s), ticket):
-                out.append("ka" if item is _KEEPALIVE else item)
+            async for items in _batches(_slow_events(delays), 0.1, first_wait_s, ticket):
+                out.extend(["ka"] if items is _KEEPALIVE else items)
         except HTTPError as err:
             out.append(err.status)
         return out
@@ -224,3 +224,51 @@ def test_paced_events_send_keepalives_while_waiting_and_deadlines_end_them():
     assert got[0] == "ka" and got[-2:] == [0, 1] and 2 <= got.count("ka") <= 4
     got = asyncio.run(collect([5.0], deadline_s=0.3, first_wait_s=1.0))
     assert got == [408]
+
+
+def test_deltas_that_queued_up_go_out_as_one_write_of_one_chunk_per_choice_and_call():
+    """A stream behind its replicas writes what arrived since its last write at once, each
+    run of one call's deltas to one choice merged (one JSON chunk); a delta of another
+    choice, or of another call of the same choice (a migration's), stays apart."""
+    import json
+    import types
+
+    from replica.api import RequestOutput
+    from router.dialects import CompletionDialect
+    from router.protocol import CompletionRequest
+    from router.streaming import Answers
+
+    def delta(rid: str, token: int, finish: str | None = None) -> RequestOutput:
+        return RequestOutput(rid, [token], f"t{token} ", 3, token, finish_reason=finish)
+
+    burst = [(0, delta("a", 1)), (0, delta("a", 2)), (1, delta("b", 1)), (0, delta("a2", 3)),
+             (0, delta("a2", 4, "length")), (1, delta("b", 2, "length"))]  # fmt: skip
+
+    class Calls:
+        async def fan_out(self, jobs):
+            for item in burst:
+                yield item  # no await between them: all queued before the stream reads
+
+    class Tokenizer:
+        def decode(self, ids):
+            return "".join(f"<{i}>" for i in ids)
+
+    req = CompletionRequest.model_validate({"prompt": "x", "n": 2, "stream": True})
+    answers = Answers(Calls(), Admission(), keepalive_s=30)
+    ticket = Ticket(types.SimpleNamespace(release=lambda: None), deadline_s=60)
+    answers.admission.enter(ticket.key)
+    jobs = [(0, None), (1, None)]
+    jobs = [(i, types.SimpleNamespace(sampling=types.SimpleNamespace(logprobs=None),
+                                      num_prompt_tokens=3)) for i, _ in jobs]  # fmt: skip
+
+    async def run():
+        return [
+            w async for w in answers.stream(jobs, CompletionDialect(Tokenizer(), "m"), req, ticket)
+        ]
+
+    writes = asyncio.run(run())
+    assert len(writes) == 2 and writes[-1] == "data: [DONE]\n\n"  # the burst, then the end
+    chunks = [json.loads(line[6:]) for line in writes[0].split("\n") if line.startswith("data: ")]
+    texts = [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks]
+    assert texts == [(0, "t1 t2 "), (1, "t1 "), (0, "t3 t4 "), (1, "t2 ")]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length", "length"]
