@@ -6,6 +6,7 @@ Scenarios (every request of the batch alike unless said):
   greedy        temperature 0
   seeded        temperature 0.8, a seed per request
   topk_topp     temperature 0.8, top_k 50, top_p 0.9 (unseeded)
+  top_p         temperature 1.0, top_p 0.95 (what an OpenAI client commonly sends)
   logprobs5     greedy with logprobs=5
   prompt_lp     greedy with prompt_logprobs=5 (decode steps: what a finished prompt still costs)
   json          one request constrained by a JSON schema among B-1 free greedy ones
@@ -33,6 +34,7 @@ SCENARIOS = (
     "greedy",
     "seeded",
     "topk_topp",
+    "top_p",
     "logprobs5",
     "prompt_lp",
     "json",
@@ -55,6 +57,8 @@ def _params(scenario: str, i: int, max_tokens: int):
         return SamplingParams(
             temperature=0.8, top_k=50, top_p=0.9, max_tokens=max_tokens, ignore_eos=True
         )
+    if scenario == "top_p":
+        return SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, ignore_eos=True)
     if scenario == "logprobs5":
         return SamplingParams(temperature=0.0, logprobs=5, max_tokens=max_tokens, ignore_eos=True)
     if scenario == "prompt_lp":

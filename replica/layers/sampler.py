@@ -475,10 +475,15 @@ def _on_rows(logits: torch.Tensor, rows: list[int], fn) -> None:
     logits[index] = fn(logits[index])
 
 
-# a top-p row without top-k looks for its nucleus among its most likely tokens first: this
-# many, then 8 times more, before it sorts its whole row (a full sort of a 49k vocabulary is
-# ~6 ms a row on a CPU core, topk of 256 ~0.25 ms)
+# a top-p row without top-k looks for its nucleus among its NUCLEUS_CANDIDATES most likely
+# tokens first; past them, a histogram of its log-probabilities (buckets of LOGPROB_SPAN /
+# NUCLEUS_BUCKETS nats; everything below -SPAN in the last) says how many tokens it may span,
+# and it is cut over that many candidates, or sorted whole when they are a quarter of the
+# vocabulary or more (a full sort of a 49k vocabulary is ~6 ms a row on a CPU core, topk of 256
+# ~0.25 ms)
 NUCLEUS_CANDIDATES = 256
+NUCLEUS_BUCKETS = 128
+LOGPROB_SPAN = 40.0
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
@@ -487,9 +492,11 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
 
     Only the rows that cut are touched, and they are cut over their `topk` candidates rather
     than a sort of the whole vocabulary: a top-k row's k tokens, a top-p row's
-    NUCLEUS_CANDIDATES (then 8x more) most likely ones when its nucleus lies within them (else
-    that row is sorted whole). Tokens tied at the cut may be kept in another order than a
-    full sort's."""
+    NUCLEUS_CANDIDATES, or when its nucleus reaches past them the tokens down to the histogram
+    bucket where its mass reaches p (`_nucleus_widths`); a row whose candidates would be a
+    quarter of the vocabulary or more, or whose nucleus still reaches past them (rounding at a
+    bucket's edge), is sorted whole. Tokens tied exactly at the cut may be kept in another
+    order than a full sort's."""
     device = logits.device
     vocab = logits.shape[-1]
     ks = [k if 0 < k < vocab else vocab for k in top_ks]
@@ -500,29 +507,67 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     sub = logits if whole_batch else logits[torch.tensor(rows, device=device)]
     sub_ks = [ks[i] for i in rows]
     sub_ps = [top_ps[i] for i in rows]
+    partial = [j for j, k in enumerate(sub_ks) if k >= vocab]  # top-p without top-k
+    log_total = None
+    if partial:  # a top-p row's candidates are weighed against its whole row
+        index = torch.tensor(partial, device=device)
+        log_total = torch.zeros(len(rows), 1, dtype=sub.dtype, device=device)
+        log_total[index] = torch.logsumexp(sub[index], dim=-1, keepdim=True)
+    widths = [k if k < vocab else NUCLEUS_CANDIDATES for k in sub_ks]
     cut = torch.empty_like(sub)
-    pending = list(range(len(rows)))  # rows of `sub` not cut yet
-    width = max(k if k < vocab else NUCLEUS_CANDIDATES for k in sub_ks)
+    pending = list(range(len(rows)))
+    histogram = True  # the next pass sizes the pending top-p rows by their histograms
     while pending:
-        part = sub if len(pending) == len(rows) else sub[torch.tensor(pending, device=device)]
+        index = torch.tensor(pending, device=device)
+        part = sub if len(pending) == len(rows) else sub[index]
         part_ks = [sub_ks[j] for j in pending]
         part_ps = [sub_ps[j] for j in pending]
-        if 4 * width >= vocab:  # candidates near the vocabulary's size: sort it all
+        width = max(widths[j] for j in pending)
+        if 4 * width >= vocab:  # candidates near the vocabulary's size: sort the rows whole
             done = _cut_sorted(part, *part.sort(dim=-1, descending=True), part_ks, part_ps)
             more = []
         else:
-            done, more = _cut_candidates(part, width, part_ks, part_ps)
+            part_total = None if log_total is None else log_total[index]
+            done, more = _cut_candidates(part, width, part_ks, part_ps, part_total)
         if len(pending) == len(rows) and not more:
             cut = done
         else:
-            cut[torch.tensor(pending, device=device)] = done
+            cut[index] = done
         pending = [pending[j] for j in more]  # their nucleus reaches past the candidates
-        width *= 8
+        if pending and histogram:
+            index = torch.tensor(pending, device=device)
+            found = _nucleus_widths(sub[index] - log_total[index], [sub_ps[j] for j in pending])
+            for j, found_width in zip(pending, found):
+                widths[j] = found_width
+            histogram = False
+        else:
+            widths = [vocab] * len(rows)
     if whole_batch:
         return cut
     out = logits.clone()
     out[torch.tensor(rows, device=device)] = cut
     return out
+
+
+def _nucleus_widths(logprobs: torch.Tensor, top_ps: list[float]) -> list[int]:
+    """Per row of `logprobs` [R, V], how many of its most likely tokens hold its top-p
+    nucleus: the tokens down to the end of the histogram bucket where the mass reaches p, plus
+    one (the candidate after the nucleus shows that it ended)."""
+    rows, vocab = logprobs.shape
+    device = logprobs.device
+    scale = NUCLEUS_BUCKETS / LOGPROB_SPAN
+    bucket = (logprobs * -scale).clamp_(0, NUCLEUS_BUCKETS - 1).long()
+    bucket += torch.arange(rows, device=device)[:, None] * NUCLEUS_BUCKETS
+    size = rows * NUCLEUS_BUCKETS
+    mass = torch.bincount(bucket.view(-1), weights=logprobs.exp().view(-1), minlength=size)
+    count = torch.bincount(bucket.view(-1), minlength=size)
+    mass = mass.view(rows, NUCLEUS_BUCKETS).cumsum(-1)
+    count = count.view(rows, NUCLEUS_BUCKETS).cumsum(-1)
+    ps = torch.tensor(top_ps, dtype=mass.dtype, device=device)[:, None]
+    # the first bucket whose cumulative mass passes p (by a margin for the rounding of sums
+    # taken in another order), then the one after it
+    last = ((mass < ps + 1e-4).sum(-1) + 1).clamp_(max=NUCLEUS_BUCKETS - 1)
+    return (count.gather(1, last[:, None])[:, 0] + 1).clamp_(max=vocab).tolist()
 
 
 def _cut_sorted(
@@ -559,22 +604,20 @@ def _cut_sorted(
 
 
 def _cut_candidates(
-    logits: torch.Tensor, width: int, top_ks: list[int], top_ps: list[float]
+    logits: torch.Tensor,
+    width: int,
+    top_ks: list[int],
+    top_ps: list[float],
+    log_total: torch.Tensor | None,
 ) -> tuple[torch.Tensor, list[int]]:
     """`_cut_sorted` over each row's `width` most likely tokens; also the rows (top-p without
     top-k) whose nucleus may reach past them (their last candidate is still inside it): their
     cut is not final."""
     vocab = logits.shape[-1]
     values, ids = logits.topk(width, dim=-1)  # sorted, most likely first
-    # a row without top-k weighs its candidates against its whole distribution
-    partial = [j for j, k in enumerate(top_ks) if k >= vocab]
-    log_total = None
-    if partial:
-        log_total = torch.zeros(len(top_ks), 1, dtype=logits.dtype, device=logits.device)
-        index = torch.tensor(partial, device=logits.device)
-        log_total[index] = torch.logsumexp(logits[index], dim=-1, keepdim=True)
     cut = _cut_sorted(logits, values, ids, top_ks, top_ps, log_total)
     more = []
+    partial = [j for j, k in enumerate(top_ks) if k >= vocab]
     if partial:
         last_kept = cut.gather(1, ids[:, -1:])[:, 0] > float("-inf")
         more = [j for j in partial if bool(last_kept[j])]

@@ -761,3 +761,13 @@ def test_writable_logits_are_processed_in_place_and_sample_the_same():
     assert torch.equal(logits, kept)  # not handed over: left as it was
     assert sampler(logits, params, [None] * 4, logits_writable=True).token_ids == expected
     assert expected[0] == 3 and logits[0, 3] == kept[0, 3] + 50.0
+
+
+def test_nucleus_width_holds_the_nucleus_and_is_not_the_whole_vocabulary():
+    rows = torch.randn(6, 20_000, generator=torch.Generator().manual_seed(13)) * 3.0
+    logprobs = torch.log_softmax(rows, dim=-1)
+    top_ps = [0.5, 0.8, 0.9, 0.95, 0.99, 0.9]
+    widths = sampler_module._nucleus_widths(logprobs, top_ps)
+    for i, p in enumerate(top_ps):
+        nucleus = len(_sorted_cut(rows[i], 0, p))
+        assert nucleus < widths[i] < 4 * nucleus + 1000, (i, nucleus, widths[i])
