@@ -509,14 +509,20 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
     sub_ps = [top_ps[i] for i in rows]
     partial = [j for j, k in enumerate(sub_ks) if k >= vocab]  # top-p without top-k
     log_total = None
+    widths = [k if k < vocab else NUCLEUS_CANDIDATES for k in sub_ks]
+    sized: set[int] = set()  # top-p rows whose width their histogram gave
     if partial:  # a top-p row's candidates are weighed against its whole row
         index = torch.tensor(partial, device=device)
+        rows_of = sub[index]
         log_total = torch.zeros(len(rows), 1, dtype=sub.dtype, device=device)
-        log_total[index] = torch.logsumexp(sub[index], dim=-1, keepdim=True)
-    widths = [k if k < vocab else NUCLEUS_CANDIDATES for k in sub_ks]
+        log_total[index] = torch.logsumexp(rows_of, dim=-1, keepdim=True)
+        # a row whose top token's probability times NUCLEUS_CANDIDATES is below p cannot
+        # hold its nucleus in that many: sized by its histogram at once
+        top = (rows_of.amax(dim=-1) - log_total[index][:, 0]).exp() * NUCLEUS_CANDIDATES
+        short = [j for j, t in zip(partial, top.tolist()) if t < sub_ps[j]]
+        _size_by_histogram(sub, log_total, sub_ps, short, widths, sized)
     cut = torch.empty_like(sub)
     pending = list(range(len(rows)))
-    histogram = True  # the next pass sizes the pending top-p rows by their histograms
     while pending:
         index = torch.tensor(pending, device=device)
         part = sub if len(pending) == len(rows) else sub[index]
@@ -534,19 +540,27 @@ def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -
         else:
             cut[index] = done
         pending = [pending[j] for j in more]  # their nucleus reaches past the candidates
-        if pending and histogram:
-            index = torch.tensor(pending, device=device)
-            found = _nucleus_widths(sub[index] - log_total[index], [sub_ps[j] for j in pending])
-            for j, found_width in zip(pending, found):
-                widths[j] = found_width
-            histogram = False
-        else:
-            widths = [vocab] * len(rows)
+        for j in pending:  # sized already: the histogram's edge rounding; sorted whole
+            if j in sized:
+                widths[j] = vocab
+        _size_by_histogram(sub, log_total, sub_ps, [j for j in pending if j not in sized],
+                           widths, sized)  # fmt: skip
     if whole_batch:
         return cut
     out = logits.clone()
     out[torch.tensor(rows, device=device)] = cut
     return out
+
+
+def _size_by_histogram(sub, log_total, top_ps, rows: list[int], widths, sized) -> None:
+    """widths[j] = `_nucleus_widths` of each top-p row j in `rows`, which joins `sized`."""
+    if not rows:
+        return
+    index = torch.tensor(rows, device=sub.device)
+    found = _nucleus_widths(sub[index] - log_total[index], [top_ps[j] for j in rows])
+    for j, width in zip(rows, found):
+        widths[j] = width
+        sized.add(j)
 
 
 def _nucleus_widths(logprobs: torch.Tensor, top_ps: list[float]) -> list[int]:
