@@ -97,10 +97,10 @@ class GrammarTimer:
         self.original = runner_module.fill_bitmask
         self.seconds = 0.0
 
-        def timed(states, vocab_size):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return self.original(states, vocab_size)
+                return self.original(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
 

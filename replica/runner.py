@@ -90,7 +90,9 @@ class StepTimes:
 
     prepare: float = 0.0  # the batch layout, attention metadata and input tensors
     forward: float = 0.0  # the model and the LM head over the sampled rows
-    sample: float = 0.0  # sampling and the tokens back to Python
+    sample: float = 0.0  # sampling and the tokens back to Python, and the two below
+    bitmask: float = 0.0  # of sample: filling the grammar masks of constrained rows
+    prompt_logprobs: float = 0.0  # of sample: the prompt-logprob rows
 
 
 def model_max_len(hf_config: Any) -> int:
@@ -160,6 +162,7 @@ class ModelRunner:
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.step_times = StepTimes()  # of the latest execute()
         self.sampler = Sampler()
+        self._bitmask_buffer: torch.Tensor | None = None  # grammar masks, reused each step
         # unseeded requests' draws; a seeded request's come from (seed, position) alone
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.decode_graphs = None  # DecodeGraphs once the KV cache is final (CUDA)
@@ -498,7 +501,9 @@ class ModelRunner:
         prompt_logprobs = None
         if prompt_rows:
             first = num_sampled + num_draft_rows
+            start = time.perf_counter()
             prompt_logprobs = self._prompt_logprobs(logits[first:], prompt_rows)
+            self.step_times.prompt_logprobs = time.perf_counter() - start
         sampled: dict[str, int] = {}
         logprobs: dict[str, tuple[float, dict[int, float]]] = {}
         if to_sample:
@@ -524,11 +529,15 @@ class ModelRunner:
         params = [s.request.sampling_params for s in to_sample]
         draws = [_seeded_draw(s.request) for s in to_sample]
         requests = [s.request for s in to_sample]
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        # a grammar still behind its gate (a reasoning model's thinking) allows every token
+        constrained = [
+            i for i, r in enumerate(requests) if r.grammar is not None and not r.grammar.gated
+        ]
         bitmask = None
         if constrained:
-            masks = fill_bitmask([requests[i].grammar for i in constrained], self.vocab_size)
-            bitmask = (constrained, masks.to(logits.device))
+            start = time.perf_counter()
+            bitmask = (constrained, self._fill_bitmask(requests, constrained, len(to_sample)))
+            self.step_times.bitmask = time.perf_counter() - start
         return self.sampler(
             logits,
             params,
@@ -536,7 +545,25 @@ class ModelRunner:
             self.default_generator,
             histories=requests,
             token_bitmask=bitmask,
+            logits_writable=True,  # this step's own rows, read by nothing after the sampler
         )
+
+    def _fill_bitmask(self, requests, constrained: list[int], num_rows: int) -> torch.Tensor:
+        """The constrained rows' grammar masks, written at their logits rows into a buffer kept
+        across steps (rows [num_rows, words]; rows not in `constrained` hold stale masks the
+        sampler does not read); on a GPU, copied over from pinned host memory."""
+        buffer = self._bitmask_buffer
+        if buffer is None or buffer.shape[0] < num_rows:
+            words = (self.vocab_size + 31) // 32
+            rows = max(num_rows, self.config.max_num_seqs)
+            buffer = torch.empty((rows, words), dtype=torch.int32)
+            if self.device.type == "cuda":
+                buffer = buffer.pin_memory()
+            self._bitmask_buffer = buffer
+        fill_bitmask([requests[i].grammar for i in constrained], self.vocab_size, buffer,
+                     constrained)  # fmt: skip
+        masks = buffer[:num_rows]
+        return masks if self.device.type == "cpu" else masks.to(self.device, non_blocking=True)
 
     @staticmethod
     def _prompt_logprob_rows(so: SchedulerOutput) -> list[tuple[ScheduledRequest, int]]:

@@ -144,7 +144,9 @@ def verify_greedy_drafts(logits: torch.Tensor, drafts: list[list[int]]) -> list[
     request's last token and of each draft token. A request's new tokens are the longest
     prefix of its draft that matches the argmax at each position, then the argmax after it
     (the sampler's greedy choice: argmax of fp32 logits, first index on ties)."""
-    chosen = logits.float().argmax(dim=-1).tolist()
+    from replica.layers.sampler import greedy_tokens
+
+    chosen = greedy_tokens(logits.float()).tolist()
     out = []
     offset = 0
     for draft in drafts:

@@ -397,11 +397,23 @@ class StructuredOutputs:
         return GrammarState(xgr.GrammarMatcher(compiled or self.compile(spec)), spec.after)
 
 
-def fill_bitmask(states: list[GrammarState], vocab_size: int) -> torch.Tensor:
-    """The packed allowed-token bitmask [len(states), ceil(V/32)] int32 of the given matchers."""
+def fill_bitmask(
+    states: list[GrammarState],
+    vocab_size: int,
+    out: torch.Tensor | None = None,
+    rows: list[int] | None = None,
+) -> torch.Tensor:
+    """The packed allowed-token bitmask int32 of the given matchers (ceil(V/32) words a row):
+    a fresh [len(states), words] tensor, or written into the reused `out` at `rows` (one row
+    per state; each row is overwritten whole) and `out` returned."""
     import torch  # here, not at the top: the ingress imports this module without torch
 
-    bitmask = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for row, state in enumerate(states):
-        state.fill(bitmask, row)
-    return bitmask
+    if out is None:
+        out = torch.full((len(states), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+        rows = range(len(states))
+    for row, state in zip(rows, states, strict=True):
+        if state.gated:  # nothing constrained yet: every token allowed
+            out[row] = -1
+        else:
+            state.matcher.fill_next_token_bitmask(out, row)
+    return out

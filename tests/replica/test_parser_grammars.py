@@ -211,3 +211,23 @@ def test_the_gate_crosses_the_engine_wire():
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(Add(request)), type=Add)
     assert back.request.sampling.structured == spec
     assert hash(back.request.sampling.structured) == hash(spec)
+
+
+def test_fill_bitmask_writes_its_rows_of_a_reused_buffer_whole(llm):
+    """The runner's buffer holds last step's masks: a row it names is overwritten whole (a
+    gated grammar's with every token allowed), a row it does not name is left alone."""
+    from replica.structured import fill_bitmask
+
+    engine = llm.engine
+    tok = llm.tokenizer
+    end = tuple(tok.encode("a</think>", add_special_tokens=False))
+    free = engine.structured.new_state(StructuredOutput("json", json.dumps(BOUNDED)))
+    gated = engine.structured.new_state(StructuredOutput("json", json.dumps(BOUNDED), end))
+    words = (engine.vocab_size + 31) // 32
+    buffer = torch.zeros((4, words), dtype=torch.int32)  # stale: allows nothing
+    expected = fill_bitmask([free], engine.vocab_size)[0]
+    out = fill_bitmask([free, gated], engine.vocab_size, buffer, [3, 1])
+    assert out is buffer
+    assert torch.equal(buffer[3], expected) and not bool((expected == -1).all())
+    assert bool((buffer[1] == -1).all())
+    assert bool((buffer[[0, 2]] == 0).all())

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from replica.layers import sampler as sampler_module
 from replica.layers.sampler import (
     Sampler,
     draw_inverse_cdf,
@@ -536,6 +537,22 @@ def test_bitmask_matches_the_reference_on_its_rows_only(bitmask_kernel, vocab):
     )
 
 
+@pytest.mark.parametrize("vocab", [70, 100])
+def test_bitmask_by_logits_row_masks_only_its_rows(bitmask_kernel, vocab):
+    """A mask with a row per logits row (the runner's reused buffer): only the named rows are
+    read, whatever the others hold, and the result is the compact layout's."""
+    logits = _random_logits(5, vocab, seed=7)
+    masked_rows = {0: {1, 31, 33, 64, 68, 69}, 3: set(range(0, 70, 4)) | {31, 69, 95}}
+    compact = _pack_bitmask(list(masked_rows.values()), words=3)
+    by_row = torch.zeros(5, 3, dtype=torch.int32)  # stale rows: would allow nothing
+    by_row[list(masked_rows)] = compact
+    params = [SamplingParams(temperature=0.0)] * 5
+    expected = process_logits(logits, params, token_bitmask=(list(masked_rows), compact))
+    got = process_logits(logits, params, token_bitmask=(list(masked_rows), by_row))
+    assert torch.equal(got, expected)
+    assert torch.equal(got[[1, 2, 4]], logits[[1, 2, 4]])
+
+
 def test_bitmask_allowing_one_token_forces_it_at_temperature_one(bitmask_kernel):
     rows = 400
     logits = _random_logits(rows, seed=8)
@@ -692,3 +709,65 @@ def test_greedy_logprobs_match_transformers(tiny_qwen2_dir, run_generation):
         assert lp == pytest.approx(reference[i, token].item(), abs=1e-4)
         assert len(top) == 4 and next(iter(top)) == token  # greedy: the top entry
         assert all(v <= 0.0 and not math.isnan(v) for v in top.values())
+
+
+def _sorted_cut(row: torch.Tensor, k: int, p: float) -> set[int]:
+    """The tokens top-k then top-p keep, by the definition: a sort of the whole row."""
+    vocab = row.shape[0]
+    k = k if 0 < k < vocab else vocab
+    values, order = row.double().sort(descending=True)
+    values[k:] = float("-inf")
+    probs = torch.softmax(values, dim=0)
+    mass_before = probs.cumsum(0) - probs
+    keep = (values > float("-inf")) & ((mass_before < p) | (p >= 1.0))
+    return set(order[keep].tolist())
+
+
+# peaked: the nucleus is among the first candidates; 3.0: among the second (8x) ones for p=0.9;
+# flat: past them, the row is sorted whole
+@pytest.mark.parametrize("scale", [8.0, 3.0, 0.05])
+def test_top_k_top_p_cut_matches_a_full_sort(scale):
+    vocab = 20_000  # wide enough that the rows are cut over their topk candidates
+    rows = torch.randn(8, vocab, generator=torch.Generator().manual_seed(11)) * scale
+    rows[5, 100:] = float("-inf")  # a grammar-masked row
+    top_ks = [0, 40, 0, 3, 1, 0, 0, 200]
+    top_ps = [0.9, 1.0, 0.5, 0.8, 1.0, 0.95, 1.0, 0.99]
+    cut = sampler_module._top_k_top_p(rows, top_ks, top_ps)
+    for i in range(len(rows)):
+        kept = {int(t) for t in torch.nonzero(cut[i] > float("-inf"))[:, 0]}
+        if top_ks[i] == 0 and top_ps[i] == 1.0:
+            assert torch.equal(cut[i], rows[i])  # a row that cuts nothing is left as it was
+        else:
+            assert kept == _sorted_cut(rows[i], top_ks[i], top_ps[i]), i
+            # the kept tokens keep their logits
+            assert torch.equal(cut[i][sorted(kept)], rows[i][sorted(kept)])
+
+
+def test_greedy_takes_the_first_of_tied_maxima():
+    logits = torch.zeros(3, 50_000)
+    logits[0, [7, 40_000]] = 1.0
+    logits[1, [33_000, 49_999]] = 2.0
+    out = sampler(logits, [SamplingParams(temperature=0.0)] * 3, [None] * 3)
+    assert out.token_ids == [7, 33_000, 0]
+
+
+def test_writable_logits_are_processed_in_place_and_sample_the_same():
+    logits = _random_logits(4, seed=12)
+    params = [SamplingParams(temperature=0.0, logit_bias={3: 50.0})] + [
+        SamplingParams(temperature=0.0)
+    ] * 3
+    kept = logits.clone()
+    expected = sampler(logits, params, [None] * 4).token_ids
+    assert torch.equal(logits, kept)  # not handed over: left as it was
+    assert sampler(logits, params, [None] * 4, logits_writable=True).token_ids == expected
+    assert expected[0] == 3 and logits[0, 3] == kept[0, 3] + 50.0
+
+
+def test_nucleus_width_holds_the_nucleus_and_is_not_the_whole_vocabulary():
+    rows = torch.randn(6, 20_000, generator=torch.Generator().manual_seed(13)) * 3.0
+    logprobs = torch.log_softmax(rows, dim=-1)
+    top_ps = [0.5, 0.8, 0.9, 0.95, 0.99, 0.9]
+    widths = sampler_module._nucleus_widths(logprobs, top_ps)
+    for i, p in enumerate(top_ps):
+        nucleus = len(_sorted_cut(rows[i], 0, p))
+        assert nucleus < widths[i] < 4 * nucleus + 1000, (i, nucleus, widths[i])
