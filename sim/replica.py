@@ -57,6 +57,7 @@ class SimRequest:
         "preemptions", "cached_tokens", "status", "answer", "prefix_key", "footprint",
         "engine_request", "joins_step", "hashes", "predicted_hit", "reason", "lora",
         "lora_waited", "fetch", "fetched_tokens", "fetch_s", "phase", "prefilled", "first_id",
+        "back_first", "back_last", "migrations", "resume_ids",
     )  # fmt: skip
 
     def __init__(self, rid: str, spec: RequestSpec, arrival: float) -> None:
@@ -89,14 +90,20 @@ class SimRequest:
         self.phase: str | None = None  # PD: "prefill", then "decode"; None: colocated
         self.prefilled = 0  # tokens its replicas computed by prefill (all phases)
         self.first_id: int | None = None  # PD: the first token, which the decode phase resumes
+        # the return trip of its first token and of its end (Simulation.hop; nan: not yet)
+        self.back_first = self.back_last = math.nan
+        self.migrations = 0  # times it was sent again after its replica was lost
+        self.resume_ids: list[int] | None = None  # a migration: the tokens the client has
 
     def planned_answer(self) -> list[int] | None:
         """The tokens this request is to generate (a conversation turn's), or None."""
         return None if self.conv is None else self.conv.turns[self.turn].answer_ids
 
     def result(self, net: float) -> dict:
-        ttft = self.first_token_at + net - self.arrival
-        e2e = self.finished_at + net - self.arrival
+        first = self.back_first if self.back_first == self.back_first else net
+        last = self.back_last if self.back_last == self.back_last else net
+        ttft = self.first_token_at + first - self.arrival
+        e2e = self.finished_at + last - self.arrival
         tpot = (e2e - ttft) / (self.n_out - 1) if self.n_out > 1 else math.nan
         return {
             "id": self.rid,
@@ -119,6 +126,7 @@ class SimRequest:
             "prefilled_tokens": self.prefilled,
             "fetched_tokens": self.fetched_tokens,
             "fetch_s": self.fetch_s,
+            "migrations": self.migrations,
         }
 
 
@@ -139,6 +147,7 @@ class SimReplica:
             else None
         )
         self.state = STARTING
+        self.lost = False  # died (Simulation._lose_replica): every event of it is void
         self.created = created
         self.stopped_at = math.nan
         self.ongoing = 0  # Ray's in-flight count (routed, not yet finished at the router)
@@ -163,8 +172,22 @@ class SimReplica:
         self.scheduler.lora_names = lambda: list(self.loras)
 
     # -- requests --------------------------------------------------------------------------
+    def abandon(self, req: SimRequest) -> None:
+        """This (lost) replica lets `req` go: what it had computed is gone; the tokens that
+        reached the client stay with the request, to resume from on the next replica."""
+        request = req.engine_request
+        if request is not None:
+            req.preemptions += request.num_preemptions
+            req.resume_ids = request.all_token_ids[request.num_prompt_tokens :][: req.n_out]
+        req.engine_request = None
+        req.fetch = None
+        self.requests.pop(req.rid, None)
+
     def receive(self, now: float, req: SimRequest) -> None:
-        req.recv_at = now
+        if self.lost or req.replica is not self:  # it died while the request was on its way
+            return
+        if req.migrations == 0 or req.recv_at != req.recv_at:  # a resend keeps its first
+            req.recv_at = now
         fetch, req.fetch = req.fetch, None
         if fetch is not None:
             source = self.sim.by_rid.get(fetch.source)
@@ -193,6 +216,8 @@ class SimReplica:
 
     def _fetched(self, now: float, req: SimRequest) -> None:
         """The fetched blocks arrive: cached here (free, evictable), then the request goes on."""
+        if self.lost or req.replica is not self:
+            return
         fetch, req.fetch = req.fetch, None
         hashes = self._prompt_hashes(req)[: fetch.num_blocks]
         pool = self.scheduler.kv.pool
@@ -245,6 +270,8 @@ class SimReplica:
         self.sim.at(now + self.sim.lora_load_s, self._lora_loaded, lora.name)
 
     def _lora_loaded(self, now: float, name: str) -> None:
+        if self.lost:
+            return
         self.loras[name] = None
         while len(self.loras) > self.lora_capacity:
             idle = next((n for n in self.loras if not self.lora_users.get(n)), None)
@@ -266,6 +293,8 @@ class SimReplica:
         resume = None
         if req.phase == "decode":  # PD: it continues from the first token the prefill made
             resume = Resume([req.first_id], "", 0)
+        elif req.resume_ids:  # migrated: it continues from the tokens the client has
+            resume = Resume(list(req.resume_ids), "", req.migrations)
         request = Request(
             EngineRequest(
                 req.spec.prompt_ids, params, req.rid, arrival_time=now, lora=req.lora,
@@ -287,6 +316,8 @@ class SimReplica:
             self.sim.at(now, self._start_step)
 
     def _start_step(self, now: float) -> None:
+        if self.lost:
+            return
         so = self.scheduler.schedule()
         if so.is_empty:
             self.busy = False
@@ -316,6 +347,8 @@ class SimReplica:
         self.sim.at(now + duration, self._end_step, so)
 
     def _end_step(self, now: float, so) -> None:
+        if self.lost:  # it died during the step: nothing of it came out
+            return
         sampled = {}
         for s in so.scheduled:
             if s.sample:
