@@ -131,8 +131,8 @@ def capacity(base: str, trace: HeldOutTrace, n: int, work: Path) -> float:
 def run_trace(trace: HeldOutTrace, args, work: Path, rate: float | None) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    t0 = time.time()
     with ray_lock():
+        t0 = time.time()
         proc = start_server(port, args.model, work / f"{trace.name}.server.log")
         try:
             print(f"[{trace.name}] server ready in {time.time() - t0:.0f} s", flush=True)

@@ -372,9 +372,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """`simulate --compare`: the trace simulated once, against its real replays."""
     report = fidelity_report(args)
     print(f"fidelity: {args.workload} ({len(args.compare)} real runs) vs simulated")
+    for i, path in enumerate(args.compare, 1):
+        print(f"  run{i}: {path}")
     from sim.fidelity import format_report
 
-    print(format_report(report, [Path(p).stem for p in args.compare]))
+    print(format_report(report))
     if args.compare_json:
         Path(args.compare_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.compare_json).write_text(json.dumps(report, indent=1) + "\n")
