@@ -121,9 +121,15 @@ def capacity(base: str, trace: HeldOutTrace, n: int, work: Path) -> float:
     queue fills, and the tail, when the last few run alone, left out)."""
     probe = trace.write(work / f"{trace.name}.probe{trace.suffix}", 1e6, seed=10_001, n=n)
     run = replay(base, probe, work / f"{trace.name}.probe.jsonl", seed=99)
-    done = sorted(r["start_s"] + r["e2e_s"] for r in run.rows if r["success"])
+    done = [r["start_s"] + r["e2e_s"] for r in run.rows if r["success"]]
     if len(done) < 8:
         raise RuntimeError(f"capacity probe: only {len(done)} of {n} requests succeeded")
+    return saturated_rate(done)
+
+
+def saturated_rate(finish_times: list[float]) -> float:
+    """Completions per second between the first and the last quarter of the finishes."""
+    done = sorted(finish_times)
     lo, hi = len(done) // 4, 3 * len(done) // 4
     return (hi - lo) / (done[hi] - done[lo])
 

@@ -145,6 +145,14 @@ def test_replay_record_round_trip_and_checks(tmp_path):
         read_run(bad)
 
 
+def test_capacity_probe_counts_the_middle_half_of_the_finishes():
+    from bench.sim_fidelity import saturated_rate
+
+    # a slow start (the queue filling) and a long tail (the last ones alone) left out: 4/s
+    finishes = [5.0, 6.0, 7.0] + [10.0 + i * 0.25 for i in range(10)] + [20.0, 30.0, 40.0]
+    assert saturated_rate(finishes) == pytest.approx(4.0)
+
+
 def test_queue_totals_sums_every_label_set():
     text = (
         "# TYPE vllm:request_queue_time_seconds histogram\n"
