@@ -1,14 +1,14 @@
 """Simulator fidelity on held-out traces (sim/heldout.py: Azure and Mooncake layouts; light,
 ~60% and ~90% of capacity; three prompt/output mixes). Per trace: start `stepserve serve
---replicas 2 --num-speculative-tokens 0` (default model), measure the mix's capacity with a
-burst, write the trace at its load's share of it, replay it twice (bench/trace_replay.py; each
-replay its own token ids, so the second does not hit the first's prefix cache), stop the
+--replicas 2 --num-speculative-tokens 0` (default model), measure the mix's capacity (48
+requests, 16 in flight), write the trace at its load's share of it, replay it twice
+(bench/trace_replay.py; each replay its own token ids, so the second does not hit the first's prefix cache), stop the
 server; then `stepserve simulate --compare` the two replay records with the trace simulated
 (sim/fidelity.py: real vs simulated per metric, the runs' spread, pass/fail against p50 10% /
 p99 20% or the spread). Writes bench/results/sim_fidelity_heldout.json, .txt (the tables) and
 the traces and replay records under bench/results/sim_fidelity_heldout/.
 
-It holds /tmp/stepserve-ray.lock while a server runs (taking it itself unless started under
+It holds /tmp/stepserve-ray.lock for the whole study (taking it itself unless started under
 `flock /tmp/stepserve-ray.lock`). About 20-25 min on 2 cores; --quick: the tiny model, short
 traces (~4 min).
 
@@ -115,12 +115,18 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 # -- one trace --------------------------------------------------------------------------------
+# the capacity probe: a closed loop of this many streams (8 per replica), 3x as many requests
+PROBE_CONCURRENCY = 16
+
+
 def capacity(base: str, trace: HeldOutTrace, n: int, work: Path) -> float:
-    """Requests/s the cluster completes of this mix when saturated: `n` requests sent at once,
-    completions counted between the first and the last quarter of them (the start, when the
-    queue fills, and the tail, when the last few run alone, left out)."""
+    """Requests/s the cluster completes of this mix when loaded: `n` requests, at most
+    PROBE_CONCURRENCY in flight, completions counted between the first and the last quarter of
+    them (the start, when the streams begin together, and the tail, when the last few run
+    alone, left out)."""
     probe = trace.write(work / f"{trace.name}.probe{trace.suffix}", 1e6, seed=10_001, n=n)
-    run = replay(base, probe, work / f"{trace.name}.probe.jsonl", seed=99)
+    out = work / f"{trace.name}.probe.jsonl"
+    run = replay(base, probe, out, seed=99, max_concurrency=PROBE_CONCURRENCY)
     done = [r["start_s"] + r["e2e_s"] for r in run.rows if r["success"]]
     if len(done) < 8:
         raise RuntimeError(f"capacity probe: only {len(done)} of {n} requests succeeded")
@@ -137,31 +143,30 @@ def saturated_rate(finish_times: list[float]) -> float:
 def run_trace(trace: HeldOutTrace, args, work: Path, rate: float | None) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    with ray_lock():
-        t0 = time.time()
-        proc = start_server(port, args.model, work / f"{trace.name}.server.log")
-        try:
-            print(f"[{trace.name}] server ready in {time.time() - t0:.0f} s", flush=True)
-            cap = None
-            if rate is None:
-                cap = capacity(base, trace, args.probe_requests, work)
-                rate = trace.load * cap
-                print(f"[{trace.name}] capacity {cap:.2f} req/s -> rate {rate:.2f}", flush=True)
-            path = trace.write(work / f"{trace.name}{trace.suffix}", rate, seed=args.seed)
-            records = []
-            for k in range(1, args.replays + 1):
-                time.sleep(3.0)
-                out = work / f"{trace.name}.real{k}.jsonl"
-                run = replay(base, path, out, seed=k)
-                ok = sum(r["success"] for r in run.rows)
-                print(
-                    f"[{trace.name}] replay {k}: {ok}/{len(run.rows)} ok in "
-                    f"{run.meta['wall_s']:.0f} s (load average {run.meta['load_average_1m']})",
-                    flush=True,
-                )
-                records.append(str(out))
-        finally:
-            stop_server(proc)
+    t0 = time.time()
+    proc = start_server(port, args.model, work / f"{trace.name}.server.log")
+    try:
+        print(f"[{trace.name}] server ready in {time.time() - t0:.0f} s", flush=True)
+        cap = None
+        if rate is None:
+            cap = capacity(base, trace, args.probe_requests, work)
+            rate = trace.load * cap
+            print(f"[{trace.name}] capacity {cap:.2f} req/s -> rate {rate:.2f}", flush=True)
+        path = trace.write(work / f"{trace.name}{trace.suffix}", rate, seed=args.seed)
+        records = []
+        for k in range(1, args.replays + 1):
+            time.sleep(3.0)
+            out = work / f"{trace.name}.real{k}.jsonl"
+            run = replay(base, path, out, seed=k)
+            ok = sum(r["success"] for r in run.rows)
+            print(
+                f"[{trace.name}] replay {k}: {ok}/{len(run.rows)} ok in "
+                f"{run.meta['wall_s']:.0f} s (load average {run.meta['load_average_1m']})",
+                flush=True,
+            )
+            records.append(str(out))
+    finally:
+        stop_server(proc)
     argv = ["simulate", "--profile", args.profile, "--replicas", "2",
             "--workload", f"trace:{path}", "--num-requests", str(trace.num_requests),
             "--seed", "1", "--compare", *records,
@@ -214,7 +219,7 @@ def main() -> int:
         "capacity (to replay the same traces again)",
     )  # fmt: skip
     p.add_argument("--replays", type=int, default=2)
-    p.add_argument("--probe-requests", type=int, help="capacity burst (default 48; quick 16)")
+    p.add_argument("--probe-requests", type=int, default=48, help="capacity probe's requests")
     p.add_argument("--seed", type=int, default=0, help="the traces' draws")
     p.add_argument("--out", help="results name (default sim_fidelity_heldout[_quick])")
     args = p.parse_args()
@@ -223,7 +228,6 @@ def main() -> int:
     args.profile = args.profile or (
         "bench-tiny-llama-v1-avx2-1t" if args.quick else "SmolLM2-135M-Instruct-avx2-1t"
     )
-    args.probe_requests = args.probe_requests or (16 if args.quick else 48)
     if args.traces:
         wanted = args.traces.split(",")
         unknown = set(wanted) - {t.name for t in traces}
@@ -247,8 +251,9 @@ def main() -> int:
         "traces": {},
     }
     t0 = time.time()
-    for trace in traces:
-        results["traces"][trace.name] = run_trace(trace, args, work, rates.get(trace.name))
+    with ray_lock():  # one Ray cluster on the host at a time: held over the whole study
+        for trace in traces:
+            results["traces"][trace.name] = run_trace(trace, args, work, rates.get(trace.name))
     results["wall_s"] = time.time() - t0
     results["ok"] = all(t["report"]["ok"] for t in results["traces"].values())
     table = summary_table(results)

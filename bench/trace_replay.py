@@ -63,14 +63,17 @@ def replay(
     limit: int | None = None,
     time_scale: float = 1.0,
     settle_s: float = 2.5,
+    max_concurrency: int | None = None,
 ) -> RealRun:
-    """Send the trace, write its replay record to `out`, and return it."""
+    """Send the trace, write its replay record to `out`, and return it (`max_concurrency`:
+    at most that many in flight, a closed loop; the trace's timing then only orders them)."""
     rows = read_trace(trace, limit=limit, seed=seed)
     offsets = [r.arrival_s / time_scale for r in rows]
     specs = [r.spec for r in rows]
     before = scrape_queue(base_url)
     started = time.time()
-    results, wall = asyncio.run(run_load(LoadConfig(base_url=base_url), specs, offsets))
+    load = LoadConfig(base_url=base_url, max_concurrency=max_concurrency)
+    results, wall = asyncio.run(run_load(load, specs, offsets))
     time.sleep(settle_s)  # replicas push their metrics about once a second
     after = scrape_queue(base_url)
     meta = {
