@@ -2,10 +2,10 @@
 ~60% and ~90% of capacity; three prompt/output mixes). Per trace: start `stepserve serve
 --replicas 2 --num-speculative-tokens 0` (default model), measure the mix's capacity (48
 requests, 16 in flight), write the trace at its load's share of it, replay it twice
-(bench/trace_replay.py; each replay its own token ids, so the second does not hit the first's prefix cache), stop the
-server; then `stepserve simulate --compare` the two replay records with the trace simulated
-(sim/fidelity.py: real vs simulated per metric, the runs' spread, pass/fail against p50 10% /
-p99 20% or the spread). Writes bench/results/sim_fidelity_heldout.json, .txt (the tables) and
+(bench/trace_replay.py; each replay its own token ids, so the second does not hit the
+first's prefix cache), stop the server; then `stepserve simulate --compare` the two replay
+records with the trace simulated (sim/fidelity.py: real vs simulated per metric, the runs'
+spread, pass/fail against p50 10% / p99 20% or the spread). Writes bench/results/sim_fidelity_heldout.json, .txt (the tables) and
 the traces and replay records under bench/results/sim_fidelity_heldout/.
 
 It holds /tmp/stepserve-ray.lock for the whole study (taking it itself unless started under
