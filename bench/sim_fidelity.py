@@ -10,7 +10,7 @@ the traces and replay records under bench/results/sim_fidelity_heldout/.
 
 It holds /tmp/stepserve-ray.lock for the whole study (taking it itself unless started under
 `flock /tmp/stepserve-ray.lock`). About 20-25 min on 2 cores; --quick: the tiny model, short
-traces (~4 min).
+traces (~3 min).
 
 Run: .venv/bin/python bench/sim_fidelity.py --profile PROFILE [--quick]
 """
@@ -250,8 +250,8 @@ def main() -> int:
         "bar": BAR,
         "traces": {},
     }
-    t0 = time.time()
     with ray_lock():  # one Ray cluster on the host at a time: held over the whole study
+        t0 = time.time()
         for trace in traces:
             results["traces"][trace.name] = run_trace(trace, args, work, rates.get(trace.name))
     results["wall_s"] = time.time() - t0
