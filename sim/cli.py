@@ -63,6 +63,13 @@ def add_commands(sub) -> None:
     _add_sim_args(simp)
     simp.add_argument("--out", help="directory for requests.jsonl, summary.json, timelines, plots")
     simp.add_argument("--plots", action="store_true", help="write PNG plots (needs matplotlib)")
+    simp.add_argument(
+        "--compare", nargs="+", metavar="REAL.jsonl",
+        help="fidelity report: replay records of this trace on a real cluster (one per run, "
+        "bench/trace_replay.py); prints real vs simulated per metric with the runs' spread and "
+        "pass/fail (exit status 1 on fail)",
+    )  # fmt: skip
+    simp.add_argument("--compare-json", metavar="PATH", help="also write the report as JSON")
     simp.set_defaults(func=cmd_simulate)
 
     plan = sub.add_parser(
@@ -104,7 +111,23 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
         help="price steps by Engine.step alone even when the profile has a serving calibration",
     )
     p.add_argument("--stats-delivery-ms", type=float, default=0.0)
-    p.add_argument("--cold-start-s", type=float, default=10.0)
+    p.add_argument(
+        "--cold-start-s", type=float,
+        help="a new replica's start until it serves (default: the profile's startup_s, else 10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--lose-replica-at", type=float, action="append", default=[], metavar="S",
+        help="lose the running replica with the most requests at S seconds (repeatable): its "
+        "requests are sent again (migrated if a token was out), Ray starts a replacement",
+    )  # fmt: skip
+    p.add_argument(
+        "--add-replica-at", type=float, action="append", default=[], metavar="S",
+        help="start one more replica at S seconds (repeatable); it serves after the cold start",
+    )  # fmt: skip
+    p.add_argument(
+        "--net-jitter-ms", type=float, default=0.0,
+        help="network variance: each one-way hop adds an exponential draw of this mean",
+    )  # fmt: skip
     p.add_argument("--autoscaler", choices=["stepserve", "ray_default"], default="stepserve")
     p.add_argument("--ray-target-ongoing", type=float, default=2.0)
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: divide arrival times")
@@ -457,6 +480,9 @@ def build_settings(args: argparse.Namespace, profile=None):
         net_latency_s=latency,
         stats_delivery_s=args.stats_delivery_ms / 1000.0,
         cold_start_s=args.cold_start_s,
+        lose_replica_at_s=tuple(args.lose_replica_at),
+        add_replica_at_s=tuple(args.add_replica_at),
+        net_jitter_s=args.net_jitter_ms / 1000.0,
         autoscaler=args.autoscaler,
         ray_target_ongoing_requests=args.ray_target_ongoing,
         seed=args.seed,
@@ -471,6 +497,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from sim.cluster import simulate
     from sim.profile import Profile
 
+    if args.compare:
+        return cmd_compare(args)
     profile = Profile.load(args.profile)
     _print_warnings("simulate", profile_warnings(profile, args))
     config = build_cluster_config(args)
@@ -491,6 +519,55 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 print(f"  wrote {p}")
         print(f"  wrote {out}/summary.json, requests.jsonl, replicas.json, timelines.json")
     return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """`simulate --compare`: the trace simulated once, against its real replays."""
+    report = fidelity_report(args)
+    print(f"fidelity: {args.workload} ({len(args.compare)} real runs) vs simulated")
+    for i, path in enumerate(args.compare, 1):
+        print(f"  run{i}: {path}")
+    from sim.fidelity import format_report
+
+    print(format_report(report))
+    if args.compare_json:
+        Path(args.compare_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.compare_json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"  wrote {args.compare_json}")
+    return 0 if report["ok"] else 1
+
+
+def fidelity_report(args: argparse.Namespace) -> dict:
+    """The fidelity report (sim/fidelity.py `compare`) of `args.compare`'s replay records
+    against this trace simulated with `args`' cluster, profile and settings."""
+    from sim.cluster import simulate
+    from sim.fidelity import check_matches, compare, read_run, real_metrics, sim_metrics
+    from sim.profile import Profile
+
+    if not args.workload.startswith("trace:"):
+        raise ValueError(
+            f"--compare needs --workload trace:FILE (the trace the real runs replayed), "
+            f"not {args.workload!r}"
+        )
+    if args.loras:
+        raise ValueError("--compare: --loras is not supported (a replay sends the base model)")
+    runs = [read_run(p) for p in args.compare]
+    profile = Profile.load(args.profile)
+    workload = build_workload(args, profile)
+    lengths = [spec.num_prompt_tokens for _, spec in workload.requests]
+    for run in runs:
+        check_matches(run, lengths)
+        scale = run.meta.get("time_scale", 1.0)
+        if abs(scale - args.time_scale) > 1e-9:
+            raise ValueError(
+                f"{run.path}: replayed with time scale {scale}, --time-scale is {args.time_scale}"
+            )
+    result = simulate(build_cluster_config(args), profile, workload, build_settings(args, profile))
+    report = compare([real_metrics(r) for r in runs], sim_metrics(result.requests))
+    report["trace"] = args.workload.split(":", 1)[1]
+    report["real_runs"] = [{"path": r.path, **r.meta} for r in runs]
+    report["profile"] = profile.meta.get("name", args.profile)
+    return report
 
 
 def write_result(out: Path, result, summary: dict) -> None:
@@ -531,6 +608,8 @@ def print_summary(s: dict) -> None:
             f"  KV: {s['prefilled_tokens']} prompt tokens prefilled, {s['fetches']} fetches "
             f"brought {s['fetched_tokens']} (mean wait {s['fetch_s_mean'] * 1e3:.1f} ms)"
         )
+    if s.get("lost_replicas"):
+        print(f"  lost replicas {s['lost_replicas']}: {s['migrations']} requests sent again")
     if "lora_loads" in s:
         print(
             f"  LoRA: {s['lora_requests']} adapter requests, {s['lora_loads']} adapter loads "

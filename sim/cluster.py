@@ -53,7 +53,9 @@ class SimSettings:
 
     net_latency_s: float = 0.002  # one way, client -> ingress -> replica (and back)
     stats_delivery_s: float = 0.0  # a replica's recorded stats reach the routers this much later
-    cold_start_s: float = 10.0  # a new replica's start until it takes requests
+    # a new replica's start until it takes requests; None: the profile's measured start-up
+    # (`meta["startup_s"]`), else DEFAULT_COLD_START_S
+    cold_start_s: float | None = None
     autoscaler: Literal["stepserve", "ray_default"] = "stepserve"
     ray_target_ongoing_requests: float = 2.0  # Ray's default policy's target per replica
     timeline_period_s: float = 1.0  # how often replica timelines are sampled
@@ -77,7 +79,20 @@ class SimSettings:
     kv_transfer_bytes_per_s: float | None = None
     kv_bytes_per_block: int | None = None
     kv_fetch_latency_s: float | None = None
+    # failures: at each of these times the running replica with the most requests is lost (its
+    # requests are sent again by their ingress: from the start if no token reached the client,
+    # else migrated, resumed from the tokens sent, as router/migration.py does), and Ray starts
+    # a replacement that serves after the cold start
+    lose_replica_at_s: tuple[float, ...] = ()
+    # scale-ups under load: at each of these times one more replica starts (the target grows
+    # by one; it takes requests after the cold start)
+    add_replica_at_s: tuple[float, ...] = ()
+    # network variance: each one-way hop takes net_latency_s plus an exponential draw of this
+    # mean (0: every hop exactly net_latency_s)
+    net_jitter_s: float = 0.0
 
+
+DEFAULT_COLD_START_S = 10.0
 
 # A placeholder until a profile measures it: a rank-16 adapter of the 135M model (q, k, v, o
 # and the MLP's projections on 30 layers: about 5 MB of fp32 weights) read from a local disk
@@ -104,6 +119,11 @@ class Simulation:
             self.serving = None  # {}: explicitly Engine.step alone
         self.serving = upgrade_serving(self.serving)  # any layout the profile format had
         self.rng = random.Random(self.settings.seed)
+        self.net_rng = random.Random(self.settings.seed + 1)  # apart from routing's draws
+        cold = self.settings.cold_start_s
+        if cold is None:
+            cold = profile.meta.get("startup_s", DEFAULT_COLD_START_S)
+        self.cold_start_s = float(cold)
         load_s = self.settings.lora_load_s
         if load_s is None:
             load_s = profile.lora_load_s
@@ -162,6 +182,12 @@ class Simulation:
         self.at(0.0, self._timeline_tick)
         if self.autoscaling:
             self.at(self.config.autoscaling.metrics_interval_s, self._autoscale_tick)
+        if self.settings.lose_replica_at_s and self.pd is not None:
+            raise ValueError("replica losses are not simulated with PD disaggregation")
+        for t in self.settings.lose_replica_at_s:
+            self.at(t, self._lose_replica)
+        for t in self.settings.add_replica_at_s:
+            self.at(t, self._scale_up_one)
         events = self._events
         limit = self.settings.max_sim_time_s
         while events:
@@ -185,6 +211,7 @@ class Simulation:
         return SimResult(self, end)
 
     _open_work = 0  # requests and conversations not yet over
+    lost_replicas = 0
 
     # -- workload --------------------------------------------------------------------------
     def add_requests(self, items: list[tuple[float, RequestSpec]]) -> None:
@@ -237,16 +264,23 @@ class Simulation:
                 ingress.pending.popleft()
                 self.num_pending -= 1
 
+    def hop(self) -> float:
+        """One one-way trip's latency (client or router <-> replica)."""
+        jitter = self.settings.net_jitter_s
+        net = self.settings.net_latency_s
+        return net + self.net_rng.expovariate(1.0 / jitter) if jitter > 0 else net
+
     def first_token(self, req: SimRequest, now: float) -> None:
         req.first_token_at = now
-        req.ingress.load.first_token(req.rid, now + self.settings.net_latency_s)
+        req.back_first = self.hop()
+        req.ingress.load.first_token(req.rid, now + req.back_first)
 
     def handed_off(self, req: SimRequest, now: float) -> None:
         """PD: `req`'s prompt ran on a prefill replica (its first token is out): the prefill
         replica lets it go (at the router a network hop later) and a decode replica continues
         it, fetching the prompt's KV from the prefill replica (sim/ingress.py)."""
         prefill = req.replica
-        self.at(now + self.settings.net_latency_s, self._handoff_at_router, (req, prefill))
+        self.at(now + self.hop(), self._handoff_at_router, (req, prefill))
 
     def _handoff_at_router(self, now: float, item) -> None:
         req, prefill = item
@@ -257,7 +291,7 @@ class Simulation:
     def finish(self, req: SimRequest, now: float, status: str) -> None:
         req.finished_at = now
         req.status = status
-        net = self.settings.net_latency_s
+        net = req.back_last = self.hop()
         if req.replica is not None:
             self.at(now + net, self._finished_at_router, req)
         else:
@@ -315,6 +349,44 @@ class Simulation:
             for ingress in self.ingresses:  # a replica that is gone leaves the indexes
                 if ingress.index is not None:
                     ingress.index.remove_replica(replica.rid)
+
+    def _scale_up_one(self, now: float) -> None:
+        self.target += 1
+        self._add_replica(now, ready_at=now + self.cold_start_s)
+
+    def _lose_replica(self, now: float) -> None:
+        """The running replica with the most requests dies: it stops at once (what it was
+        doing is gone), its requests go back to their ingress a hop later to be sent again,
+        and Ray starts a replacement."""
+        live = [r for r in self.replicas if r.state in (RUNNING, DRAINING)]
+        if not live:
+            return
+        victim = max(live, key=lambda r: (r.ongoing, -r.created))
+        victim.state = STOPPED
+        victim.lost = True
+        victim.stopped_at = now
+        self.lost_replicas += 1
+        self.routable = [r for r in self.replicas if r.state == RUNNING]
+        for ingress in self.ingresses:
+            if ingress.index is not None:
+                ingress.index.remove_replica(victim.rid)
+        for req in self.requests:
+            if req.replica is victim and req.status == "pending":
+                victim.abandon(req)
+                victim.ongoing -= 1
+                self.at(now + self.hop(), self._resend, req)
+        replacement = self._add_replica(now, ready_at=now + self.cold_start_s)
+        replacement.role = victim.role
+
+    def _resend(self, now: float, req: SimRequest) -> None:
+        """A lost replica's request, back at its ingress: routed again (or queued there)."""
+        req.ingress.load.finished(req.rid, now)
+        req.ingress.load.forget_missing([r.rid for r in self.routable])
+        req.replica = None
+        req.migrations += 1
+        if req.ingress.pending or not req.ingress.route(req, now):
+            req.ingress.pending.append(req)
+            self.num_pending += 1
 
     def deliver_kv_events(self, now: float, item) -> None:
         replica, batch = item
@@ -395,7 +467,7 @@ class Simulation:
         self._decision = None
         if direction > 0:
             for _ in range(desired - self.target):
-                self._add_replica(now, ready_at=now + self.settings.cold_start_s)
+                self._add_replica(now, ready_at=now + self.cold_start_s)
         else:
             live = [r for r in self.replicas if r.state in (STARTING, RUNNING)]
             # Ray stops replicas still starting first, then the newest

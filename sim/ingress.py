@@ -83,7 +83,7 @@ class SimIngress:
         )  # fmt: skip
         if lora is not None:
             self.load.adapter_sent(chosen.rid, lora, now)
-        sim.at(now + sim.settings.net_latency_s, chosen.receive, req)
+        sim.at(now + sim.hop(), chosen.receive, req)
         return True
 
     def route_decode(self, req: SimRequest, prefill, now: float) -> None:
@@ -106,4 +106,4 @@ class SimIngress:
         chosen.ongoing += 1
         self.load.routed(req.rid, chosen.rid, req.footprint, prompt_tokens=0, key=req.rid, now=now)
         self.load.first_token(req.rid, now)  # nothing of it left to prefill there
-        sim.at(now + sim.settings.net_latency_s, chosen.receive, req)
+        sim.at(now + sim.hop(), chosen.receive, req)

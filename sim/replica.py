@@ -58,7 +58,7 @@ class SimRequest:
         "preemptions", "cached_tokens", "status", "answer", "prefix_key", "footprint",
         "engine_request", "joins_step", "hashes", "predicted_hit", "reason", "lora",
         "lora_waited", "fetch", "fetched_tokens", "fetch_s", "phase", "prefilled", "first_id",
-        "path_first", "path_last",
+        "path_first", "path_last", "back_first", "back_last", "migrations", "resume_ids",
     )  # fmt: skip
 
     def __init__(self, rid: str, spec: RequestSpec, arrival: float) -> None:
@@ -94,15 +94,22 @@ class SimRequest:
         # one-way path beyond the idle one (the serving calibration's path_rate_s x the host's
         # streaming rate) when its first token and its last came out
         self.path_first = self.path_last = 0.0
+        # the return trip of its first token and of its end (Simulation.hop; nan: not yet)
+        self.back_first = self.back_last = math.nan
+        self.migrations = 0  # times it was sent again after its replica was lost
+        self.resume_ids: list[int] | None = None  # a migration: the tokens the client has
 
     def planned_answer(self) -> list[int] | None:
         """The tokens this request is to generate (a conversation turn's), or None."""
         return None if self.conv is None else self.conv.turns[self.turn].answer_ids
 
     def result(self, net: float) -> dict:
-        # in and out at the first token's load; in at it and out at the last one's for e2e
-        ttft = self.first_token_at + net + 2 * self.path_first - self.arrival
-        e2e = self.finished_at + net + self.path_first + self.path_last - self.arrival
+        # the return trips (idle path + jitter), plus the load-dependent path both ways: in and
+        # out at the first token's load for TTFT; in at it and out at the last one's for e2e
+        first = self.back_first if self.back_first == self.back_first else net
+        last = self.back_last if self.back_last == self.back_last else net
+        ttft = self.first_token_at + first + 2 * self.path_first - self.arrival
+        e2e = self.finished_at + last + self.path_first + self.path_last - self.arrival
         tpot = (e2e - ttft) / (self.n_out - 1) if self.n_out > 1 else math.nan
         return {
             "id": self.rid,
@@ -125,6 +132,7 @@ class SimRequest:
             "prefilled_tokens": self.prefilled,
             "fetched_tokens": self.fetched_tokens,
             "fetch_s": self.fetch_s,
+            "migrations": self.migrations,
         }
 
 
@@ -145,6 +153,7 @@ class SimReplica:
             else None
         )
         self.state = STARTING
+        self.lost = False  # died (Simulation._lose_replica): every event of it is void
         self.created = created
         self.stopped_at = math.nan
         self.ongoing = 0  # Ray's in-flight count (routed, not yet finished at the router)
@@ -172,8 +181,22 @@ class SimReplica:
         self.scheduler.lora_names = lambda: list(self.loras)
 
     # -- requests --------------------------------------------------------------------------
+    def abandon(self, req: SimRequest) -> None:
+        """This (lost) replica lets `req` go: what it had computed is gone; the tokens that
+        reached the client stay with the request, to resume from on the next replica."""
+        request = req.engine_request
+        if request is not None:
+            req.preemptions += request.num_preemptions
+            req.resume_ids = request.all_token_ids[request.num_prompt_tokens :][: req.n_out]
+        req.engine_request = None
+        req.fetch = None
+        self.requests.pop(req.rid, None)
+
     def receive(self, now: float, req: SimRequest) -> None:
-        req.recv_at = now
+        if self.lost or req.replica is not self:  # it died while the request was on its way
+            return
+        if req.migrations == 0 or req.recv_at != req.recv_at:  # a resend keeps its first
+            req.recv_at = now
         fetch, req.fetch = req.fetch, None
         if fetch is not None:
             source = self.sim.by_rid.get(fetch.source)
@@ -202,6 +225,8 @@ class SimReplica:
 
     def _fetched(self, now: float, req: SimRequest) -> None:
         """The fetched blocks arrive: cached here (free, evictable), then the request goes on."""
+        if self.lost or req.replica is not self:
+            return
         fetch, req.fetch = req.fetch, None
         hashes = self._prompt_hashes(req)[: fetch.num_blocks]
         pool = self.scheduler.kv.pool
@@ -254,6 +279,8 @@ class SimReplica:
         self.sim.at(now + self.sim.lora_load_s, self._lora_loaded, lora.name)
 
     def _lora_loaded(self, now: float, name: str) -> None:
+        if self.lost:
+            return
         self.loras[name] = None
         while len(self.loras) > self.lora_capacity:
             idle = next((n for n in self.loras if not self.lora_users.get(n)), None)
@@ -275,6 +302,8 @@ class SimReplica:
         resume = None
         if req.phase == "decode":  # PD: it continues from the first token the prefill made
             resume = Resume([req.first_id], "", 0)
+        elif req.resume_ids:  # migrated: it continues from the tokens the client has
+            resume = Resume(list(req.resume_ids), "", req.migrations)
         request = Request(
             EngineRequest(
                 req.spec.prompt_ids, params, req.rid, arrival_time=now, lora=req.lora,
@@ -296,6 +325,8 @@ class SimReplica:
             self.sim.at(now, self._start_step)
 
     def _start_step(self, now: float) -> None:
+        if self.lost:
+            return
         so = self.scheduler.schedule()
         if so.is_empty:
             self.busy = False
@@ -326,6 +357,8 @@ class SimReplica:
         self.sim.at(now + duration, self._end_step, so)
 
     def _end_step(self, now: float, so) -> None:
+        if self.lost:  # it died during the step: nothing of it came out
+            return
         sampled = {}
         for s in so.scheduled:
             if s.sample:

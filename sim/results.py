@@ -45,6 +45,7 @@ class SimResult:
                 "role": r.role,
                 "fetches": r.fetches,
                 "fetched_blocks": r.fetched_blocks,
+                "lost": r.lost,
             }
             for r in sim.replicas
         ]
@@ -86,6 +87,10 @@ class SimResult:
             out["fetch_s_mean"] = sum(r["fetch_s"] for r in fetched) / len(fetched)
         out["hit_rate"] = hits / prompt if prompt else 0.0
         out["preemptions"] = sum(r["preemptions"] for r in ok)
+        lost = sum(r["lost"] for r in self.replicas)
+        if lost:
+            out["lost_replicas"] = lost
+            out["migrations"] = sum(r["migrations"] for r in self.requests)
         if ok and "oracle_hit_tokens" in ok[0]:
             out["oracle_hit_tokens"] = sum(r["oracle_hit_tokens"] for r in ok)
         predicted = [r for r in ok if r["predicted_hit_tokens"] >= 0]

@@ -379,9 +379,10 @@ class TraceRequest:
     spec: RequestSpec
 
 
-def _block_tokens(hash_id: int, n: int, token_range: tuple[int, int]) -> list[int]:
-    """The tokens of Mooncake block `hash_id` (the same ids for the same block, everywhere)."""
-    return _tokens(random.Random(hash_id * 2654435761 + 17), n, token_range)
+def _block_tokens(hash_id: int, n: int, token_range: tuple[int, int], salt: int = 0) -> list[int]:
+    """The tokens of Mooncake block `hash_id` (the same ids for the same block and salt,
+    everywhere; another salt gives other tokens with the same sharing)."""
+    return _tokens(random.Random(hash_id * 2654435761 + 17 + salt * 1_000_000_007), n, token_range)
 
 
 def _azure_time(text: str) -> float:
@@ -428,10 +429,12 @@ def read_mooncake_trace(
     path: str | Path,
     limit: int | None = None,
     token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
+    salt: int = 0,
 ) -> list[TraceRequest]:
     """A Mooncake trace (JSONL: timestamp ms, input_length, output_length, hash_ids). Block k of
     a prompt is the tokens of hash id k (the last block cut to the input length), so requests
-    that share hash ids share those prefix tokens, as in the real trace."""
+    that share hash ids share those prefix tokens, as in the real trace. `salt` draws other
+    tokens for the same blocks (a second replay that must not hit the first one's cache)."""
     out = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
@@ -446,10 +449,11 @@ def read_mooncake_trace(
                 raise ValueError(f"{path}:{line_no}: bad Mooncake row ({exc})") from exc
             prompt: list[int] = []
             for h in ids:
-                prompt += _block_tokens(h, MOONCAKE_BLOCK_TOKENS, token_range)
+                prompt += _block_tokens(h, MOONCAKE_BLOCK_TOKENS, token_range, salt)
             prompt = prompt[:n_in]
             if len(prompt) < n_in:  # rows whose hash ids do not cover the prompt
-                prompt += _tokens(random.Random(line_no), n_in - len(prompt), token_range)
+                filler = random.Random(line_no + salt * 1_000_000_007)
+                prompt += _tokens(filler, n_in - len(prompt), token_range)
             out.append(TraceRequest(t, RequestSpec(prompt, max(1, n_out), "mooncake")))
             if limit is not None and len(out) >= limit:
                 break
@@ -462,12 +466,14 @@ def read_mooncake_trace(
 
 
 def read_trace(path: str | Path, limit: int | None = None, seed: int = 0) -> list[TraceRequest]:
-    """Either layout, by extension: .csv is Azure's, .jsonl Mooncake's."""
+    """Either layout, by extension: .csv is Azure's, .jsonl Mooncake's. `seed` draws the
+    prompts' token ids (Azure: every prompt's; Mooncake: each hash id's block, as a salt): the
+    same lengths, times and sharing for any seed."""
     suffix = Path(path).suffix
     if suffix == ".csv":
         return read_azure_trace(path, seed=seed, limit=limit)
     if suffix == ".jsonl":
-        return read_mooncake_trace(path, limit=limit)
+        return read_mooncake_trace(path, limit=limit, salt=seed)
     raise ValueError(f"{path}: unknown trace layout {suffix!r} (expected .csv or .jsonl)")
 
 
@@ -556,6 +562,74 @@ def mooncake_sample_rows(rng: random.Random, n: int = 200, rate: float = 2.0) ->
                 "timestamp": int(t * 1000),
                 "input_length": n_in,
                 "output_length": int(min(500, max(1, rng.lognormvariate(math.log(40), 0.6)))),
+                "hash_ids": ids,
+            }
+        )
+    return rows
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
+    return int(min(high, max(low, round(rng.lognormvariate(math.log(median), sigma)))))
+
+
+def azure_rows(
+    rng: random.Random,
+    n: int,
+    rate: float,
+    input_median: int,
+    output_median: int,
+    input_max: int,
+    output_max: int,
+    sigma: tuple[float, float] = (0.8, 0.7),
+    burstiness: float = 1.0,
+    input_min: int = 8,
+) -> list[tuple[float, int, int]]:
+    """Azure-layout rows (s from the start, prompt tokens, output tokens): gamma arrivals of
+    mean rate `rate` and shape `burstiness` (1: Poisson), prompt and output lengths log-normal
+    around their medians (`sigma`), clipped to [input_min, input_max] and [1, output_max]."""
+    rows = []
+    for t in arrival_offsets(n, rate, burstiness, rng):
+        n_in = _lognormal(rng, input_median, sigma[0], input_min, input_max)
+        rows.append((t, n_in, _lognormal(rng, output_median, sigma[1], 1, output_max)))
+    return rows
+
+
+def mooncake_rows(
+    rng: random.Random,
+    n: int,
+    rate: float,
+    num_documents: int,
+    document_blocks: tuple[int, int],
+    own_tokens: tuple[int, int],
+    output_median: int,
+    output_max: int,
+    sigma: float = 0.6,
+    skew: float = 1.0,
+    burstiness: float = 1.0,
+) -> list[dict]:
+    """Mooncake-layout rows: each prompt a leading part (1 block or more) of one of
+    `num_documents` shared documents (each `document_blocks` blocks of MOONCAKE_BLOCK_TOKENS,
+    drawn with Zipf popularity `skew`), then `own_tokens` (uniform in the range) of its own, on
+    hash ids no other row has; outputs log-normal around `output_median`; gamma arrivals."""
+    documents = [
+        list(range(d * 1000, d * 1000 + rng.randint(*document_blocks)))
+        for d in range(num_documents)
+    ]
+    weights = zipf_weights(num_documents, skew)
+    next_id = 1_000_000
+    rows = []
+    for t in arrival_offsets(n, rate, burstiness, rng):
+        doc = rng.choices(documents, weights)[0]
+        shared = doc[: rng.randint(1, len(doc))]
+        own = rng.randint(*own_tokens)
+        own_blocks = -(-own // MOONCAKE_BLOCK_TOKENS)
+        ids = shared + list(range(next_id, next_id + own_blocks))
+        next_id += own_blocks
+        rows.append(
+            {
+                "timestamp": round(t * 1000, 3),
+                "input_length": len(shared) * MOONCAKE_BLOCK_TOKENS + own,
+                "output_length": _lognormal(rng, output_median, sigma, 1, output_max),
                 "hash_ids": ids,
             }
         )

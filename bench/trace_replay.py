@@ -1,0 +1,128 @@
+"""Replay a trace file (Azure CSV or Mooncake JSONL: sim/workloads.py) on a running stepserve
+server with the trace's own timing, prompt lengths and (Mooncake) shared prefixes, streaming
+each request from /v1/completions as token ids; write the replay record `stepserve simulate
+--compare` reads (sim/fidelity.py), with the servers' queue time over the run from /metrics.
+
+`--seed` draws the prompts' token ids (the same lengths, times and sharing for any seed): give
+each replay of one server its own, so a second replay does not hit the first one's prefix cache.
+
+Run: .venv/bin/python bench/trace_replay.py --base-url http://127.0.0.1:8000 \
+        --trace sim/traces/azure_sample.csv --seed 1 --out /tmp/real1.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.serving import LoadConfig, run_load  # noqa: E402
+from sim.fidelity import RealRun, write_run  # noqa: E402
+from sim.workloads import read_trace  # noqa: E402
+
+QUEUE = "vllm:request_queue_time_seconds"
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(?P<value>\S+)")
+
+
+def queue_totals(exposition: str) -> tuple[float, float]:
+    """(sum, count) of the queue-time histogram over every label set of a Prometheus text."""
+    total = count = 0.0
+    for line in exposition.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        if m["name"] == QUEUE + "_sum":
+            total += float(m["value"])
+        elif m["name"] == QUEUE + "_count":
+            count += float(m["value"])
+    return total, count
+
+
+def scrape_queue(base_url: str) -> tuple[float, float] | None:
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return queue_totals(resp.text)
+
+
+def replay(
+    base_url: str,
+    trace: str | Path,
+    out: str | Path,
+    seed: int = 0,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    settle_s: float = 2.5,
+    max_concurrency: int | None = None,
+) -> RealRun:
+    """Send the trace, write its replay record to `out`, and return it (`max_concurrency`:
+    at most that many in flight, a closed loop; the trace's timing then only orders them)."""
+    rows = read_trace(trace, limit=limit, seed=seed)
+    offsets = [r.arrival_s / time_scale for r in rows]
+    specs = [r.spec for r in rows]
+    before = scrape_queue(base_url)
+    started = time.time()
+    load = LoadConfig(base_url=base_url, max_concurrency=max_concurrency)
+    results, wall = asyncio.run(run_load(load, specs, offsets))
+    time.sleep(settle_s)  # replicas push their metrics about once a second
+    after = scrape_queue(base_url)
+    meta = {
+        "trace": str(trace),
+        "seed": seed,
+        "time_scale": time_scale,
+        "requests": len(rows),
+        "base_url": base_url,
+        "started_at": started,
+        "wall_s": wall,
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+    if before is not None and after is not None and after[1] > before[1]:
+        meta["queue_time_s_sum"] = after[0] - before[0]
+        meta["queue_time_count"] = after[1] - before[1]
+    records = [
+        {
+            "index": i,
+            "arrival_s": round(offsets[i], 6),
+            "start_s": round(r.start, 6),
+            "prompt_tokens": r.prompt_len,
+            "output_tokens": r.output_len,
+            "expected_output_tokens": r.expected_output_len,
+            "success": r.success,
+            "ttft_s": round(r.ttft, 6),
+            "tpot_s": None if r.tpot is None else round(r.tpot, 6),
+            "e2e_s": round(r.e2e, 6),
+            "error": r.error,
+        }
+        for i, r in enumerate(results)
+    ]
+    write_run(out, meta, records)
+    return RealRun(meta, records, str(out))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--trace", required=True, help="Azure .csv or Mooncake .jsonl")
+    p.add_argument("--out", required=True, help="the replay record (JSONL) to write")
+    p.add_argument("--seed", type=int, default=0, help="draws the prompts' token ids")
+    p.add_argument("--num-requests", type=int, help="the trace's first N requests")
+    p.add_argument("--time-scale", type=float, default=1.0, help="divide arrival times")
+    args = p.parse_args()
+    run = replay(args.base_url, args.trace, args.out, args.seed, args.num_requests, args.time_scale)
+    ok = sum(r["success"] for r in run.rows)
+    print(f"replayed {len(run.rows)} requests ({ok} ok) in {run.meta['wall_s']:.1f} s: {args.out}")
+    return 0 if ok == len(run.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
