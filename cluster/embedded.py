@@ -31,8 +31,18 @@ from cluster.processes import (
 #   drop it, not the 30 s meant for external load balancers;
 # - Serve's own Prometheus metrics exported once a second, not ten times (idle CPU 13.3% ->
 #   10.4% of a core; routing and autoscaling read live counters, ours are on /metrics).
+# - an idle server's background (issue 50; docs/perf-serving-path.md "An idle server's CPU"):
+#   Serve's controller reconciles every 0.5 s, not 0.1 (a replica's state change, an
+#   autoscaling decision or a deploy step is acted on up to 0.4 s later; health checks, routing
+#   stats and stream migration keep their own clocks); the raylet sends its resource view and
+#   checks for GC every 500 ms, not 100 (only another node's view of this one's free CPUs ages),
+#   and its memory monitor samples every 1 s, not 250 ms.
 # A value already in the environment wins.
 EMBEDDED_RAY_SERVE_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_raylet_report_resources_period_milliseconds": "500",
+    "RAY_raylet_check_gc_period_milliseconds": "500",
+    "RAY_memory_monitor_refresh_ms": "1000",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",

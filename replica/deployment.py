@@ -46,6 +46,11 @@ logger = logging.getLogger("ray.serve")
 _PREEMPTION_WINDOW_S = 10.0
 METRICS_PUSH_PERIOD_S = 1.0
 METRICS_PUSH_TIMEOUT_S = 10.0
+# an exposition unchanged since the last push (an idle replica) is pushed again only this often:
+# the hub keeps it (it ages out after 30 s) and /metrics shows the same; a change goes out at the
+# next period. What waits up to this long: an idle replica learning that a router now reads its
+# KV events (a second replica joined), which its first request's push would tell it anyway
+METRICS_IDLE_PUSH_PERIOD_S = 10.0
 # The threads of a replica's actor take turns on the GIL: the event loop that streams outputs,
 # Ray's threads, and the engine thread (engine_core="thread": it holds the GIL between torch
 # ops) or the core's reader (engine_core="process": it detokenizes each step). Python's
@@ -583,11 +588,19 @@ class LLMServer:
         return self.metrics.exposition()
 
     def _push_metrics(self) -> None:
-        """Push the exposition to the hub about once a second; its answer says whether a
-        router reads this replica's KV events (kv_publisher.py: publish only then)."""
+        """Push the exposition to the hub about once a second, an unchanged one only every
+        METRICS_IDLE_PUSH_PERIOD_S (an idle replica: no Ray call, no wake-up of the hub); the
+        answer says whether a router reads this replica's KV events (kv_publisher.py: publish
+        only then)."""
+        last, pushed_at = b"", 0.0
         while not self._metrics_stop.wait(METRICS_PUSH_PERIOD_S):
             try:
-                ref = self.hub.push.remote(self.replica_id, self.metrics.exposition())
+                text = self.metrics.exposition()
+                now = time.monotonic()
+                if text == last and now - pushed_at < METRICS_IDLE_PUSH_PERIOD_S:
+                    continue
+                last, pushed_at = text, now
+                ref = self.hub.push.remote(self.replica_id, text)
                 if self.kv_events is not None:
                     self.kv_events.set_active(bool(ray.get(ref, timeout=METRICS_PUSH_TIMEOUT_S)))
                     self.metrics.kv_events_publishing.set(self.kv_events.active)  # next push

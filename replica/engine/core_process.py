@@ -274,17 +274,26 @@ class EngineCore:
 
 
 def exit_with_parent(parent_pid: int) -> None:
+    """Exit when the process that started this one does: blocked on its pidfd (Linux >= 5.3:
+    no wake-up until it exits), else polling for re-parenting every PARENT_POLL_S."""
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is not None and os.getppid() == parent_pid:  # still ours once the fd is held
+        exit_with_process(pidfd)
     while True:
-        time.sleep(PARENT_POLL_S)
         if os.getppid() != parent_pid:  # re-parented: the replica's process is gone
             os._exit(0)
+        time.sleep(PARENT_POLL_S)
 
 
 def exit_with_process(pidfd: int) -> None:
     """Exit when the process behind `pidfd` does (a pre-started core's adopting front, which is
-    not its parent: Linux's pidfd becomes readable when that process exits)."""
+    not its parent: Linux's pidfd becomes readable when that process exits). Blocks without a
+    timeout: an idle core's thread does not wake for it."""
     while True:
-        readable, _, _ = select.select([pidfd], [], [], PARENT_POLL_S)
+        readable, _, _ = select.select([pidfd], [], [])
         if readable:
             os._exit(0)
 
