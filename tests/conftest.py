@@ -107,6 +107,50 @@ def gemma3_270m_gguf() -> Path:
     return package.assemble(cache_root() / "test-models" / package.MODEL_NAME)
 
 
+@pytest.fixture(scope="module")
+def shared_serve():
+    """The Ray + Serve that the modules using this fixture share (tests/helpers.py says how to
+    adopt it): a SharedServe with `url` and `port` of Serve's proxy. After the module every
+    application is deleted and the cluster must be as it started, else the module's last test
+    errs at teardown and the next module gets a fresh cluster."""
+    from tests.helpers import clean_shared_serve, start_shared_serve
+
+    yield start_shared_serve()
+    problem = clean_shared_serve()
+    assert problem is None, f"the module did not leave the shared Ray + Serve clean: {problem}"
+
+
+def _uses_shared_serve(item) -> bool:
+    return "shared_serve" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Within each directory, the modules that use `shared_serve` run after the others, so
+    the shared cluster starts once and a module's own cluster never has to wait for it."""
+    modules: dict = {}  # module path -> its items, in collection order
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    shared = {path for path, its in modules.items() if any(map(_uses_shared_serve, its))}
+    dirs = {path.parent: i for i, path in reversed(list(enumerate(modules)))}
+    order = sorted(enumerate(modules), key=lambda im: (dirs[im[1].parent], im[1] in shared, im[0]))
+    items[:] = [item for _, path in order for item in modules[path]]
+    config.stash[_SHARED_MODULES] = shared
+
+
+_SHARED_MODULES = pytest.StashKey[set]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """Stop the shared cluster once no module of the run that comes next uses it (its Ray
+    processes would otherwise sit beside the other tests until the session ends)."""
+    from tests.helpers import stop_shared_serve
+
+    shared = item.config.stash.get(_SHARED_MODULES, set())
+    if nextitem is None or nextitem.path not in shared:
+        stop_shared_serve()
+
+
 def read_eos_ids(model_dir: Path) -> frozenset[int]:
     eos = json.loads((Path(model_dir) / "generation_config.json").read_text())["eos_token_id"]
     return frozenset(eos if isinstance(eos, list) else [eos])

@@ -1,11 +1,37 @@
 """Shared by the tests that start Ray: a free loopback port and a Ray + Serve instance sized for
-a 2-core machine that is always shut down afterwards."""
+a 2-core machine that is always shut down afterwards.
+
+Ray + Serve for a test module, two ways:
+
+- `shared_serve` (the module-scoped fixture in tests/conftest.py): the module deploys its
+  applications on the one Ray + Serve that the modules using it share (started on first use,
+  ~10-15 s saved per module; the cluster `loopback_serve(port)` starts, on a free port). Use
+  it unless the module needs a cluster of its own::
+
+      @pytest.fixture(scope="module")
+      def url(shared_serve):
+          config = ClusterConfig.model_validate({..., "http": {"host": "127.0.0.1",
+                                                               "port": shared_serve.port}})
+          serve.run(build_app(config), name=APP, route_prefix="/")
+          return shared_serve.url   # every application is deleted after the module
+
+  After the module every application is deleted with what `stepserve serve` ends beside it
+  (its hub and LoRA registry actors), then the cluster must be as it started (no application,
+  named actor, placement group or resource in use left): a module that leaves more errs at
+  its teardown and the shared cluster is replaced, so the next module starts clean. Do not
+  call serve.shutdown / ray.shutdown in such a module; a module with tests that need no Ray
+  may use it in some tests only (the cluster starts at the first that asks).
+- `loopback_serve` / `multinode_serve` / `zero_cpu_head_cluster`: a cluster of the module's own,
+  for a module that needs its own Ray config (several nodes, env vars at Ray start, other
+  ray.init arguments). The shared cluster is stopped first (never two at once); conftest runs
+  the modules that share after the others of their directory."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cluster.cli import free_port  # noqa: F401  (re-exported for the tests)
@@ -24,6 +50,15 @@ def loopback_serve(
     the base URL, then shuts Serve and Ray down. `env` is set only while Ray starts, so the
     processes Ray launches inherit it (as a Kubernetes Secret mounted as env would be) and the
     test process does not keep it."""
+    stop_shared_serve()
+    _start_ray_serve(port, env, **ray_init_kwargs)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        _stop_ray_serve()
+
+
+def _start_ray_serve(port: int, env: dict[str, str] | None = None, **ray_init_kwargs) -> None:
     import ray
     from ray import serve
 
@@ -42,10 +77,156 @@ def loopback_serve(
         )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    except BaseException:
         ray.shutdown()
+        raise
+
+
+def _stop_ray_serve() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        if ray.is_initialized():
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+@dataclass(frozen=True)
+class SharedServe:
+    """The shared Ray + Serve as a module sees it: Serve's proxy at `url` (127.0.0.1:`port`)."""
+
+    url: str
+    port: int
+
+
+# The running shared cluster: its SharedServe and what it held when it started.
+_shared: dict = {}
+
+
+def _cluster_state() -> dict:
+    """What a module must leave as it found it: applications, named actors, live placement
+    groups, and every resource not in use (memory and the object store aside)."""
+    import ray
+    from ray import serve
+
+    total, free = ray.cluster_resources(), ray.available_resources()
+    busy = {
+        key: round(total[key] - free.get(key, 0.0), 6)
+        for key in total
+        if key not in ("memory", "object_store_memory")
+        and round(total[key] - free.get(key, 0.0), 6) != 0
+    }
+    groups = [
+        pg_id
+        for pg_id, pg in ray.util.placement_group_table().items()
+        if pg.get("state") not in ("REMOVED",)
+    ]
+    return {
+        "applications": sorted(serve.status().applications),
+        "named_actors": sorted(
+            (a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
+        ),
+        "placement_groups": sorted(groups),
+        "resources_in_use": busy,
+    }
+
+
+def start_shared_serve() -> SharedServe:
+    """The shared Ray + Serve (started now unless running and healthy)."""
+    import ray
+
+    if _shared and not (ray.is_initialized() and _proxy_healthy(_shared["serve"].url)):
+        stop_shared_serve()  # something ended or broke it: a fresh one
+    if not _shared:
+        if ray.is_initialized():
+            raise RuntimeError("Ray is already running in this process (a module's own cluster)")
+        import time
+
+        port = free_port()
+        _start_ray_serve(port)
+        shared = SharedServe(f"http://127.0.0.1:{port}", port)
+        deadline = time.monotonic() + 120
+        while not _proxy_healthy(shared.url):  # the proxy is up (its actor among the baseline's)
+            if time.monotonic() > deadline:
+                _stop_ray_serve()
+                raise RuntimeError("the shared Serve's proxy did not come up in 120 s")
+            time.sleep(0.2)
+        _shared.update(serve=shared, baseline=_cluster_state())
+    return _shared["serve"]
+
+
+def stop_shared_serve() -> None:
+    """Shut the shared Ray + Serve down, if it runs."""
+    if _shared:
+        _shared.clear()
+        _stop_ray_serve()
+
+
+def _proxy_healthy(url: str) -> bool:
+    """Serve's proxy answers and is not draining (with no application it answers /-/healthz
+    with a 503 saying that its route table is empty)."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/-/healthz", timeout=30)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 or (r.status_code == 503 and "drain" not in r.text.lower())
+
+
+def _end_application_actors() -> None:
+    """What `stepserve serve` ends after deleting its application (cluster/cli.py): the
+    detached actors its applications made (each one's hub, replica/hub.py, and LoRA registry,
+    router/lora_registry.py), of those deleted during the module too."""
+    import ray
+
+    from replica.hub import HUB_NAMESPACE, hub_name
+    from router.lora_registry import REGISTRY_NAMESPACE, registry_name
+
+    owned = {(HUB_NAMESPACE, hub_name("")), (REGISTRY_NAMESPACE, registry_name(""))}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if any(actor["namespace"] == ns and actor["name"].startswith(p) for ns, p in owned):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+            except ValueError:
+                pass  # gone meanwhile
+
+
+def clean_shared_serve(timeout_s: float = 180) -> str | None:
+    """After a module: delete every application, then wait until the cluster is as it started.
+    None when it is; else what was left (the shared cluster is then stopped, so the next
+    module gets a fresh one)."""
+    import time
+
+    import ray
+    from ray import serve
+
+    if not _shared:
+        return None
+    problem = None
+    try:
+        if not ray.is_initialized():
+            raise RuntimeError("Ray was shut down during the module")
+        for app in serve.status().applications:
+            serve.delete(app, _blocking=False)
+        deadline = time.monotonic() + timeout_s
+        while serve.status().applications and time.monotonic() < deadline:
+            time.sleep(0.5)
+        _end_application_actors()
+        while (state := _cluster_state()) != _shared["baseline"]:
+            if time.monotonic() > deadline:
+                problem = f"left behind: {state}, at start: {_shared['baseline']}"
+                break
+            time.sleep(0.5)
+        if problem is None and not _proxy_healthy(_shared["serve"].url):
+            problem = "Serve's proxy no longer answers /-/healthz"
+    except Exception as exc:  # noqa: BLE001  (any failure: the cluster is replaced)
+        problem = f"cleaning up failed: {exc!r}"
+    if problem is not None:
+        stop_shared_serve()
+    return problem
 
 
 # A dead node is declared after 3 missed health checks a second apart (Ray's default is
@@ -102,6 +283,7 @@ def zero_cpu_head_cluster(system_config: dict | None = None):
 
     from cluster.cli import BUSY_HOST_RAY_ENV, environ_during
 
+    stop_shared_serve()
     head = {
         "num_cpus": 0,
         "object_store_memory": RAY_OBJECT_STORE_BYTES,

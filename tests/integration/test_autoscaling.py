@@ -12,7 +12,6 @@ import pytest
 
 from cluster.autoscaling import QueueDepthPolicy, desired_replicas
 from cluster.config import AutoscalingConfig
-from tests.helpers import free_port, loopback_serve
 
 CFG = AutoscalingConfig(enabled=True, min_replicas=1, max_replicas=4, target_queue_depth=8)
 
@@ -73,7 +72,6 @@ def _num_running_replicas(app: str) -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-@pytest.mark.ray
 def _publishing(port: int) -> dict[str, float]:
     """stepserve:kv_events_publishing per replica, from the ingress's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -95,7 +93,8 @@ def _wait_publishing(port: int, condition, timeout_s: float = 30.0) -> dict[str,
     return seen
 
 
-def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
+@pytest.mark.ray  # (was on the helper above, so `-m "not ray"` ran this test)
+def test_burst_scales_up_to_three_and_back(tiny_llama_dir, shared_serve):
     """1 -> 3 -> 1 replicas under a burst. KV events (on by default) flow only while a router
     has two replicas or more to choose from: none alone, before and after."""
     pytest.importorskip("ray")
@@ -104,7 +103,7 @@ def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
     from cluster.app import build_app
     from cluster.config import ClusterConfig
 
-    app, port = "autoscale-test", free_port()
+    app, port = "autoscale-test", shared_serve.port
     config = ClusterConfig.model_validate(
         {
             "name": app,
@@ -129,68 +128,67 @@ def test_burst_scales_up_to_three_and_back(tiny_llama_dir):
             "routing": {"stats_period_s": 0.5},
         }
     )
-    with loopback_serve(port):
-        serve.run(build_app(config), name=app, route_prefix="/")
-        assert _num_running_replicas(app) == 1
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        peak = {"replicas": 1, "publishing": 0}
-        httpx.post(url, json={"prompt": [5] * 8, "max_tokens": 2}, timeout=120)
-        # alone, the replica is read by no router: it does not publish (its push reached /metrics)
-        assert list(_wait_publishing(port, bool).values()) == [0.0]
+    serve.run(build_app(config), name=app, route_prefix="/")
+    assert _num_running_replicas(app) == 1
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    peak = {"replicas": 1, "publishing": 0}
+    httpx.post(url, json={"prompt": [5] * 8, "max_tokens": 2}, timeout=120)
+    # alone, the replica is read by no router: it does not publish (its push reached /metrics)
+    assert list(_wait_publishing(port, bool).values()) == [0.0]
 
-        tokens = 200
+    tokens = 200
 
-        async def one(client, i):
-            r = await client.post(
-                url,
-                json={
-                    "prompt": [5 + i % 50] * 8,
-                    "max_tokens": tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-            )
-            assert r.status_code == 200, r.text
-            return r.json()["usage"]["completion_tokens"]
+    async def one(client, i):
+        r = await client.post(
+            url,
+            json={
+                "prompt": [5 + i % 50] * 8,
+                "max_tokens": tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["completion_tokens"]
 
-        async def client_loop(client, c, stop, done):
-            # a closed loop: each of the 16 clients sends its next request when one ends,
-            # until `stop` (then the requests under way finish)
-            i = c
-            while not stop.is_set():
-                done.append(await one(client, i))
-                i += 16
+    async def client_loop(client, c, stop, done):
+        # a closed loop: each of the 16 clients sends its next request when one ends,
+        # until `stop` (then the requests under way finish)
+        i = c
+        while not stop.is_set():
+            done.append(await one(client, i))
+            i += 16
 
-        async def burst():
-            stop, done = asyncio.Event(), []
-            started = time.time()
-            async with httpx.AsyncClient(timeout=300) as client:
-                clients = [asyncio.ensure_future(client_loop(client, c, stop, done))
-                           for c in range(16)]  # fmt: skip
-                # until the third replica runs and two or more publish (read by the router)
-                while (peak["replicas"] < 3 or peak["publishing"] < 2) and (
-                    time.time() - started < 120
-                ):
-                    running = await asyncio.to_thread(_num_running_replicas, app)
-                    peak["replicas"] = max(peak["replicas"], running)
-                    publishing = sum((await asyncio.to_thread(_publishing, port)).values())
-                    peak["publishing"] = max(peak["publishing"], publishing)
-                    await asyncio.sleep(0.25)
-                stop.set()
-                await asyncio.gather(*clients)
-            return done, time.time() - started
+    async def burst():
+        stop, done = asyncio.Event(), []
+        started = time.time()
+        async with httpx.AsyncClient(timeout=300) as client:
+            clients = [asyncio.ensure_future(client_loop(client, c, stop, done))
+                       for c in range(16)]  # fmt: skip
+            # until the third replica runs and two or more publish (read by the router)
+            while (peak["replicas"] < 3 or peak["publishing"] < 2) and (
+                time.time() - started < 120
+            ):
+                running = await asyncio.to_thread(_num_running_replicas, app)
+                peak["replicas"] = max(peak["replicas"], running)
+                publishing = sum((await asyncio.to_thread(_publishing, port)).values())
+                peak["publishing"] = max(peak["publishing"], publishing)
+                await asyncio.sleep(0.25)
+            stop.set()
+            await asyncio.gather(*clients)
+        return done, time.time() - started
 
-        done, elapsed = asyncio.run(burst())
-        assert len(done) >= 16 and done == [tokens] * len(done), "every request completes"
-        assert peak["replicas"] == 3, f"peaked at {peak['replicas']} replicas in {elapsed:.0f}s"
-        deadline = time.time() + 90
-        while _num_running_replicas(app) > 1:
-            assert time.time() < deadline, "did not scale back to min_replicas after the load"
-            time.sleep(1)
-        # the metrics endpoint reports no stale queue after scale-down
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-        assert "vllm:num_requests_waiting" in text
-        # with two replicas or more, the routers read them and they published; alone again,
-        # the survivor stops within the hub's read window (5 s) and a push or two
-        assert peak["publishing"] >= 2, peak
-        _wait_publishing(port, lambda seen: len(seen) == 1 and sum(seen.values()) == 0)
+    done, elapsed = asyncio.run(burst())
+    assert len(done) >= 16 and done == [tokens] * len(done), "every request completes"
+    assert peak["replicas"] == 3, f"peaked at {peak['replicas']} replicas in {elapsed:.0f}s"
+    deadline = time.time() + 90
+    while _num_running_replicas(app) > 1:
+        assert time.time() < deadline, "did not scale back to min_replicas after the load"
+        time.sleep(1)
+    # the metrics endpoint reports no stale queue after scale-down
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    assert "vllm:num_requests_waiting" in text
+    # with two replicas or more, the routers read them and they published; alone again,
+    # the survivor stops within the hub's read window (5 s) and a push or two
+    assert peak["publishing"] >= 2, peak
+    _wait_publishing(port, lambda seen: len(seen) == 1 and sum(seen.values()) == 0)

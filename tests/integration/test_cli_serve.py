@@ -430,32 +430,41 @@ def test_joining_a_cluster_that_wants_a_token_fails_fast_saying_what_to_do(
                 "the token this process sent is not the cluster's",
             ),
         }
-        for case, (extra, cause) in cases.items():
-            started = time.monotonic()
-            done = subprocess.run(
-                serve, env=base | {"HOME": str(other_home)} | extra, cwd=repo,
-                capture_output=True, text=True, timeout=180,
-            )  # fmt: skip
-            elapsed = time.monotonic() - started
-            out = done.stdout + done.stderr
-            assert done.returncode == 2, (case, out[-3000:])
-            (line,) = [x for x in out.splitlines() if x.startswith("stepserve: error:")]
-            assert "uses token authentication and refused this process" in line, (case, line)
-            assert f":{port}" in line and cause in line, (case, line)
-            assert "RAY_AUTH_MODE=token" in line and "RAY_AUTH_TOKEN" in line, (case, line)
-            assert "Traceback" not in out, (case, out[-3000:])
-            assert elapsed < 60, (case, elapsed)  # the interpreter's start and imports
         probe = (
             "import sys\nfrom cluster.embedded import probe_cluster\n"
             "print(probe_cluster(sys.argv[1]))"
         )
         right = {"HOME": str(other_home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-        done = subprocess.run(
-            [sys.executable, "-c", probe, address], env=base | right, cwd=repo,
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.strip().endswith(f":{port}"), done.stdout
+        # the three clients run side by side (each is mostly a Python start and its imports)
+        pipes = {"cwd": repo, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        started = time.monotonic()
+        clients = {
+            case: subprocess.Popen(serve, env=base | {"HOME": str(other_home)} | extra, **pipes)
+            for case, (extra, _) in cases.items()
+        }
+        clients["probe"] = subprocess.Popen(
+            [sys.executable, "-c", probe, address], env=base | right, **pipes
+        )
+        try:
+            for case, (_, cause) in cases.items():
+                stdout, stderr = clients[case].communicate(timeout=180)
+                elapsed = time.monotonic() - started
+                out = stdout + stderr
+                assert clients[case].returncode == 2, (case, out[-3000:])
+                (line,) = [x for x in out.splitlines() if x.startswith("stepserve: error:")]
+                assert "uses token authentication and refused this process" in line, (case, line)
+                assert f":{port}" in line and cause in line, (case, line)
+                assert "RAY_AUTH_MODE=token" in line and "RAY_AUTH_TOKEN" in line, (case, line)
+                assert "Traceback" not in out, (case, out[-3000:])
+                assert elapsed < 60, (case, elapsed)  # the interpreters' starts and imports
+            stdout, stderr = clients["probe"].communicate(timeout=120)
+            assert clients["probe"].returncode == 0, stderr[-3000:]
+            assert stdout.strip().endswith(f":{port}"), stdout
+        finally:
+            for client in clients.values():
+                if client.poll() is None:
+                    client.kill()
+                    client.wait()
     finally:
         _end_group(head, grace_s=45)
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -107,7 +107,7 @@ def test_the_engine_thread_applies_a_new_thread_count_before_its_next_step(tiny_
 
 
 @pytest.mark.ray
-def test_a_replica_count_change_reaches_running_replicas_in_place(tiny_llama_dir):
+def test_a_replica_count_change_reaches_running_replicas_in_place(tiny_llama_dir, shared_serve):
     """The path of `helm upgrade --set replicas=2` (the chart's deployment override) or of
     `serve deploy` with a new num_replicas: the running replica stays (no model reload) and
     takes the new auto thread count; the new replica starts with it."""
@@ -119,9 +119,9 @@ def test_a_replica_count_change_reaches_running_replicas_in_place(tiny_llama_dir
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    from tests.helpers import free_port, loopback_serve, replica_stats
+    from tests.helpers import replica_stats
 
-    app, port = "threads-in-place", free_port()
+    app, port = "threads-in-place", shared_serve.port
     args = {
         "name": app,
         "engine": {"model": str(tiny_llama_dir), "max_model_len": 256, "num_kv_blocks": 64},
@@ -169,11 +169,10 @@ def test_a_replica_count_change_reaches_running_replicas_in_place(tiny_llama_dir
                 return seen
             time.sleep(0.5)
 
-    with loopback_serve(port):
-        deploy(1)
-        first = threads_by_replica(1, cores)
-        assert list(first.values()) == [cores], first
-        deploy(2)
-        both = threads_by_replica(2, max(1, cores // 2))
-        assert set(first) < set(both), f"replica {set(first)} was replaced: now {set(both)}"
-        assert set(both.values()) == {max(1, cores // 2)}, both
+    deploy(1)
+    first = threads_by_replica(1, cores)
+    assert list(first.values()) == [cores], first
+    deploy(2)
+    both = threads_by_replica(2, max(1, cores // 2))
+    assert set(first) < set(both), f"replica {set(first)} was replaced: now {set(both)}"
+    assert set(both.values()) == {max(1, cores // 2)}, both

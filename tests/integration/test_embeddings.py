@@ -20,7 +20,6 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "stepserve-embeddings"
 MODEL = "tiny"
@@ -39,8 +38,8 @@ def model_dir(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(model_dir):
-    port = free_port()
+def url(model_dir, shared_serve):
+    port = shared_serve.port
     config = ClusterConfig.model_validate(
         {
             "name": APP,
@@ -58,9 +57,9 @@ def url(model_dir):
             "http": {"host": "127.0.0.1", "port": port},
         }
     )
-    with loopback_serve(port) as base:
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        yield base
+    base = shared_serve.url
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    yield base
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from ray import serve  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from replica.hub import HUB_NAMESPACE, hub_name  # noqa: E402
-from tests.helpers import free_port, loopback_serve, replica_actor_names  # noqa: E402
+from tests.helpers import replica_actor_names  # noqa: E402
 
 APP = "kv-routing-test"
 
@@ -98,65 +98,57 @@ async def _send(url: str, prompts: list[list[int]], max_tokens: int = 6) -> None
         await asyncio.gather(*(one(p) for p in prompts))
 
 
-def test_kv_index_mirrors_replicas_predicts_hits_and_forgets_the_dead(tiny_llama_dir):
-    port = free_port()
+def test_kv_index_mirrors_replicas_predicts_hits_and_forgets_the_dead(tiny_llama_dir, shared_serve):
+    port = shared_serve.port
     url = f"http://127.0.0.1:{port}"
     rng = random.Random(0)
     prefixes = [[rng.randrange(10, 500) for _ in range(48)] for _ in range(4)]
-    with loopback_serve(port):
-        serve.run(build_app(_config(tiny_llama_dir, port)), name=APP, route_prefix="/")
-        # a mixed workload: shared prefixes, unique tails, more blocks than fit (evictions)
-        for _ in range(3):
-            prompts = [
-                rng.choice(prefixes) + [rng.randrange(10, 500) for _ in range(rng.randint(1, 40))]
-                for _ in range(12)
-            ]
-            asyncio.run(_send(url, prompts))
-        tables, index = _settled()
-        assert len(tables) == 2
-        for state in tables.values():
-            assert state["events"] > state["blocks"], "the workload must evict"
-        assert set(index) == set(tables), (set(index), set(tables))
-        for rid, state in tables.items():
-            assert index[rid]["seq"] == state["snapshot_seq"]
-            assert set(index[rid]["hashes"]) == set(state["hashes"])  # zero drift
-
-        # sequential requests: nothing is evicted between a prediction and the admission
-        before_exact = _metric(url, "stepserve:router_hit_predictions_total", outcome="exact")
-        before_diff = _metric(url, "stepserve:router_hit_predictions_total", outcome="different")
-        for _ in range(6):
-            prompt = rng.choice(prefixes) + [rng.randrange(10, 500) for _ in range(8)]
-            asyncio.run(_send(url, [prompt]))
-            time.sleep(0.3)  # the events reach the index before the next request
-        exact = (
-            _metric(url, "stepserve:router_hit_predictions_total", outcome="exact") - before_exact
-        )
-        diff = (
-            _metric(url, "stepserve:router_hit_predictions_total", outcome="different")
-            - before_diff
-        )
-        assert exact == 6 and diff == 0, (exact, diff)
-        assert _metric(url, "stepserve:router_actual_hit_tokens_total") > 0
-        assert _metric(url, "stepserve:router_kv_events_total") > 0
-        decisions = _metric(url, "stepserve:router_decisions_total")
-        assert decisions >= 6
-        # one hub actor per application carries both the KV events and the replicas' metrics
-        hubs = [
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == HUB_NAMESPACE
+    serve.run(build_app(_config(tiny_llama_dir, port)), name=APP, route_prefix="/")
+    # a mixed workload: shared prefixes, unique tails, more blocks than fit (evictions)
+    for _ in range(3):
+        prompts = [
+            rng.choice(prefixes) + [rng.randrange(10, 500) for _ in range(rng.randint(1, 40))]
+            for _ in range(12)
         ]
-        assert hubs == [hub_name(APP)], hubs
-        for rid in tables:  # each replica's exposition reached /metrics through it
-            assert _metric(url, "vllm:generation_tokens_total", replica=rid) > 0, rid
+        asyncio.run(_send(url, prompts))
+    tables, index = _settled()
+    assert len(tables) == 2
+    for state in tables.values():
+        assert state["events"] > state["blocks"], "the workload must evict"
+    assert set(index) == set(tables), (set(index), set(tables))
+    for rid, state in tables.items():
+        assert index[rid]["seq"] == state["snapshot_seq"]
+        assert set(index[rid]["hashes"]) == set(state["hashes"])  # zero drift
 
-        # a replica dies: the router drops it from the index as soon as Serve says so
-        victim = sorted(tables)[0]
-        ray.kill(
-            ray.get_actor(replica_actor_names(APP)[victim], namespace="serve"), no_restart=True
-        )
-        deadline = time.time() + 60
-        while victim in _index() and time.time() < deadline:
-            time.sleep(0.5)
-        assert victim not in _index()
-        asyncio.run(_send(url, [prefixes[0] + [11, 12]]))  # the survivor serves
+    # sequential requests: nothing is evicted between a prediction and the admission
+    before_exact = _metric(url, "stepserve:router_hit_predictions_total", outcome="exact")
+    before_diff = _metric(url, "stepserve:router_hit_predictions_total", outcome="different")
+    for _ in range(6):
+        prompt = rng.choice(prefixes) + [rng.randrange(10, 500) for _ in range(8)]
+        asyncio.run(_send(url, [prompt]))
+        time.sleep(0.3)  # the events reach the index before the next request
+    exact = _metric(url, "stepserve:router_hit_predictions_total", outcome="exact") - before_exact
+    diff = _metric(url, "stepserve:router_hit_predictions_total", outcome="different") - before_diff
+    assert exact == 6 and diff == 0, (exact, diff)
+    assert _metric(url, "stepserve:router_actual_hit_tokens_total") > 0
+    assert _metric(url, "stepserve:router_kv_events_total") > 0
+    decisions = _metric(url, "stepserve:router_decisions_total")
+    assert decisions >= 6
+    # one hub actor per application carries both the KV events and the replicas' metrics
+    hubs = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == HUB_NAMESPACE
+    ]
+    assert hubs == [hub_name(APP)], hubs
+    for rid in tables:  # each replica's exposition reached /metrics through it
+        assert _metric(url, "vllm:generation_tokens_total", replica=rid) > 0, rid
+
+    # a replica dies: the router drops it from the index as soon as Serve says so
+    victim = sorted(tables)[0]
+    ray.kill(ray.get_actor(replica_actor_names(APP)[victim], namespace="serve"), no_restart=True)
+    deadline = time.time() + 60
+    while victim in _index() and time.time() < deadline:
+        time.sleep(0.5)
+    assert victim not in _index()
+    asyncio.run(_send(url, [prefixes[0] + [11, 12]]))  # the survivor serves

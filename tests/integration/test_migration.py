@@ -28,7 +28,7 @@ from ray import serve  # noqa: E402
 from cluster.app import REPLICA_DRAIN_TIMEOUT_S, build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from tests import helpers  # noqa: E402
-from tests.helpers import free_port, loopback_serve, sse_data  # noqa: E402
+from tests.helpers import sse_data  # noqa: E402
 
 APP = "stepserve-migration"
 MAX_MODEL_LEN = 512
@@ -63,11 +63,11 @@ def make_config(model_dir, port: int, replicas: int = 2) -> ClusterConfig:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_dir):
-    port = free_port()
-    with loopback_serve(port) as url:
-        serve.run(build_app(make_config(tiny_llama_dir, port)), name=APP, route_prefix="/")
-        yield {"url": url, "port": port, "model_dir": tiny_llama_dir}
+def cluster(tiny_llama_dir, shared_serve):
+    port = shared_serve.port
+    url = shared_serve.url
+    serve.run(build_app(make_config(tiny_llama_dir, port)), name=APP, route_prefix="/")
+    yield {"url": url, "port": port, "model_dir": tiny_llama_dir}
 
 
 def body(seed: int) -> dict:

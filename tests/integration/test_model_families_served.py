@@ -5,6 +5,8 @@ equal to transformers' greedy continuation."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -15,7 +17,6 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from tests.helpers import free_port, loopback_serve  # noqa: E402
 from tests.replica.test_model_parity import hf_greedy  # noqa: E402
 
 APP = "stepserve-families"
@@ -55,13 +56,36 @@ def family_dirs(tmp_path_factory, tiny_tokenizer_dir):
     return dirs
 
 
-def test_each_family_is_served_over_http_token_identical_to_transformers(family_dirs):
-    port = free_port()
-    with loopback_serve(port) as url:
-        for name in FAMILIES:
+def _wait_running(apps: list[str], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = {app: serve.status().applications.get(app) for app in apps}
+        states = {app: st.status if st else None for app, st in statuses.items()}
+        if all(state == "RUNNING" for state in states.values()):
+            return
+        failed = {app: st.message for app, st in statuses.items() if st and "FAILED" in st.status}
+        assert not failed, failed
+        assert time.monotonic() < deadline, states
+        time.sleep(0.5)
+
+
+def test_each_family_is_served_over_http_token_identical_to_transformers(family_dirs, shared_serve):
+    """The families are deployed 4 at a time (4 replicas of half a CPU fill the 2-CPU cluster),
+    each an application of its own as `stepserve serve --model DIR` makes it, on its own route:
+    their replicas start side by side while transformers computes the expected tokens."""
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    for wave in (FAMILIES[:4], FAMILIES[4:]):
+        apps = {name: f"{APP}-{name}" for name in wave}
+        for name, app in apps.items():
             config = ClusterConfig.model_validate(
                 {
-                    "name": APP,
+                    "name": app,
                     "engine": {
                         "model": str(family_dirs[name]),
                         "max_model_len": 128,
@@ -70,19 +94,18 @@ def test_each_family_is_served_over_http_token_identical_to_transformers(family_
                     },
                     "replicas": 1,
                     "num_cpus_per_replica": 0.5,
-                    "http": {"host": "127.0.0.1", "port": port},
+                    "http": {"host": "127.0.0.1", "port": shared_serve.port},
                 }
             )
-            serve.run(build_app(config), name=APP, route_prefix="/")
-            body = {
-                "prompt": PROMPT,
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            serve.run(build_app(config), name=app, route_prefix=f"/{name}", _blocking=False)
+        expected = {
+            name: hf_greedy(family_dirs[name], tuple(PROMPT), MAX_TOKENS, stop_at_eos=False)
+            for name in wave
+        }
+        _wait_running(list(apps.values()))
+        for name in apps:
+            r = httpx.post(f"{shared_serve.url}/{name}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, (name, r.text)
-            served = r.json()["choices"][0]["token_ids"]
-            expected = hf_greedy(family_dirs[name], tuple(PROMPT), MAX_TOKENS, stop_at_eos=False)
-            assert served == expected, name
+            assert r.json()["choices"][0]["token_ids"] == expected[name], name
+        for app in apps.values():  # their CPUs go to the next wave's replicas
+            serve.delete(app, _blocking=False)

@@ -22,7 +22,6 @@ from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from replica.deployment import LLMServer  # noqa: E402
 from router.lora_registry import kill_registry  # noqa: E402
-from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "stepserve-multi-model"
 KEY = "sk-multi-model-test"
@@ -62,8 +61,8 @@ def adapters(tmp_path_factory, tiny_llama_dir, tiny_qwen2_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def url(tiny_llama_dir, tiny_qwen2_dir, adapters):
-    port = free_port()
+def url(tiny_llama_dir, tiny_qwen2_dir, adapters, shared_serve):
+    port = shared_serve.port
     config = ClusterConfig.model_validate(
         {
             "name": APP,
@@ -89,12 +88,12 @@ def url(tiny_llama_dir, tiny_qwen2_dir, adapters):
             "auth": {"api_keys": [KEY]},
         }
     )
-    with loopback_serve(port) as base:
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        try:
-            yield base
-        finally:
-            kill_registry(APP)
+    base = shared_serve.url
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    try:
+        yield base
+    finally:
+        kill_registry(APP)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "stepserve-openai-features"
 MODEL = "tiny"
@@ -94,11 +93,11 @@ def serve_model(model_dir, name: str, port: int, route_prefix: str = "/"):
 
 
 @pytest.fixture(scope="module")
-def url(tiny_tools_dir):
-    port = free_port()
-    with loopback_serve(port) as base:
-        serve_model(tiny_tools_dir, APP, port)
-        yield base
+def url(tiny_tools_dir, shared_serve):
+    port = shared_serve.port
+    base = shared_serve.url
+    serve_model(tiny_tools_dir, APP, port)
+    yield base
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from ray import serve  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from router.lora_registry import kill_registry  # noqa: E402
-from tests.helpers import free_port, loopback_serve  # noqa: E402
 from tests.parser_models import build_family_models  # noqa: E402
 
 APP = "stepserve-parsers"
@@ -80,8 +79,8 @@ def think_end(dirs) -> int:
 
 
 @pytest.fixture(scope="module")
-def client(dirs):
-    port = free_port()
+def client(dirs, shared_serve):
+    port = shared_serve.port
     thinker = engine(
         dirs["deepseek_r1"], "thinker", reasoning_parser="deepseek_r1", tool_call_parser="mistral"
     )
@@ -95,12 +94,12 @@ def client(dirs):
             "http": {"host": "127.0.0.1", "port": port},
         }
     )
-    with loopback_serve(port) as base:
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        try:
-            yield openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=180)
-        finally:
-            kill_registry(APP)
+    base = shared_serve.url
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    try:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=180)
+    finally:
+        kill_registry(APP)
 
 
 def test_reasoning_then_schema(client, think_end):

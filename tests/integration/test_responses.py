@@ -19,7 +19,6 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from tests.helpers import free_port, loopback_serve  # noqa: E402
 from tests.integration.test_openai_features import SCHEMA, serve_model  # noqa: E402
 
 APP = "stepserve-responses"
@@ -45,11 +44,11 @@ class Verdict(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def url(tiny_tools_dir):
-    port = free_port()
-    with loopback_serve(port) as base:
-        serve_model(tiny_tools_dir, APP, port)
-        yield base
+def url(tiny_tools_dir, shared_serve):
+    port = shared_serve.port
+    base = shared_serve.url
+    serve_model(tiny_tools_dir, APP, port)
+    yield base
 
 
 @pytest.fixture(scope="module")

