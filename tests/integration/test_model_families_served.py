@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
+from ray.serve.api import RunTarget  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
@@ -82,6 +83,7 @@ def test_each_family_is_served_over_http_token_identical_to_transformers(family_
     }
     for wave in (FAMILIES[:4], FAMILIES[4:]):
         apps = {name: f"{APP}-{name}" for name in wave}
+        targets = []
         for name, app in apps.items():
             config = ClusterConfig.model_validate(
                 {
@@ -97,7 +99,8 @@ def test_each_family_is_served_over_http_token_identical_to_transformers(family_
                     "http": {"host": "127.0.0.1", "port": shared_serve.port},
                 }
             )
-            serve.run(build_app(config), name=app, route_prefix=f"/{name}", _blocking=False)
+            targets.append(RunTarget(build_app(config), name=app, route_prefix=f"/{name}"))
+        serve.run_many(targets, wait_for_applications_running=False)
         expected = {
             name: hf_greedy(family_dirs[name], tuple(PROMPT), MAX_TOKENS, stop_at_eos=False)
             for name in wave
