@@ -82,7 +82,7 @@ def test_each_family_is_served_over_http_token_identical_to_transformers(family_
         "return_token_ids": True,
     }
     for wave in (FAMILIES[:4], FAMILIES[4:]):
-        apps = {name: f"{APP}-{name}" for name in wave}
+        apps = {name: f"{APP}-{name.replace('_', '-')}" for name in wave}
         targets = []
         for name, app in apps.items():
             config = ClusterConfig.model_validate(
