@@ -45,10 +45,11 @@ ROLES = [
 ]
 
 
-def session_cpu(session: int) -> dict[int, tuple[int, str]]:
-    """pid -> (CPU ticks, utime + stime of all its threads; command line) of every process in
-    `session` (the server was started in a session of its own, which every process it starts,
-    Ray's workers included, shares)."""
+def session_counters(session: int, switches: bool = False) -> dict[int, tuple[int, int, str]]:
+    """pid -> (CPU ticks: utime + stime of all its threads; context switches of all its threads,
+    counted only with `switches`, else 0; command line) of every process in `session` (the server
+    was started in a session of its own, which every process it starts, Ray's workers included,
+    shares)."""
     table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -58,10 +59,20 @@ def session_cpu(session: int) -> dict[int, tuple[int, str]]:
             if int(fields[3]) != session:
                 continue
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            table[int(entry)] = (int(fields[11]) + int(fields[12]), cmd.strip())
+            count = 0
+            for tid in os.listdir(f"/proc/{entry}/task") if switches else ():
+                for line in Path(f"/proc/{entry}/task/{tid}/status").read_text().splitlines():
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        count += int(line.split()[1])
+            table[int(entry)] = (int(fields[11]) + int(fields[12]), count, cmd.strip())
         except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
+            continue  # gone meanwhile (a thread that ended loses its switches: few, idle)
     return table
+
+
+def session_cpu(session: int) -> dict[int, tuple[int, str]]:
+    """pid -> (CPU ticks, command line) of every process in `session`."""
+    return {pid: (ticks, cmd) for pid, (ticks, _, cmd) in session_counters(session).items()}
 
 
 def role_of(cmd: str) -> str:

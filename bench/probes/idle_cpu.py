@@ -24,40 +24,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench._models import model_dir as resolve_model  # noqa: E402
-from bench.serving_path_cpu import CLOCK_TICKS, role_of  # noqa: E402
+from bench.serving_path_cpu import CLOCK_TICKS, role_of, session_counters  # noqa: E402
 from bench.serving_vs_peer import server_command, started_server  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 
-def session_counters(session: int) -> dict[int, tuple[int, int, str]]:
-    """pid -> (CPU ticks, context switches of all its threads, command line) of every process
-    in `session`."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) != session:
-                continue
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            switches = 0
-            for tid in os.listdir(f"/proc/{entry}/task"):
-                for line in Path(f"/proc/{entry}/task/{tid}/status").read_text().splitlines():
-                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                        switches += int(line.split()[1])
-            table[int(entry)] = (int(fields[11]) + int(fields[12]), switches, cmd.strip())
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile (a thread that ended loses its switches: few, idle)
-    return table
-
-
 def window(session: int, seconds: float) -> dict[str, dict[str, float]]:
     """role -> {cpu_ms_s, switches_s} over one idle window."""
-    t0, before = time.monotonic(), session_counters(session)
+    t0, before = time.monotonic(), session_counters(session, switches=True)
     time.sleep(seconds)
-    after, span = session_counters(session), time.monotonic() - t0
+    after, span = session_counters(session, switches=True), time.monotonic() - t0
     roles: dict[str, dict[str, float]] = {}
     for pid, (ticks, switches, cmd) in after.items():
         t_b, s_b, _ = before.get(pid, (0, 0, cmd))
