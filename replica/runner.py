@@ -228,7 +228,9 @@ class ModelRunner:
         """Weight packing, fused ops and the attention backend: what the device, dtype, config
         and instruction-set level decide."""
         if self.cpu_isa is not None:
-            cpu_isa.log_choice(self.cpu_isa)
+            from replica.layers.cpu_gemm import fp32_packing
+
+            cpu_isa.log_choice(self.cpu_isa, fp32_packing())
         if self.device.type == "cpu" and config.pack_cpu_weights:
             self.num_packed_layers = pack_linear_weights(self.model)
         # the native CPU kernels (fused ops here, decode attention as the backend below) take

@@ -210,8 +210,9 @@ def onednn_bf16_packing(level: str | None = None, flags: frozenset[str] | None =
     return at_least or ("avx_ne_convert" in flags and level != "portable")
 
 
-def describe(level: str | None = None) -> str:
-    """One line: the level, what the CPU has, the cap and what follows from them."""
+def describe(level: str | None = None, fp32_gemm: str | None = None) -> str:
+    """One line: the level, what the CPU has, the cap and what follows from them; `fp32_gemm` is
+    cpu_gemm.fp32_packing()'s answer (the caller asks it: cpu_gemm depends on this module)."""
     level = active_level() if level is None else level
     detected = detected_level()
     cap = os.environ.get(ISA_ENV)
@@ -222,7 +223,7 @@ def describe(level: str | None = None) -> str:
         + (f", capped by {ISA_ENV}={cap}" if cap and level != detected else "")
         + ")",
         f"native kernels built with {' '.join(march_flags(level))}",
-        f"fp32 weights packed for {_fp32_gemm_name()}",
+        f"fp32 weights packed for {_FP32_GEMM_NAMES.get(fp32_gemm, 'nothing (F.linear)')}",
         f"bf16 weights packed for oneDNN ({_bf16_units(level)})"
         if bf16_pack
         else "bf16 weights stay row-major (F.linear): packing them for oneDNN needs AVX-512 "
@@ -242,17 +243,12 @@ def _bf16_units(level: str) -> str:
     return "bf16 converted to fp32 in AVX-512 registers"
 
 
-def _fp32_gemm_name() -> str:
-    from replica.layers import cpu_gemm
-
-    return {"mkl": "MKL's packed sgemm", "onednn": "oneDNN", None: "nothing (F.linear)"}[
-        cpu_gemm.fp32_packing()
-    ]
+_FP32_GEMM_NAMES = {"mkl": "MKL's packed sgemm", "onednn": "oneDNN"}
 
 
-def log_choice(level: str | None = None) -> None:
+def log_choice(level: str | None = None, fp32_gemm: str | None = None) -> None:
     """Log `describe` once per process and level."""
     level = active_level() if level is None else level
     if level not in _logged:
         _logged.add(level)
-        logger.info("%s", describe(level))
+        logger.info("%s", describe(level, fp32_gemm))

@@ -98,8 +98,8 @@ def test_packing_follows_the_level():
 def test_the_choice_is_logged_once_per_level(caplog):
     cpu_isa._logged.clear()
     with caplog.at_level(logging.INFO, logger="replica.layers.cpu_isa"):
-        cpu_isa.log_choice("portable")
-        cpu_isa.log_choice("portable")
+        cpu_isa.log_choice("portable", "mkl")
+        cpu_isa.log_choice("portable", "mkl")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1
     assert "'portable'" in lines[0] and "-march=x86-64" in lines[0]
