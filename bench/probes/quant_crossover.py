@@ -68,7 +68,7 @@ def main() -> None:
 
     def use(variant: str) -> dict[str, int]:
         os.environ[crossover.ENV] = variant
-        kernels._tables.clear()  # rebuilt from the variable at the next matmul
+        kernels.reset_crossover()  # chosen again from the variable at the next matmul
         return {t.name: kernels.crossover_m(t, "int8") for t in (QType.Q4_1, QType.Q8_0)}
 
     def prefill(n: int) -> float:
@@ -78,7 +78,7 @@ def main() -> None:
 
     chosen = {v: use(v) for v in variants}
     print(f"{torch.get_num_threads()} threads; crossover rows per variant: {chosen}", flush=True)
-    for v in variants:  # warm-up (and a new thread count's own calibration)
+    for v in variants:  # warm-up
         use(v)
         for n in lengths:
             prefill(n)

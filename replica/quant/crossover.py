@@ -1,11 +1,16 @@
 """From how many rows of x the de-quantize + GEMM path beats the quantized kernel (kernels.py),
-chosen per host: timed at model load on the model's own weights, once per process and thread
-count, and kept on disk per CPU model, kernel-library build, torch version and thread count so
-that restarts and the other replicas read it instead of timing again.
+chosen per host: timed at model load on the model's own weights, once per process, and kept on
+disk per CPU model, kernel-library build, torch version and shapes, so that restarts and the
+other replicas read it instead of timing again.
 
 The crossover moves a lot between CPUs (512 rows for Q4_1 on an AMD EPYC Zen 4, where the int8
-kernel is even with de-quantize + GEMM at 512; 64-128 on an Intel Xeon with AVX512-VNNI, where
-it is 2x behind at 256: docs/perf-quant.md), so a constant is wrong somewhere.
+kernel is even with de-quantize + GEMM at 512; 32-64 on an Intel Xeon without AVX512_BF16,
+where it is 2.5x behind at 512: docs/perf-quant.md), so a constant is wrong somewhere.
+
+It is timed on one thread, in that thread's CPU time: a host busy with other work then costs
+the timing nothing but repeats (wall-clock timings of a 2-thread team on a busy 2-core host
+swing 2-3x, whichever path), and both paths split W's rows over the threads alike, so the
+one-thread crossover holds for any thread count.
 
 STEPSERVE_QUANT_CROSSOVER: unset or "auto" measures (cached); a row count applies to every type
 and activation mode; "fixed" keeps kernels.CROSSOVER_M / CROSSOVER_M_KQUANTS, which are also
@@ -48,7 +53,7 @@ MIN_ELEMENTS = 1 << 18
 LOCK_WAIT_S = 60.0  # for another process timing the same key, then time it here anyway
 FORMAT = 1  # of the cache files: part of the key
 
-# path ("kernel" or "dequant"), weight, rows of x -> seconds of one call
+# path ("kernel" or "dequant"), weight, rows of x -> seconds of one call (CPU time)
 Timer = Callable[[str, QuantizedTensor, int], float]
 
 # activations -> qtype -> the timed rows of each of the model's weight shapes of that type
@@ -121,15 +126,15 @@ def measure(
 
 
 def native_timer(activations: str) -> Timer:
-    """Times the real paths through the active native library (the caller's level and torch
-    threads); each (weight, M) is called once untimed first (scratch, caches)."""
+    """Times the real paths through the active native library (the caller's level) on the
+    calling thread, in its CPU time (call under `one_thread`). No untimed first call: the
+    minimum of the repeats drops the first one's page faults and scratch allocation."""
     lib = kernels._library()
     if lib is None:
         raise RuntimeError("the native quantized kernels are not available")
     int8 = activations == "int8"
     gen = torch.Generator().manual_seed(0)
     buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    warm: set[tuple[str, int, int]] = set()
 
     def timer(path: str, w: QuantizedTensor, m: int) -> float:
         n, k = w.shape
@@ -142,26 +147,34 @@ def native_timer(activations: str) -> Timer:
             if path == "kernel"
             else (lambda: kernels._dequant_gemm(lib, x, w, out))
         )
-        if (path, *key) not in warm:
-            warm.add((path, *key))
-            call()
-        started = time.perf_counter()
+        started = time.thread_time()
         call()
-        return time.perf_counter() - started
+        return time.thread_time() - started
 
     return timer
 
 
-def cache_key(qtype: QType, activations: str, threads: int, weights: list[QuantizedTensor]):
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch (and so the kernels, which take torch's count) on the calling thread alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def cache_key(qtype: QType, activations: str, weights: list[QuantizedTensor]) -> dict:
     """What a measurement depends on: CPU, the kernels' build (its file name holds the hash of
-    sources, flags and CPU flags), torch (its GEMM), threads, the type, mode and shapes."""
+    sources, flags and CPU flags), torch (its GEMM), the type, mode and shapes."""
     lib = kernels._library()
     return {
         "format": FORMAT,
         "cpu": cpu_isa.cpu_model(),
         "kernels": Path(getattr(lib, "_name", "") or "none").name,
         "torch": torch.__version__,
-        "threads": threads,
+        "threads": 1,
         "qtype": qtype.name,
         "activations": activations,
         "shapes": sorted(list(w.shape) for w in weights),
@@ -172,7 +185,7 @@ def cache_key(qtype: QType, activations: str, threads: int, weights: list[Quanti
 
 def _cache_file(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / f"{key['qtype']}-{key['activations']}-t{key['threads']}-{digest}.json"
+    return cache_dir() / f"{key['qtype']}-{key['activations']}-{digest}.json"
 
 
 def _read(path: Path) -> int | None:
@@ -224,13 +237,12 @@ def _file_lock(directory: Path) -> Iterator[None]:
 def crossover_for(
     qtype: QType,
     activations: str,
-    threads: int,
     weights: list[QuantizedTensor],
     timer: Timer | None = None,
 ) -> int:
     """The cached crossover for this key, else measured (and cached); the fallback constant if
-    measuring fails."""
-    key = cache_key(qtype, activations, threads, weights)
+    measuring fails. `timer`: the native one on one thread unless given."""
+    key = cache_key(qtype, activations, weights)
     path = _cache_file(key)
     rows = _read(path)
     if rows is not None:
@@ -241,9 +253,10 @@ def crossover_for(
             if rows is not None:
                 return rows
             started = time.perf_counter()
-            ms, kernel_s, dequant_s = measure(
-                weights, list(MEASURED_M[activations]), timer or native_timer(activations)
-            )
+            with contextlib.nullcontext() if timer else one_thread():
+                ms, kernel_s, dequant_s = measure(
+                    weights, list(MEASURED_M[activations]), timer or native_timer(activations)
+                )
             rows = choose(ms, kernel_s, dequant_s, fallback(qtype, activations))
             took = time.perf_counter() - started
             record = {
@@ -272,11 +285,10 @@ def crossover_for(
         f"M={m} {k * 1e3:.2f}/{d * 1e3:.2f}" for m, k, d in zip(ms, kernel_s, dequant_s)
     )
     logger.info(
-        "quantized matmul crossover %s/%s, %d threads: de-quantize + GEMM from %d rows "
-        "(measured in %.2f s, kernel/de-quantize ms: %s; cached in %s)",
+        "quantized matmul crossover %s/%s: de-quantize + GEMM from %d rows (measured in %.2f s "
+        "on one thread, kernel/de-quantize CPU ms: %s; cached in %s)",
         qtype.name,
         activations,
-        threads,
         rows,
         took,
         timings,
@@ -285,9 +297,9 @@ def crossover_for(
     return rows
 
 
-def table(threads: int) -> dict[str, dict[QType, int]]:
-    """kernels' table for a thread count: activations -> qtype -> crossover rows, from ENV, the
-    registered model's weights (cached or measured) and the fallback constants."""
+def table() -> dict[str, dict[QType, int]]:
+    """kernels' table: activations -> qtype -> crossover rows, from ENV, the registered model's
+    weights (cached or measured) and the fallback constants."""
     setting = parse_env(os.environ.get(ENV))
     out = {
         act: {
@@ -301,7 +313,7 @@ def table(threads: int) -> dict[str, dict[QType, int]]:
     with _lock:
         for act, by_type in _registered.items():
             for qtype, weights in by_type.items():
-                out[act][qtype] = crossover_for(qtype, act, threads, weights)
+                out[act][qtype] = crossover_for(qtype, act, weights)
     return out
 
 
@@ -329,25 +341,21 @@ def samples(model: nn.Module) -> dict[QType, list[QuantizedTensor]]:
 
 def calibrate(model: nn.Module, activations: str) -> dict[str, int]:
     """At model load (in the runner's instruction-set scope): the model's weights become the
-    ones timed for `activations`, and the crossovers for torch's current thread count are chosen
-    now (a later thread count has its own, chosen at its first quantized matmul). Returns
-    {type name: rows} for the model's native types."""
+    ones timed for `activations` and the crossovers are chosen now (cached: a disk read after
+    the first process). Returns {type name: rows} for the model's native types."""
     parse_env(os.environ.get(ENV))  # a bad value fails the load, naming itself
     timed = samples(model)
     with _lock:
         _registered[activations] = timed
-    kernels._tables.clear()
-    threads = torch.get_num_threads()
-    chosen = kernels._table_for(threads)[activations]
+    kernels.reset_crossover()
+    chosen = kernels.crossover_table()[activations]
     present = _model_types(model)
     result = {qtype.name: chosen[qtype] for qtype in sorted(present)}
     auto = parse_env(os.environ.get(ENV)) == "auto"
     untimed = sorted(t.name for t in present if t not in timed) if auto else []
     logger.info(
-        "quantized matmul crossover (%s activations, %d threads, %s=%s): de-quantize + GEMM "
-        "from %s rows%s",
+        "quantized matmul crossover (%s activations, %s=%s): de-quantize + GEMM from %s rows%s",
         activations,
-        threads,
         ENV,
         os.environ.get(ENV) or "auto",
         result,

@@ -10,7 +10,7 @@ other CPU kernels: cpu_kernels.py).
     gguf's reference rounds) and multiplied with fp32 x.
 From a crossover number of rows of x (prefill, big decode batches) the weight is de-quantized to
 fp32 in tiles and multiplied by torch's GEMM, which is faster there. The crossover is chosen per
-host, type, activation mode and thread count (crossover.py: timed at model load, cached on disk;
+host, type and activation mode (crossover.py: timed at model load, cached on disk;
 docs/perf-quant.md); CROSSOVER_M / CROSSOVER_M_KQUANTS are the fallback.
 
 Without the native library (no C compiler, STEPSERVE_NATIVE_KERNELS=0) both functions fall back
@@ -54,9 +54,9 @@ _ERRORS = {
 }
 _logged_fallback = False
 _scratch = threading.local()  # the reused fp32 tile of the de-quantize + GEMM path
-# torch threads -> activations -> qtype -> the crossover rows (crossover.table: built on a
-# thread count's first quantized matmul; the runner's calibrate clears it)
-_tables: dict[int, dict[str, dict[QType, int]]] = {}
+# activations -> qtype -> the crossover rows (crossover.table: built at the first quantized
+# matmul, and again when a runner calibrates for its model)
+_crossover: dict[str, dict[QType, int]] = {}
 _NO_TYPES: dict[QType, int] = {}
 
 
@@ -70,20 +70,27 @@ def native_available() -> bool:
 
 
 def crossover_m(qtype: QType, activations: str) -> int:
-    """From how many rows of x the de-quantize + GEMM path takes over from the kernel, at the
-    caller's torch thread count (a new count's first call chooses it: crossover.table)."""
-    threads = torch.get_num_threads()
-    rows = (_tables.get(threads) or _table_for(threads))[activations].get(qtype)
+    """From how many rows of x the de-quantize + GEMM path takes over from the kernel."""
+    rows = crossover_table()[activations].get(qtype)
     if rows is None:  # a type the kernels do not take (they refuse it)
         return (CROSSOVER_M_KQUANTS if qtype in KQUANTS else CROSSOVER_M)[activations]
     return rows
 
 
-def _table_for(threads: int) -> dict[str, dict[QType, int]]:
-    from replica.quant import crossover
+def crossover_table() -> dict[str, dict[QType, int]]:
+    """activations -> qtype -> crossover rows (crossover.py), built on first use."""
+    global _crossover
+    if not _crossover:
+        from replica.quant import crossover
 
-    table = _tables[threads] = crossover.table(threads)
-    return table
+        _crossover = crossover.table()
+    return _crossover
+
+
+def reset_crossover() -> None:
+    """Choose the crossovers again at the next use (a runner registered its model's weights)."""
+    global _crossover
+    _crossover = {}
 
 
 def _fallback(reason: str) -> None:
@@ -211,14 +218,12 @@ def quant_matmul(
     data = w.data
     qtype = w.qtype
     shape = x.shape
-    threads = torch.get_num_threads()
     if (
         lib is not None
         and x.dtype is torch.float32
         and len(shape) == 2
         and shape[1] == k
-        and shape[0]
-        < (_tables.get(threads) or _table_for(threads)).get(activations, _NO_TYPES).get(qtype, 0)
+        and shape[0] < (_crossover or crossover_table()).get(activations, _NO_TYPES).get(qtype, 0)
         and qtype not in FLOAT_TYPES
         and x.is_cpu
         and x.is_contiguous()
@@ -232,7 +237,8 @@ def quant_matmul(
         out = torch.empty(m, n)
         status = lib.stepserve_quant_matmul(
             qtype, data.data_ptr(), data.shape[1], n, k, x.data_ptr(), k, m, out.data_ptr(), n,
-            None if bias is None else bias.data_ptr(), activations == "int8", threads,
+            None if bias is None else bias.data_ptr(), activations == "int8",
+            torch.get_num_threads(),
         )  # fmt: skip
         if status:
             _check(status)

@@ -47,7 +47,7 @@ CASES = [
 def kernel_only(monkeypatch):
     """The kernel's own path at every M (not the de-quantize + GEMM path of large M)."""
     monkeypatch.setenv(crossover.ENV, str(1 << 30))
-    monkeypatch.setattr(kernels, "_tables", {})
+    monkeypatch.setattr(kernels, "_crossover", {})
 
 
 PATH = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
