@@ -239,9 +239,16 @@ print("RESULT " + json.dumps(-sum(lps) / len(lps)))
 """
 
 
-def ours_nll(model: str, ids: list[int], fields: dict) -> float:
+def ours_nll(model: str, ids: list[int], fields: dict, env: dict | None = None) -> float:
     argv = [sys.executable, "-c", OURS_NLL, model, json.dumps(ids), json.dumps(fields)]
-    out = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        argv,
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
     return json.loads(out.stdout.split("RESULT ", 1)[1])
 
 
@@ -250,10 +257,12 @@ def stage_nll(args, gguf: Path) -> dict:
     ids = text_tokens(args, gguf, n)
     figures = {"llama.cpp": llama_nll(args, gguf, n)}
     for variant in args.ours:
-        # chunks under the kernels' crossover (kernels.CROSSOVER_M): the prompt goes through the
-        # quantized kernels as decode does, not the de-quantize + GEMM path of long prefills
+        # the prompt through the quantized kernels at every chunk, as decode runs (not the
+        # de-quantize + GEMM path of long prefills, whose crossover is per host: down to 32 rows)
         fields = {"quant_activations": variant, "max_num_batched_tokens": args.nll_chunk}
-        figures[f"stepserve[{variant}]"] = ours_nll(str(gguf), ids, fields)
+        figures[f"stepserve[{variant}]"] = ours_nll(
+            str(gguf), ids, fields, {"STEPSERVE_QUANT_CROSSOVER": str(1 << 30)}
+        )
     reference = args.reference or dequantized_reference(gguf)
     figures["fp32 de-quantized reference"] = ours_nll(str(reference), ids, {"dtype": "float32"})
     ref = figures["fp32 de-quantized reference"]

@@ -41,6 +41,7 @@ from replica.lora import LoRAModel, LoRATargets, PeftAdapter
 from replica.models.llama import head_dim_of, num_kv_heads_per_rank
 from replica.models.windows import all_layers_window
 from replica.pooling import pool_rows
+from replica.quant.crossover import calibrate as calibrate_crossover
 from replica.quant.weights import set_activations, weight_bytes
 from replica.runner_protocol import RunnerOutput
 from replica.scheduler import ScheduledRequest, SchedulerOutput
@@ -155,6 +156,13 @@ class ModelRunner:
         )
         with self._isa_scope:
             self._choose_kernels(config)  # packs weights for oneDNN, builds native kernels
+            # rows from which a quantized matmul de-quantizes + GEMMs: timed on this host
+            # (cached on disk) for this model's weights
+            self.quant_crossover = (
+                calibrate_crossover(self.model, self.quant_activations)
+                if self.num_quantized_weights and self.device.type == "cpu"
+                else {}
+            )
         started = self._phase("kernels", started)
         # resident bytes of the weights as they are served (quantized blocks, float parameters,
         # oneDNN's packed copies instead of the row-major ones they replaced)

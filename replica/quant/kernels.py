@@ -8,8 +8,10 @@ other CPU kernels: cpu_kernels.py).
     products (AVX512-VNNI at the avx512_bf16 level, AVX2/AVX-512BW maddubs otherwise);
   - activations="fp32" (the parity mode): weight blocks de-quantized in registers (exactly as
     gguf's reference rounds) and multiplied with fp32 x.
-From CROSSOVER_M rows of x (prefill) the weight is de-quantized to fp32 in tiles and multiplied
-by torch's GEMM, which is faster there (measured: docs/perf-quant.md).
+From a crossover number of rows of x (prefill, big decode batches) the weight is de-quantized to
+fp32 in tiles and multiplied by torch's GEMM, which is faster there. The crossover is chosen per
+host, type and activation mode (crossover.py: timed at model load, cached on disk;
+docs/perf-quant.md); CROSSOVER_M / CROSSOVER_M_KQUANTS are the fallback.
 
 Without the native library (no C compiler, STEPSERVE_NATIVE_KERNELS=0) both functions fall back
 to the reference: QuantizedTensor.dequantize (gguf's numpy de-quantizer) and F.linear; logged
@@ -30,11 +32,12 @@ from replica.quant.formats import FLOAT_TYPES, QType, QuantFormatError, Quantize
 logger = logging.getLogger(__name__)
 
 ACTIVATIONS = ("int8", "fp32")
-# From this many rows of x, de-quantizing the weight to fp32 (in tiles) and multiplying with
-# torch's GEMM beats the quantized kernels (2 threads, AMD EPYC Zen 4, measured on SmolLM2-135M
-# shapes: docs/perf-quant.md, bench/quant_kernels.py --ms ...). int8: Q4_1/Q8_0's kernel is
-# 1.1-1.9x faster up to 256 rows and even at 512; the K-quants' 1.1-1.7x at 64, even (0.9-1.2x)
-# at 128-512. fp32: the de-quantizing kernel is ahead at 4 rows, even at 16, 2-3x behind at 64.
+# The fallback crossover (STEPSERVE_QUANT_CROSSOVER=fixed, small models, a failed measurement):
+# from this many rows of x, de-quantizing the weight to fp32 (in tiles) and multiplying with
+# torch's GEMM beats the quantized kernels on an AMD EPYC Zen 4, 2 threads, SmolLM2-135M shapes
+# (docs/perf-quant.md). int8: Q4_1/Q8_0's kernel is 1.1-1.9x faster up to 256 rows and even at
+# 512; the K-quants' 1.1-1.7x at 64, even (0.9-1.2x) at 128-512. fp32: the de-quantizing kernel
+# is ahead at 4 rows, even at 16, 2-3x behind at 64. Other CPUs differ (2x on a Xeon).
 CROSSOVER_M = {"int8": 512, "fp32": 16}
 CROSSOVER_M_KQUANTS = {"int8": 256, "fp32": 16}
 KQUANTS = frozenset({QType.Q4_K, QType.Q5_K, QType.Q6_K})
@@ -51,6 +54,10 @@ _ERRORS = {
 }
 _logged_fallback = False
 _scratch = threading.local()  # the reused fp32 tile of the de-quantize + GEMM path
+# activations -> qtype -> the crossover rows (crossover.table: built at the first quantized
+# matmul, and again when a runner calibrates for its model)
+_crossover: dict[str, dict[QType, int]] = {}
+_NO_TYPES: dict[QType, int] = {}
 
 
 def _library():
@@ -64,7 +71,26 @@ def native_available() -> bool:
 
 def crossover_m(qtype: QType, activations: str) -> int:
     """From how many rows of x the de-quantize + GEMM path takes over from the kernel."""
-    return (CROSSOVER_M_KQUANTS if qtype in KQUANTS else CROSSOVER_M)[activations]
+    rows = crossover_table()[activations].get(qtype)
+    if rows is None:  # a type the kernels do not take (they refuse it)
+        return (CROSSOVER_M_KQUANTS if qtype in KQUANTS else CROSSOVER_M)[activations]
+    return rows
+
+
+def crossover_table() -> dict[str, dict[QType, int]]:
+    """activations -> qtype -> crossover rows (crossover.py), built on first use."""
+    global _crossover
+    if not _crossover:
+        from replica.quant import crossover
+
+        _crossover = crossover.table()
+    return _crossover
+
+
+def reset_crossover() -> None:
+    """Choose the crossovers again at the next use (a runner registered its model's weights)."""
+    global _crossover
+    _crossover = {}
 
 
 def _fallback(reason: str) -> None:
@@ -197,8 +223,7 @@ def quant_matmul(
         and x.dtype is torch.float32
         and len(shape) == 2
         and shape[1] == k
-        and shape[0]
-        < (CROSSOVER_M_KQUANTS if qtype in KQUANTS else CROSSOVER_M).get(activations, 0)
+        and shape[0] < (_crossover or crossover_table()).get(activations, _NO_TYPES).get(qtype, 0)
         and qtype not in FLOAT_TYPES
         and x.is_cpu
         and x.is_contiguous()

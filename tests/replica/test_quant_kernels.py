@@ -21,7 +21,7 @@ import torch
 from gguf import quants
 
 from replica.layers import cpu_isa, cpu_kernels
-from replica.quant import kernels
+from replica.quant import crossover, kernels
 from replica.quant.formats import BLOCK, QType, QuantizedTensor
 from tests.replica.test_cpu_kernels import needs_native
 
@@ -42,13 +42,12 @@ CASES = [
     (257, 1, 31),
     (33, 5, 12),
 ]
-# the kernel's own path at every M (not the de-quantize + GEMM path of large M)
-KERNEL_ONLY = {"int8": 1 << 30, "fp32": 1 << 30}
 
 
 def kernel_only(monkeypatch):
-    monkeypatch.setattr(kernels, "CROSSOVER_M", KERNEL_ONLY)
-    monkeypatch.setattr(kernels, "CROSSOVER_M_KQUANTS", KERNEL_ONLY)
+    """The kernel's own path at every M (not the de-quantize + GEMM path of large M)."""
+    monkeypatch.setenv(crossover.ENV, str(1 << 30))
+    monkeypatch.setattr(kernels, "_crossover", {})
 
 
 PATH = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
