@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -224,6 +225,13 @@ def main() -> None:
     )
     p.add_argument("--profile-dir", default="/tmp/serving_path_cpu_profiles")
     p.add_argument("--stepserve-args", default="", help="more `stepserve serve` flags")
+    p.add_argument(
+        "--tree-args",
+        action="append",
+        default=[],
+        help="NAME=FLAGS: more `stepserve serve` flags for one tree (an A/B of one checkout: "
+        "--tree fed=. --tree ray=. --tree-args ray=--no-direct-stream)",
+    )
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--settle-s", type=float, default=3.0)
     p.add_argument("--port", type=int, default=8031)
@@ -233,6 +241,10 @@ def main() -> None:
     args.tree = args.tree or [f"this={ROOT}"]
     args.dataset = "random"  # the warm-up's (started_server)
     names = [t.split("=", 1)[0] for t in args.tree]
+    tree_args = dict(t.split("=", 1) for t in args.tree_args)
+    unknown = set(tree_args) - set(names)
+    if unknown:
+        raise SystemExit(f"--tree-args names {sorted(unknown)}: no such --tree")
     model = resolve_model(args.model)
     base = f"http://127.0.0.1:{args.port}"
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -241,6 +253,7 @@ def main() -> None:
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 system = f"stepserve+haproxy@{name}"
                 argv, env = server_command(system, args, model, args.port)
+                argv += shlex.split(tree_args.get(name, ""))
                 print(f"== round {r + 1}/{args.rounds}: {name}: {' '.join(argv)}", flush=True)
                 procs: list = []
                 log = Path(tmp) / f"{name}-{r}.log"
