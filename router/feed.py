@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import logging
 import secrets
+import socket
 import sys
 from collections import deque
 from collections.abc import AsyncIterator
@@ -84,6 +85,7 @@ class FeedServer:
         self._token_bytes = self.token.encode()
         self.address: FeedAddress | None = None
         self._server: asyncio.Server | None = None
+        self._sock: socket.socket | None = None
         self._inboxes: dict[str, Inbox] = {}
         # counters (Ingress.stats): connections taken, frames and outputs received, outputs of
         # calls no longer open, connections refused (bad token, bad frame)
@@ -91,15 +93,29 @@ class FeedServer:
 
     async def start(self) -> FeedServer:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _FeedProtocol(self), self.host, 0)
-        port = self._server.sockets[0].getsockname()[1]
-        self.address = FeedAddress(self.host, port, self.token)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((self.host, 0))
+            sock.listen(128)
+            sock.setblocking(False)
+            self._server = await loop.create_server(lambda: _FeedProtocol(self), sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self.address = FeedAddress(self.host, sock.getsockname()[1], self.token)
         return self
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
+
+    def release(self) -> None:
+        """Close the listening socket of a server whose loop is gone."""
+        if self._sock is not None:
+            self._sock.close()
 
     def stats(self) -> dict:
         return {
@@ -287,8 +303,18 @@ async def shared_server() -> FeedServer | None:
     loop = asyncio.get_running_loop()
     task = _servers.get(loop)
     if task is None:
+        for gone in [other for other in _servers if other.is_closed()]:  # tests' loops
+            server = _result(_servers.pop(gone))
+            if server is not None:
+                server.release()
         task = _servers[loop] = loop.create_task(_start())
     return await asyncio.shield(task)
+
+
+def _result(task: asyncio.Task) -> FeedServer | None:
+    if task.done() and not task.cancelled() and task.exception() is None:
+        return task.result()
+    return None
 
 
 async def _start() -> FeedServer | None:
@@ -305,7 +331,7 @@ async def _start() -> FeedServer | None:
 def current_server() -> FeedServer | None:
     """The feed server this process started, if any (stats; any thread)."""
     for task in list(_servers.values()):
-        if task.done() and not task.cancelled() and task.exception() is None:
-            if task.result() is not None:
-                return task.result()
+        server = _result(task)
+        if server is not None:
+            return server
     return None
