@@ -104,9 +104,32 @@ def test_a_wrong_token_closes_the_connection_and_delivers_nothing():
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.address.port)
                 writer.write(token_frame(token) + bytes(encode_frame([out("a", 0)])))
                 await writer.drain()
-                assert await asyncio.wait_for(reader.read(), 5) == b""  # closed on us
+                try:
+                    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed on us
+                except ConnectionResetError:
+                    pass  # closed on us with bytes unread: a reset
                 writer.close()
             assert not inbox.items and server.outputs == 0 and server.refused == 2
+        finally:
+            await server.stop()
+
+    asyncio.run(run())
+
+
+def test_a_silent_or_oversized_connection_is_closed(monkeypatch):
+    monkeypatch.setattr(ingress_feed, "TOKEN_WAIT_S", 0.05)
+
+    async def run():
+        server = await started()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.address.port)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # no token in time
+            writer.close()
+            protocol = _FeedProtocol(server)
+            protocol.connection_made(FakeTransport())
+            huge = (ingress_feed.MAX_FRAME_BYTES + 1).to_bytes(4, "big")
+            protocol.data_received(token_frame(server.token) + huge + b"x")
+            assert protocol.transport.closed and server.refused == 2
         finally:
             await server.stop()
 
@@ -326,7 +349,7 @@ def test_leaving_a_fed_stream_aborts_it_in_its_replica():
 
 
 def test_a_feed_that_breaks_mid_stream_migrates_the_stream():
-    engine = FakeEngine(gap_s=0.02)
+    engine = FakeEngine(gap_s=0.05)
 
     async def run():
         llm = front(engine)
@@ -348,8 +371,50 @@ def test_a_feed_that_breaks_mid_stream_migrates_the_stream():
     got, calls, server = asyncio.run(run())
     assert [o.new_token_ids for o in got] == [[0], [1], [2]]  # continued, nothing repeated
     assert calls.migrations.counts["lost"] == 1
-    assert len(engine.requests) == 2 and engine.requests[1].resume.output_token_ids == [0]
+    assert len(engine.requests) == 2 and engine.requests[1].resume.output_token_ids in ([0], [0, 1])
     assert server.connections == 2  # the continuation opened the feed again
+
+
+class Fronts:
+    """A handle whose first send goes to `first`, the others to `then` (a router that moved a
+    handed-back stream to the other replica)."""
+
+    def __init__(self, first: LLMServer, then: LLMServer) -> None:
+        self.fronts, self.sends = (first, then), 0
+        self.generate = types.SimpleNamespace(remote=self._send)
+
+    def _send(self, request):
+        self.sends += 1
+        return self.fronts[min(self.sends - 1, 1)].generate(request)
+
+    def options(self, stream: bool = False) -> Fronts:
+        return self
+
+
+def test_a_draining_replica_hands_a_fed_stream_back_over_its_ray_call():
+    draining, survivor = front(FakeEngine(gap_s=0.05)), front(FakeEngine(gap_s=0.0))
+    draining.replica_id = "replica-a"
+
+    async def run():
+        calls = ReplicaCalls(Fronts(draining, survivor), Policy(RoutingConfig()), 16, Migrations(3))
+        calls.feed = server = await started()
+        choice = EngineRequest([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3), "")
+        got = []
+        try:
+            async for item in calls.one_stream(choice):
+                got.append(item)
+                draining._handing_back = True  # Serve's drain began: the next delta hands it back
+        finally:
+            for llm in (draining, survivor):
+                llm._feeds.close()
+            await server.stop()
+        return got, calls
+
+    got, calls = asyncio.run(run())
+    assert [o.new_token_ids for o in got] == [[0], [1], [2]]
+    assert calls.migrations.counts == {"lost": 0, "drained": 1}
+    assert survivor.engine.requests[0].resume.output_token_ids in ([0], [0, 1])  # what it had
+    assert draining.engine.closed == [draining.engine.requests[0].request_id]  # aborted there
 
 
 def test_a_front_that_cannot_reach_the_feed_streams_over_ray():
