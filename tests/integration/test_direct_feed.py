@@ -24,7 +24,7 @@ from cluster.config import ClusterConfig  # noqa: E402
 from tests.helpers import sse_data  # noqa: E402
 
 ON, OFF = "stepserve-feed-on", "stepserve-feed-off"
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = 512  # the tiny llama's positions
 PROMPTS = [[(11 * i + j) % 250 + 3 for j in range(6 + 3 * i)] for i in range(3)]
 
 
@@ -155,7 +155,7 @@ def test_a_client_that_leaves_a_fed_stream_aborts_it_in_the_replica(urls):
     time.sleep(METRICS_PUSH_PERIOD_S * 2)
     before = generated_tokens(url)
     outputs_before = ingress_feed(ON)["outputs"]
-    max_tokens = MAX_MODEL_LEN - 8  # seconds of decoding even at a millisecond a step
+    max_tokens = MAX_MODEL_LEN - 8  # ~500 steps: far more than the client waits for
     body = {"prompt": [5] * 8, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
 
