@@ -139,6 +139,8 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         http["host"] = args.host
     if args.port is not None:
         http["port"] = args.port
+    if getattr(args, "direct_stream", None) is not None:
+        http["direct_stream"] = args.direct_stream
     if args.replicas is not None:
         data["replicas"] = args.replicas
     if args.cpu_threads is not None:
@@ -365,6 +367,14 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="send OpenTelemetry traces of each request to this OTLP/HTTP endpoint, e.g. "
         "http://otel-collector:4318 (tracing.otlp_traces_endpoint; off without it)",
+    )
+    serve_p.add_argument(
+        "--direct-stream",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="streamed tokens go from replica to ingress over a direct TCP feed, one frame per "
+        "step (http.direct_stream, default on); --no-direct-stream: one Ray Serve stream item "
+        "per token",
     )
     add_kv_transfer_args(serve_p, "--kv-fetch")
     serve_p.set_defaults(func=cmd_serve)

@@ -6,6 +6,10 @@ EngineCoreRequest, or Ray Serve LLM's typed requests between deployments):
                     with routing hints
   Accepted          replica -> ingress: the replica holds a request whose first output is not out
                     yet (so a stream may start: a refusal would have come instead)
+  FeedAddress       ingress -> replica, in a streamed GenerateRequest: where the ingress takes its
+                    outputs directly (the direct feed: router/feed.py, replica/feed.py)
+  Fed               replica -> ingress: the last item of a fed call, how many outputs it wrote
+                    to the feed
   RoutingStats      replica -> routers: its load, recorded about once a stats period
   AutoscalingStats  replica -> autoscaling policy: the per-replica metrics Serve aggregates
 
@@ -22,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
+
 from replica.request import EngineRequest
 
 if TYPE_CHECKING:
@@ -29,13 +35,25 @@ if TYPE_CHECKING:
     from replica.scheduler import SchedulerStats
 
 
+class FeedAddress(msgspec.Struct, frozen=True):
+    """Where an ingress takes the outputs of its streamed requests directly (its FeedServer,
+    router/feed.py): a TCP host and port, and the token a connection presents first."""
+
+    host: str
+    port: int
+    token: str
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest(EngineRequest):
     """One choice to generate as the ingress sends it: the engine request, plus what the
-    router needs to place it."""
+    router needs to place it, and for a stream where its outputs go."""
 
     prefix_key: int | None = None  # hash of the prompt's first blocks (prefix affinity), or None
     reports_progress: bool = False  # the sender reports the first token and the end (router tally)
+    # a stream's direct feed: the replica writes its outputs there, one frame per step for all
+    # of the ingress's requests, and ends the Ray call with Fed (None: every output over Ray)
+    feed: FeedAddress | None = None
 
     @classmethod
     def of(cls, request: EngineRequest, **changes: Any) -> GenerateRequest:
@@ -56,6 +74,16 @@ class Accepted:
     call sent again after its replica was lost.)"""
 
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fed:
+    """The last item of a call whose outputs went over its direct feed: `count` outputs were
+    written there (the ingress ends the stream once that many arrived). A replica that could
+    not reach the feed streams the outputs over Ray instead, and sends no Fed."""
+
+    request_id: str
+    count: int
 
 
 # How long a replica waits for a request's first output before it sends Accepted (twice as long

@@ -25,6 +25,7 @@ from replica.contracts import (
     ACCEPTED_NOTICE_S,
     Accepted,
     AutoscalingStats,
+    Fed,
     GenerateRequest,
     PreemptionRate,
     RoutingStats,
@@ -33,6 +34,7 @@ from replica.engine import AsyncEngine, Engine
 from replica.engine.core_client import ProcessEngine
 from replica.engine.wire import CoreOp
 from replica.errors import ReplicaDraining
+from replica.feed import FeedClients, FeedConnection
 from replica.hub import get_hub
 from replica.kv_publisher import KVEventPublisher
 from replica.kv_transfer import KVExport, call_replica, prompt_block_hashes
@@ -143,6 +145,7 @@ class LLMServer:
     # measured at start-up (_measure_kv_costs): RoutingStats' cost figures; none until then
     kv_costs: dict = {}
     _embedding: dict | None = None  # model_info's "embedding", read once
+    _feeds: FeedClients | None = None  # the direct feeds to ingresses (made at the first)
 
     def __init__(
         self,
@@ -437,11 +440,26 @@ class LLMServer:
             raise self._hand_back(request)
         return first.result()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput | Accepted]:
+    def _feed_of(self, request: GenerateRequest) -> FeedConnection | None:
+        """The connection to the request's direct feed (connecting, at its ingress's first
+        request), or None when it asks for none."""
+        if request.feed is None:
+            return None
+        if self._feeds is None:
+            self._feeds = FeedClients()
+        return self._feeds.get(request.feed)
+
+    async def generate(
+        self, request: GenerateRequest
+    ) -> AsyncIterator[RequestOutput | Accepted | Fed]:
         """RequestOutput deltas of one choice, after an Accepted when the first of them takes
         longer than ACCEPTED_NOTICE_S; a refusal (queue full, draining, a bad request) raises
         before anything is sent, and a draining replica that hands its requests back raises
-        ReplicaDraining wherever the stream is. Cancellation aborts the request."""
+        ReplicaDraining wherever the stream is. Cancellation aborts the request. With a direct
+        feed (`request.feed`, reachable) the deltas go there instead, and the call ends with
+        Fed(their count); a feed that breaks raises FeedBroken (the ingress migrates the
+        stream); one that cannot be reached leaves the deltas on this call."""
+        feed = self._feed_of(request)  # connects during the prefill, at an ingress's first
         outputs = self._outputs(request)
         first = asyncio.ensure_future(anext(outputs))
         # a constrained request's grammar compiles first, and a grammar that cannot compile is
@@ -454,6 +472,19 @@ class LLMServer:
             try:
                 out = await self._first_output(first, request)
             except StopAsyncIteration:
+                return
+            if feed is not None and not await feed.ready():
+                self._feeds.fallbacks += 1
+                feed = None
+            if feed is not None:
+                feed.send(out)
+                count = 1
+                async for out in outputs:
+                    if self._handing_back and not out.finished:  # a last delta still goes out
+                        raise self._hand_back(request)
+                    feed.send(out)
+                    count += 1
+                yield Fed(request.request_id, count)
                 return
             yield out
             async for out in outputs:
@@ -560,7 +591,12 @@ class LLMServer:
     def stats(self) -> dict:
         """`routing_stats` as a dict, and the Ray node this replica runs on (a handle call:
         tests, the soak, benchmarks)."""
-        return self.routing_stats().as_dict() | {"node_id": _node_id()}
+        feeds = self._feeds
+        return self.routing_stats().as_dict() | {
+            "node_id": _node_id(),
+            # streams that asked for a direct feed it could not reach (they went over Ray)
+            "feed_fallbacks": feeds.fallbacks if feeds is not None else 0,
+        }
 
     async def record_routing_stats(self) -> dict:
         return self.routing_stats().as_dict()
@@ -620,6 +656,11 @@ class LLMServer:
         try:
             if self.kv_events is not None:
                 self.kv_events.stop()
+        except Exception:
+            pass
+        try:
+            if self._feeds is not None:
+                self._feeds.close()
         except Exception:
             pass
         try:

@@ -56,3 +56,9 @@ class ReplicaDraining(RuntimeError):
     def __reduce__(self):
         # as RequestRejected: `replica_id` must survive crossing Ray
         return (type(self), (str(self), self.replica_id))
+
+
+class FeedBroken(RuntimeError):
+    """A stream's direct feed to its ingress broke (its connection closed, or the outputs a
+    replica counted did not arrive): the ingress treats the call's replica as lost, and the
+    stream continues on another replica from what its client has (router/fanout.py)."""

@@ -52,9 +52,16 @@ def root_cause(exc: BaseException) -> BaseException:
 
 
 # what Ray raises for a call whose replica actor died or cannot be reached (a node lost, the
-# process killed): the call never finished there, and another replica can take it
+# process killed), and a call whose direct feed broke (router/feed.py): the call never finished
+# there, and another replica can take it
 REPLICA_LOST = frozenset(
-    {"ActorDiedError", "RayActorError", "ActorUnavailableError", "ReplicaCallCancelled"}
+    {
+        "ActorDiedError",
+        "RayActorError",
+        "ActorUnavailableError",
+        "ReplicaCallCancelled",
+        "FeedBroken",
+    }
 )
 
 

@@ -25,7 +25,14 @@ PD (config.pd, `prefill` handle given): a choice runs first on a prefill replica
 max_tokens 1, which computes its prompt and its first token; unless that finished it, the same
 choice goes on on a decode replica as a continuation (`resume` with the first token) that
 fetches the prompt's KV from the prefill replica (`kv_fetch`): the client's stream is one, its
-first delta from the prefill replica, the rest from the decode replica (docs/pd.md)."""
+first delta from the prefill replica, the rest from the decode replica (docs/pd.md).
+
+Direct feed (http.direct_stream, router/feed.py): a streamed call carries the address of this
+ingress's feed server, and its replica writes the call's outputs there, one frame per step for
+all of this ingress's streams, instead of one Ray Serve stream item per output; the Ray call
+stays the control channel and ends with Fed(count). The items reach this module as the Ray call
+alone would have brought them, so retries, migrations and PD above are the same; a broken feed
+is a lost replica (FeedBroken)."""
 
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ from router.errors import (
     replica_lost,
     root_cause,
 )
+from router.feed import FeedServer, shared_server
 from router.inflight import note_finished, note_first_token, replica_of
 from router.kv_routing import note_cached, note_gone
 from router.migration import Delivered, Migrations
@@ -77,8 +85,11 @@ class ReplicaCalls:
         block_size: int,
         migrations: Migrations | None = None,
         prefill=None,
+        direct_stream: bool = False,
     ) -> None:
-        """`prefill`: PD's prefill deployment's handle (None: colocated; `handle` takes all)."""
+        """`prefill`: PD's prefill deployment's handle (None: colocated; `handle` takes all).
+        `direct_stream`: streamed calls take their outputs over this process's feed server
+        (router/feed.py), started at the first."""
         self.handle = handle
         self.stream_handle = handle.options(stream=True)
         self.prefill_stream = prefill.options(stream=True) if prefill is not None else None
@@ -87,6 +98,16 @@ class ReplicaCalls:
         self.retries = 0  # calls sent again after their replica was lost or full (metrics)
         # the migration limit and tallies (shared by an ingress's models)
         self.migrations = migrations if migrations is not None else Migrations()
+        self.direct_stream = direct_stream
+        self.feed: FeedServer | None = None  # the feed server, once started (or given: tests)
+
+    async def _feed(self) -> FeedServer | None:
+        """The feed server streamed calls use, or None (off, or it could not start)."""
+        if self.feed is None and self.direct_stream:
+            self.feed = await shared_server()
+            if self.feed is None:
+                self.direct_stream = False  # logged once by shared_server
+        return self.feed
 
     async def _again(
         self, exc: BaseException, send: int, first_sent: float, request_id: str, max_sends: int
@@ -155,14 +176,16 @@ class ReplicaCalls:
         num_blocks = (tokens - 1) // self.block_size  # one token is always computed
         return KVFetch(source, num_blocks) if num_blocks > 0 else None
 
-    def request(self, choice: EngineRequest) -> GenerateRequest:
-        """One send of a choice: the request whole, a fresh id and the routing hints."""
+    def request(self, choice: EngineRequest, feed: FeedServer | None = None) -> GenerateRequest:
+        """One send of a choice: the request whole, a fresh id and the routing hints (and
+        where a stream's outputs go, with a feed)."""
         return GenerateRequest.of(
             choice,
             request_id=uuid.uuid4().hex,
             prefix_key=self.policy.prefix_key(choice.prompt_token_ids, self.block_size),
             # this ingress tells the router the request's first token and its end
             reports_progress=True,
+            feed=feed.address if feed is not None else None,
         )
 
     def one_stream(self, choice: EngineRequest) -> AsyncIterator[RequestOutput | Accepted]:
@@ -235,6 +258,7 @@ class ReplicaCalls:
         sends = moves = lost_moves = 0  # sends before any output; migrations (all, lost)
         max_sends = MAX_SENDS if streamed else min(MAX_SENDS, 1 + self.migrations.limit)
         fetch: KVFetch | None = None  # the continuation's hint: its KV on a draining replica
+        feed = await self._feed() if streamed else None
         while True:
             sent = choice
             if delivered.started:
@@ -244,12 +268,15 @@ class ReplicaCalls:
                     resume = Resume(had.output_token_ids + resume.output_token_ids,
                                     had.output_text + resume.output_text, moves)  # fmt: skip
                 sent = dataclasses.replace(choice, resume=resume, kv_fetch=fetch)
-            request = self.request(sent)
+            request = self.request(sent, feed)
             origin = origin or request.request_id
             first = True
+            outputs = None
             try:
                 if streamed:
                     outputs = stream_handle.generate.remote(request)
+                    if feed is not None:  # the outputs over the feed, the rest over Ray
+                        outputs = feed.call(request.request_id, outputs)
                 else:
                     outputs = _one(self.handle.generate_all.remote(request))
                 async for out in outputs:
@@ -279,6 +306,8 @@ class ReplicaCalls:
             finally:
                 note_finished(request.request_id)
                 note_gone(request.request_id)
+                if feed is not None and outputs is not None:
+                    await outputs.aclose()  # at once: its Ray call is cancelled if still going
             if delivered.finished:
                 return  # lost after its last delta: the caller has it all
             if not delivered.started:

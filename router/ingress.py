@@ -16,6 +16,7 @@ from ray import serve
 from replica.api import find_hub, freeze_heap, grammar_engine_loaded, merge_expositions
 from router.embeddings import serve_embeddings
 from router.errors import guarded
+from router.feed import current_server
 from router.inflight import inflight_state, replica_readiness
 from router.ingress_core import IngressCore
 from router.kv_routing import exposition as kv_exposition
@@ -102,6 +103,7 @@ class Ingress:
             "migration_gaps": self.core.migrations.gap_summary(),
             "grammar_engine_loaded": grammar_engine_loaded(),
             "rejected_specs": self.core.num_rejected_specs,
+            "feed": feed.stats() if (feed := current_server()) is not None else None,
         }
 
     def kv_index(self) -> list[dict]:

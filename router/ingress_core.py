@@ -72,6 +72,7 @@ class IngressCore:
                 then=freeze_heap,
                 migrations=self.migrations,
                 prefill=handles.get(ms.name + PREFILL_HANDLE_SUFFIX),
+                direct_stream=settings.http.direct_stream,
             )
             for ms in settings.models
         }

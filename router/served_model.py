@@ -52,11 +52,13 @@ class ServedModel:
         then=freeze_heap,
         migrations: Migrations | None = None,
         prefill=None,
+        direct_stream: bool = False,
     ) -> None:
         """`tokenizer`: one to use (tests); else the model's loads in the background, and
         `then` runs once it has loaded (the ingress freezes its heap). `migrations`: the
         ingress's migration limit and tallies (router/migration.py). `prefill`: PD's prefill
-        deployment's handle (None: colocated)."""
+        deployment's handle (None: colocated). `direct_stream`: streams over the direct feed
+        (http.direct_stream, router/feed.py)."""
         self.settings = settings
         self.name = settings.name
         self.engine = settings.engine
@@ -75,7 +77,12 @@ class ServedModel:
         else:
             self._use_tokenizer(tokenizer)
         self.calls = ReplicaCalls(
-            handle, Policy(routing), settings.engine.block_size, migrations, prefill=prefill
+            handle,
+            Policy(routing),
+            settings.engine.block_size,
+            migrations,
+            prefill=prefill,
+            direct_stream=direct_stream,
         )
         self.answers = Answers(self.calls, admission, keepalive_s)
         self._info: dict | None = None

@@ -64,6 +64,13 @@ class HttpConfig(BaseModel):
         "stream. None: it waits for them (up to the graceful shutdown timeout). Ignored when "
         "migration_limit is 0",
     )
+    direct_stream: bool = Field(
+        default=True,
+        description="streamed tokens go from replica to ingress over a direct TCP feed, one "
+        "frame per engine step for all of an ingress's streams (the ingress listens on its "
+        "node's IP, a port the OS picks; a replica that cannot reach it streams over Ray); "
+        "false: one Ray Serve stream item per token",
+    )
     ingress_replicas: int = Field(
         default=1,
         ge=1,
