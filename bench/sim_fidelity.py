@@ -77,7 +77,9 @@ def ray_lock():
 
 
 # -- the server -------------------------------------------------------------------------------
-def start_server(port: int, model: str | None, log: Path, timeout_s: float = 600.0) -> subprocess.Popen:
+def start_server(
+    port: int, model: str | None, log: Path, timeout_s: float = 600.0
+) -> subprocess.Popen:
     stepserve = str(Path(sys.executable).parent / "stepserve")
     cmd = [stepserve, "serve", "--host", "127.0.0.1", "--port", str(port), "--replicas", "2",
            "--num-speculative-tokens", "0"]  # fmt: skip

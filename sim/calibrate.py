@@ -357,9 +357,7 @@ def measure_rows(
     ctx = prompt_len + out_len // 2
     for ttft in _idle_probes(base_url, idle_probes):
         rows.append(probe_row(model, 0, ctx, ttft, 0.0, 0.0))
-    progress(
-        f"  idle probes{tag}: TTFT median {statistics.median(r.y for r in rows) * 1e3:.1f} ms"
-    )
+    progress(f"  idle probes{tag}: TTFT median {statistics.median(r.y for r in rows) * 1e3:.1f} ms")
     for rnd in range(rounds):
         order = batches if rnd % 2 == 0 else tuple(reversed(batches))  # drift averages out
         for b in order:

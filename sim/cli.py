@@ -11,10 +11,10 @@ stepserve plan --profile P --workload heterogeneous --rate 20 --slo-ttft-ms 1000
 from __future__ import annotations
 
 import argparse
-import re
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path

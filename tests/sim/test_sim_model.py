@@ -85,8 +85,14 @@ def test_robust_center_rejects_outlying_samples() -> None:
 
 
 # -- the serving calibration -----------------------------------------------------------------------
-TRUE = {"step_s": -0.0015, "token_s": 0.0008, "prefill_extra": 0.2, "path": 0.006, "rate": 2e-5,
-        "corun": 0.45}
+TRUE = {
+    "step_s": -0.0015,
+    "token_s": 0.0008,
+    "prefill_extra": 0.2,
+    "path": 0.006,
+    "rate": 2e-5,
+    "corun": 0.45,
+}
 
 
 def _rows(model: StepTimeModel, truth: dict, rng: random.Random, noise: float, outliers: int):
@@ -310,7 +316,9 @@ def test_measure_serving_runs_every_measurement_against_a_streaming_server() -> 
     levels = {r["level"] for r in s["rows"] if r["group"] == "decode"}
     assert levels == {"b=1 solo", "b=2 solo"}  # <= 16; one replica: no step beside another
     assert s["replicas"] == 1 and len(s["host"]["loadavg_start"]) == 3
-    assert {"step_s", "token_s", "prefill_scale", "path_latency_s", "path_rate_s", "corun"} <= set(s)
+    assert {"step_s", "token_s", "prefill_scale", "path_latency_s", "path_rate_s", "corun"} <= set(
+        s
+    )
     assert any("batch   2" in line for line in lines)
     assert s["batches"] == [1, 2] and s["extra_s"][1] == s["step_s"] + 2 * s["token_s"]
     again = Profile.from_dict(json.loads(json.dumps({**prof.as_dict(), "serving": s})))
