@@ -323,3 +323,20 @@ def test_measure_serving_runs_every_measurement_against_a_streaming_server() -> 
     assert s["batches"] == [1, 2] and s["extra_s"][1] == s["step_s"] + 2 * s["token_s"]
     again = Profile.from_dict(json.loads(json.dumps({**prof.as_dict(), "serving": s})))
     assert again.serving["token_s"] == s["token_s"]
+
+
+def test_the_grid_measures_both_sides_of_a_kernel_switch() -> None:
+    """A quantized model's matmuls change path at the crossover: the prefill grid gets chunks
+    at both sides of it (quick included), within the token budget."""
+    from types import SimpleNamespace
+
+    from sim.profile import _grid, kernel_switches
+
+    config = SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=2048, block_size=16)
+    engine = SimpleNamespace(runner=SimpleNamespace(quant_crossover={"Q4_1": 96, "Q8_0": 4096}))
+    assert kernel_switches(engine) == [96, 4096]
+    assert kernel_switches(SimpleNamespace(runner=SimpleNamespace())) == []
+    for quick in (False, True):
+        _, prefill, _ = _grid(config, 8192, 100_000, quick, 32_768, kernel_switches(engine))
+        chunks = {c for c, _ in prefill}
+        assert {95, 96} <= chunks and not {4095, 4096} & chunks
