@@ -77,14 +77,14 @@ def ray_lock():
 
 
 # -- the server -------------------------------------------------------------------------------
-def start_server(port: int, model: str, log: Path, timeout_s: float = 600.0) -> subprocess.Popen:
+def start_server(
+    port: int, model: str | None, log: Path, timeout_s: float = 600.0
+) -> subprocess.Popen:
     stepserve = str(Path(sys.executable).parent / "stepserve")
     cmd = [stepserve, "serve", "--host", "127.0.0.1", "--port", str(port), "--replicas", "2",
            "--num-speculative-tokens", "0"]  # fmt: skip
-    if model != "default":
-        from bench._models import model_dir
-
-        cmd += ["--model", str(model_dir(model))]
+    if model is not None:
+        cmd += ["--model", model]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -112,6 +112,23 @@ def stop_server(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def served_model(profile: str, fallback: str) -> str | None:
+    """The `--model` that serves what the profile measured (None: the default model, served
+    from its GGUF); a profile whose model is not on this host serves `fallback` ("default":
+    the default model; else a bench model name)."""
+    from replica.default_model import default_model_dir
+    from sim.profile import Profile
+
+    measured = Path(Profile.load(profile).meta.get("model", ""))
+    if measured.is_dir():
+        return None if measured == default_model_dir() else str(measured)
+    if fallback == "default":
+        return None
+    from bench._models import model_dir
+
+    return str(model_dir(fallback))
 
 
 # -- one trace --------------------------------------------------------------------------------
@@ -228,6 +245,7 @@ def main() -> int:
     args.profile = args.profile or (
         "bench-tiny-llama-v1-avx2-1t" if args.quick else "SmolLM2-135M-Instruct-avx2-1t"
     )
+    args.model = served_model(args.profile, args.model)
     if args.traces:
         wanted = args.traces.split(",")
         unknown = set(wanted) - {t.name for t in traces}

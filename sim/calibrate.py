@@ -6,11 +6,17 @@ each streamed token crosses the replica's event loop, Ray's streaming, the ingre
 proxy, and on a small host those processes take the cores the forward runs on. The simulator
 prices a serving step as (`serving_step`)
 
-    served step = Engine.step(shape) + (prefill_scale - 1) * prefill part of Engine.step
+    served step = Engine.step(shape) * (1 + corun * busy)
+                  + (prefill_scale - 1) * prefill part of Engine.step
                   + step_s + token_s * (tokens the step streams)
 
+where busy is the share of the other replicas of its host (the calibration's N replicas share
+one) that are running steps when it starts: replicas on one host slow each other down (shared
+cores, caches and memory bandwidth; on a small host the slowdown is ~1.5x, far more than the
+serving path's own CPU), which a profile timed in a quiet process cannot see,
+
 and the one-way path client -> replica as `path_latency_s + path_rate_s * R`, R the tokens per
-second the host streams (its replicas together; the proxy and ingress serve them all). All five
+second the host streams (its replicas together; the proxy and ingress serve them all). All six
 coefficients are signed: a profile slower than the cluster gets negative corrections, not
 zeros, and a poor fit is reported (`warnings`), not hidden.
 
@@ -25,7 +31,11 @@ MAD of the residuals), over repeated measurements against a running cluster of N
   2 x path at that streaming rate + the wait for the step under way + the probe's mixed step;
 - prefill: one stream per replica of 256- and 1024-token prompts, max_tokens 1 (every replica
   prefilling at once, as under load): TTFT = 2 x path + the served prefill step;
-- idle probes: 16-token prompts, max_tokens 1, one at a time on the idle cluster.
+- idle probes: 16-token prompts, max_tokens 1, one at a time on the idle cluster;
+- solo (N > 1 and a cluster it starts: `solo_url`): the idle probes, decode levels 1, 4 and 16
+  and the 256-token prefill once more on a one-replica cluster, where no other replica's steps
+  run beside a step (busy 0); the N-replica levels run with every replica busy (busy 1), which
+  separates `corun` from the path's own cost.
 """
 
 from __future__ import annotations
@@ -50,7 +60,8 @@ from sim.profile import (
 )
 
 BATCHES = (1, 2, 4, 8, 16, 32)  # streams per replica at each decode level
-COEFFICIENTS = ("step_s", "token_s", "prefill_extra", "path_latency_s", "path_rate_s")
+COEFFICIENTS = ("step_s", "token_s", "prefill_extra", "path_latency_s", "path_rate_s", "corun")
+SOLO_BATCHES = (1, 4, 16)  # decode levels measured again on one replica (busy 0)
 PROBE_TOKENS = 16
 POOR_GROUP_MEDIAN = 0.10  # a group of measurements priced off by more than this: poor fit
 
@@ -63,11 +74,15 @@ def prefill_part(model: StepTimeModel, shape: StepShape) -> float:
     return max(0.0, model.predict(shape) - model.predict(shape.decode_part()))
 
 
-def serving_step(serving: dict, model: StepTimeModel, shape: StepShape, streamed: int) -> float:
-    """A step's serving time (module docstring): the profile's price, its prefill part times
+def serving_step(
+    serving: dict, model: StepTimeModel, shape: StepShape, streamed: int, busy: float = 0.0
+) -> float:
+    """A step's serving time (module docstring): the profile's price, slowed by `busy` (the
+    share of its host's other replicas in a step) times `corun`, its prefill part times
     `prefill_scale`, a per-step cost and a cost per token it streams (a step that streams none,
     an intermediate prefill chunk, pays no per-token cost)."""
     t = model.predict(shape)
+    t *= 1.0 + serving.get("corun", 0.0) * busy
     scale = serving.get("prefill_scale", 1.0)
     if scale != 1.0:
         t += (scale - 1.0) * prefill_part(model, shape)
@@ -90,10 +105,12 @@ class Row:
     level: str  # which batch, prompt or load it was measured at
     y: float
     known: float
-    x: tuple[float, float, float, float, float]
+    x: tuple[float, float, float, float, float, float]
 
 
-def decode_row(model: StepTimeModel, batch: int, prompt_len: int, out_len: int, tpot: float) -> Row:
+def decode_row(
+    model: StepTimeModel, batch: int, prompt_len: int, out_len: int, tpot: float, busy: float
+) -> Row:
     """A stream's time per output token with `batch` streams per replica (closed loop): its
     decode steps, of which a share (batch - 1) / out_len also prefill another stream's prompt
     (each stream prefills once per out_len steps, out_len its mean output: the streams' lengths
@@ -104,10 +121,13 @@ def decode_row(model: StepTimeModel, batch: int, prompt_len: int, out_len: int, 
     mixed_shape = StepShape.of([(prompt_len, 0)], [ctx] * (batch - 1))
     known = (1 - q) * decode + q * model.predict(mixed_shape)
     pre = q * prefill_part(model, mixed_shape)
-    return Row("decode", f"b={batch}", tpot, known, (1.0, float(batch), pre, 0.0, 0.0))
+    level = f"b={batch}" + ("" if busy else " solo")
+    return Row("decode", level, tpot, known, (1.0, float(batch), pre, 0.0, 0.0, busy * known))
 
 
-def probe_row(model: StepTimeModel, batch: int, ctx: int, ttft: float, rate: float) -> Row:
+def probe_row(
+    model: StepTimeModel, batch: int, ctx: int, ttft: float, rate: float, busy: float
+) -> Row:
     """A 16-token prompt's TTFT (max_tokens 1) beside `batch` decoding streams per replica:
     2 x path at the streaming rate + half a served decode step (the wait for the step under way)
     + its own step (its prefill and the batch's decodes, streaming batch + 1 tokens)."""
@@ -117,15 +137,20 @@ def probe_row(model: StepTimeModel, batch: int, ctx: int, ttft: float, rate: flo
     if batch:
         known += 0.5 * model.predict(StepShape.of([], [ctx] * batch))
         step, token = 1.5, batch + 1.0 + 0.5 * batch
-    x = (step, token, prefill_part(model, shape), 2.0, 2.0 * rate)
-    return Row("probe" if batch else "idle", f"b={batch}", ttft, known, x)
+    x = (step, token, prefill_part(model, shape), 2.0, 2.0 * rate, busy * known)
+    level = f"b={batch}" + ("" if busy or not batch else " solo")
+    return Row("probe" if batch else "idle", level, ttft, known, x)
 
 
-def prefill_row(model: StepTimeModel, prompt_len: int, ttft: float, rate: float) -> Row:
+def prefill_row(
+    model: StepTimeModel, prompt_len: int, ttft: float, rate: float, busy: float
+) -> Row:
     """A prompt's TTFT (max_tokens 1, nothing else on its replica): 2 x path + its served step."""
     shape = StepShape.of([(prompt_len, 0)], [])
     known = model.predict(shape)
-    return Row("prefill", f"p={prompt_len}", ttft, known, (1.0, 1.0, known, 2.0, 2.0 * rate))
+    level = f"p={prompt_len}" + ("" if busy else " solo")
+    x = (1.0, 1.0, known, 2.0, 2.0 * rate, busy * known)
+    return Row("prefill", level, ttft, known, x)
 
 
 def fit_serving(rows: list[Row]) -> dict:
@@ -183,6 +208,11 @@ def fit_serving(rows: list[Row]) -> dict:
             f"prefill_scale {scale:.2f} is outside 0.5..3: the profile does not price this "
             "cluster's prefill (another CPU, or a busy host while profiling?)"
         )
+    if not -0.2 <= values["corun"] <= 3.0:
+        warnings.append(
+            f"corun {values['corun']:.2f} is outside -0.2..3: replicas of one host do not slow "
+            "each other down this way (a busy host while calibrating?)"
+        )
     if values["path_latency_s"] < 0:
         warnings.append(f"path latency {values['path_latency_s'] * 1e3:.1f} ms < 0: a mis-fit")
     rejected = int((~keep).sum())
@@ -195,6 +225,7 @@ def fit_serving(rows: list[Row]) -> dict:
         "prefill_scale": scale,
         "path_latency_s": values["path_latency_s"],
         "path_rate_s": values["path_rate_s"],
+        "corun": values["corun"],
         "fit_error": groups,
         "warnings": warnings,
     }
@@ -300,7 +331,7 @@ def _idle_probes(base_url: str, n: int) -> list[float]:
     return asyncio.run(run())
 
 
-def measure_serving(
+def measure_rows(
     base_url: str,
     profile: Profile,
     replicas: int,
@@ -313,20 +344,20 @@ def measure_serving(
     idle_probes: int = 12,
     seed: int = 0,
     progress=print,
-) -> dict:
-    """The serving calibration of a running cluster of `replicas` (module docstring): the
-    measurements, then `fit_serving`. Levels beyond the engine's max_num_seqs are skipped."""
-    from sim.host import CpuTimes
-
-    start = CpuTimes.now()
+) -> list[Row]:
+    """The measurements of a running cluster of `replicas` (module docstring) as rows; with
+    several replicas every loaded level runs all of them at once (busy 1), with one none other
+    (busy 0). Levels beyond the engine's max_num_seqs are skipped."""
     model = profile.model
     max_seqs = profile.engine.get("max_num_seqs", 256)
     batches = tuple(b for b in batches if b <= max_seqs)
+    busy = 1.0 if replicas > 1 else 0.0
+    tag = "" if busy else " (one replica)"
     rows: list[Row] = []
     ctx = prompt_len + out_len // 2
     for ttft in _idle_probes(base_url, idle_probes):
-        rows.append(probe_row(model, 0, ctx, ttft, 0.0))
-    progress(f"  idle probes: TTFT median {statistics.median(r.y for r in rows) * 1e3:.1f} ms")
+        rows.append(probe_row(model, 0, ctx, ttft, 0.0, 0.0))
+    progress(f"  idle probes{tag}: TTFT median {statistics.median(r.y for r in rows) * 1e3:.1f} ms")
     for rnd in range(rounds):
         order = batches if rnd % 2 == 0 else tuple(reversed(batches))  # drift averages out
         for b in order:
@@ -337,11 +368,11 @@ def measure_serving(
                 )
             )
             tpots = [tpot for _, tpot, n in run.streams if n > 1]
-            rows += [decode_row(model, b, prompt_len, out_len, t) for t in tpots]
-            rows += [probe_row(model, b, ctx, t, run.tokens_per_s) for t in run.probes]
+            rows += [decode_row(model, b, prompt_len, out_len, t, busy) for t in tpots]
+            rows += [probe_row(model, b, ctx, t, run.tokens_per_s, busy) for t in run.probes]
             if tpots:
                 progress(
-                    f"  round {rnd + 1} batch {b:3d} ({c} streams): time per token "
+                    f"  round {rnd + 1} batch {b:3d} ({c} streams){tag}: time per token "
                     f"{statistics.median(tpots) * 1e3:7.2f} ms (Engine.step decode "
                     f"{model.predict(StepShape.of([], [ctx] * b)) * 1e3:.2f} ms), probe TTFT "
                     f"{statistics.median(run.probes) * 1e3 if run.probes else math.nan:.1f} "
@@ -354,14 +385,46 @@ def measure_serving(
                 )
             )
             rate = run.tokens_per_s
-            rows += [prefill_row(model, p, ttft, rate) for ttft, _, _ in run.streams]
+            rows += [prefill_row(model, p, ttft, rate, busy) for ttft, _, _ in run.streams]
             progress(
                 f"  round {rnd + 1} prefill {p:5d} tokens, {replicas} at once: TTFT "
                 f"{statistics.median(t for t, _, _ in run.streams) * 1e3:8.1f} ms, Engine.step "
                 f"{model.predict(StepShape.of([(p, 0)], [])) * 1e3:8.1f} ms"
             )
+    return rows
+
+
+def measure_solo(base_url: str, profile: Profile, seconds: float = 12.0, progress=print):
+    """The solo rows (module docstring) of a one-replica cluster at `base_url`."""
+    return measure_rows(
+        base_url, profile, 1, batches=SOLO_BATCHES, seconds=seconds, rounds=1,
+        prefill_prompts=(256,), idle_probes=6, seed=7, progress=progress,
+    )  # fmt: skip
+
+
+def measure_serving(
+    base_url: str,
+    profile: Profile,
+    replicas: int,
+    seconds: float = 12.0,
+    solo_rows: list[Row] | tuple = (),
+    progress=print,
+    **levels,
+) -> dict:
+    """The serving calibration of a running cluster of `replicas` (module docstring), with the
+    solo rows of a one-replica cluster measured before (`measure_solo`): the measurements, then
+    `fit_serving`."""
+    from sim.host import CpuTimes
+
+    start = CpuTimes.now()
+    rows = list(solo_rows) + measure_rows(
+        base_url, profile, replicas, seconds=seconds, progress=progress, **levels
+    )
     serving = fit_serving(rows)
     end = CpuTimes.now()
+    batches = tuple(
+        b for b in levels.get("batches", BATCHES) if b <= profile.engine.get("max_num_seqs", 256)
+    )
     serving.update(
         # the fitted overhead of a decode step at each measured batch (for reports; the layout
         # 1 names, so its readers print it as before)
@@ -384,5 +447,6 @@ def describe(serving: dict) -> str:
         f"per step {serving['step_s'] * 1e3:+.2f} ms, per streamed token "
         f"{serving['token_s'] * 1e3:+.3f} ms, prefill x{serving['prefill_scale']:.2f}, path "
         f"{serving['path_latency_s'] * 1e3:.2f} ms one way "
-        f"{serving['path_rate_s'] * 1e6:+.2f} ms per 1000 tok/s streamed"
+        f"{serving['path_rate_s'] * 1e6:+.2f} ms per 1000 tok/s streamed, co-running "
+        f"replicas x{1 + serving.get('corun', 0.0):.2f}"
     )

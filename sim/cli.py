@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -162,6 +163,15 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
     )  # fmt: skip
 
 
+def profile_model_name(model: str) -> str:
+    """A profile's model part of its name: the model directory's name, a GGUF metadata
+    directory's without its content hash (`SmolLM2-135M-Instruct.Q4_1-184027d7ed76` ->
+    `SmolLM2-135M-Instruct-Q4_1`)."""
+    name = Path(model).name
+    m = re.fullmatch(r"(.+)\.([A-Za-z0-9_]+)-[0-9a-f]{12}", name)
+    return f"{m.group(1)}-{m.group(2)}" if m else name
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure Engine.step over the grid (unless --from), then calibrate the serving path on a
     cluster started for it (or the one at --calibrate-url; --no-serving: neither)."""
@@ -195,7 +205,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         prof = Profile.load(args.from_profile)
         return _calibrate(prof, args, Path(args.out or args.from_profile))
     overrides = engine_overrides(args)
-    overrides["model"] = str(resolve_model_dir(overrides.get("model") or "default"))
+    # "default" is the default model as `stepserve serve` serves it (its Q4_1 GGUF), not the
+    # de-quantized fp32 copy the benchmarks' peers read: a profile prices what is served
+    model = overrides.get("model") or "default"
+    overrides["model"] = str(resolve_model_dir("default-gguf" if model == "default" else model))
     overrides.setdefault("enable_prefix_caching", True)
     # step costs by the step's shape, one token per decode (the simulator proposes no drafts)
     overrides.setdefault("num_speculative_tokens", 0)
@@ -246,23 +259,33 @@ def _measure_engine(config, args: argparse.Namespace):
     finally:
         engine.shutdown()
     prof.meta["name"] = (
-        f"{Path(config.model).name}-{cpu_isa.active_level()}-{torch.get_num_threads()}t"
+        f"{profile_model_name(config.model)}-{cpu_isa.active_level()}-{torch.get_num_threads()}t"
     )
     print(f"stepserve profile: measured in {time.perf_counter() - t0:.0f} s", flush=True)
     return prof
 
 
 def _calibrate(prof, args: argparse.Namespace, out: Path, overrides: dict | None = None) -> int:
-    from sim.calibrate import describe, measure_serving
+    from sim.calibrate import describe, measure_serving, measure_solo
 
     replicas = args.calibrate_replicas
+    solo = []
+    if replicas > 1 and not args.calibrate_url:  # steps with no other replica beside them
+        url, server = _start_cluster(prof, args, overrides, 1)
+        try:
+            print(f"stepserve profile: serving calibration against {url} (1 replica, solo)")
+            solo = measure_solo(url, prof, seconds=args.calibrate_seconds)
+        finally:
+            _stop_cluster(server)
     if args.calibrate_url:
         url, server = args.calibrate_url, None
     else:
         url, server = _start_cluster(prof, args, overrides, replicas)
     try:
         print(f"stepserve profile: serving calibration against {url} ({replicas} replicas)")
-        prof.serving = measure_serving(url, prof, replicas, seconds=args.calibrate_seconds)
+        prof.serving = measure_serving(
+            url, prof, replicas, seconds=args.calibrate_seconds, solo_rows=solo
+        )
     finally:
         if server is not None:
             _stop_cluster(server)

@@ -136,6 +136,7 @@ class Simulation:
         self._events: list = []
         self._seq = itertools.count()
         self.replicas: list[SimReplica] = []
+        self.hosts: dict[int, list[SimReplica]] = {}  # host -> its replicas (serving calibration)
         self.by_rid: dict[str, SimReplica] = {}
         self.routable: list[SimReplica] = []
         self._replica_ids = itertools.count()
@@ -324,6 +325,10 @@ class Simulation:
         if self.pd is not None:
             replica.role = "prefill" if number < self.pd.prefill_replicas else "decode"
         self.replicas.append(replica)
+        if self.serving is not None:  # replicas share hosts of the calibration's size
+            size = max(1, int(self.serving.get("replicas", 1)))
+            replica.host = self.hosts.setdefault(number // size, [])
+            replica.host.append(replica)
         self.by_rid[replica.rid] = replica
         self.timelines[replica.rid] = []
         if ready_at <= now:

@@ -538,7 +538,22 @@ class _Prober:
         return self._median(samples)
 
 
-def _grid(config, max_model_len: int, capacity_tokens: int, quick: bool, budget_tokens: int):
+def kernel_switches(engine) -> list[int]:
+    """Step sizes (tokens) at which the engine's matmuls change path: a quantized model
+    de-quantizes + GEMMs from its crossover's rows on (replica/quant/crossover.py), a jump in
+    cost that knots at both sides of it let the fit follow."""
+    crossover = getattr(getattr(engine, "runner", None), "quant_crossover", None) or {}
+    return sorted({int(m) for m in crossover.values() if int(m) > 1})
+
+
+def _grid(
+    config,
+    max_model_len: int,
+    capacity_tokens: int,
+    quick: bool,
+    budget_tokens: int,
+    switches: list[int] = (),
+):
     seqs = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= config.max_num_seqs]
     contexts = [c for c in (16, 128, 512, 1024, 2048) if c < max_model_len - 64]
     chunks = [c for c in (8, 32, 128, 256, 512, 1024, 2048) if c <= config.max_num_batched_tokens]
@@ -548,6 +563,11 @@ def _grid(config, max_model_len: int, capacity_tokens: int, quick: bool, budget_
         contexts = contexts[::2]
         chunks = chunks[::2]
         offsets = offsets[:2]
+    # both sides of each kernel switch (not thinned by quick: the jump is what they measure)
+    chunks = sorted(
+        set(chunks)
+        | {c for m in switches for c in (m - 1, m) if 0 < c <= config.max_num_batched_tokens}
+    )
     decode = [
         (n, ctx)
         for n in seqs
@@ -592,7 +612,10 @@ def measure(
         raise ValueError("profiling needs enable_prefix_caching (prefill chunks after a hit)")
     prober = _Prober(engine, random.Random(seed))
     capacity = engine.num_kv_blocks * config.block_size
-    decode, prefill, mixed = _grid(config, engine.max_model_len, capacity, quick, max_setup_tokens)
+    switches = kernel_switches(engine)
+    decode, prefill, mixed = _grid(
+        config, engine.max_model_len, capacity, quick, max_setup_tokens, switches
+    )
     say = progress or (lambda msg: None)
     from sim.host import CpuTimes, cpu_identity, host_load
 
@@ -634,6 +657,7 @@ def measure(
         **cpu_identity(),
         "host": host,
         "threads": _torch_threads(),
+        "kernel_switches": switches,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "quick": quick,
         "reps": reps,

@@ -158,6 +158,7 @@ class SimReplica:
         self.stopped_at = math.nan
         self.ongoing = 0  # Ray's in-flight count (routed, not yet finished at the router)
         self.busy = False
+        self.host: list[SimReplica] = [self]  # the replicas of its host, itself included
         self.recorded: deque[RoutingStats] = deque()  # reports in flight to the routers
         self.visible: RoutingStats | None = None
         self.preemptions = PreemptionRate()
@@ -350,11 +351,17 @@ class SimReplica:
             duration = self.sim.model.predict(shape)
         else:  # the tokens it streams: the requests that sample a token in it
             streamed = sum(1 for s in so.scheduled if s.sample)
-            duration = serving_step(serving, self.sim.model, shape, streamed)
+            duration = serving_step(serving, self.sim.model, shape, streamed, self.host_busy())
             self._note_streamed(now, 0)  # idle until now
         self.busy_s += duration
         self.num_steps += 1
         self.sim.at(now + duration, self._end_step, so)
+
+    def host_busy(self) -> float:
+        """The share of the other replicas of its host running steps now (they slow each
+        other down: sim/calibrate.py's `corun`)."""
+        others = [r for r in self.host if r is not self and not r.lost]
+        return sum(r.busy for r in others) / len(others) if others else 0.0
 
     def _end_step(self, now: float, so) -> None:
         if self.lost:  # it died during the step: nothing of it came out

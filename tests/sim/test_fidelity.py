@@ -392,3 +392,21 @@ def test_sim_metrics_counts_only_completed_requests():
     assert m["queue_mean"] == pytest.approx(0.03)
     assert m["tpot_p50"] == pytest.approx(0.01)
     assert m["throughput"] == pytest.approx(21 / 1.3)
+
+
+def test_profile_names_the_served_model():
+    """`stepserve profile --model default` prices the GGUF `serve` serves; its name drops the
+    metadata directory's content hash, and the fidelity study serves the profile's model."""
+    from bench.sim_fidelity import served_model
+    from sim.cli import profile_model_name
+
+    assert profile_model_name("/c/gguf/SmolLM2-135M-Instruct.Q4_1-184027d7ed76") == (
+        "SmolLM2-135M-Instruct-Q4_1"
+    )
+    assert profile_model_name("/models/Qwen3-0.6B") == "Qwen3-0.6B"
+    assert profile_model_name("/models/v1.5-model") == "v1.5-model"
+    # a profile whose model is not on this host: the fallback decides
+    assert served_model("SmolLM2-135M-Instruct-avx2-1t", "default") in (
+        None,
+        "/root/.cache/stepserve/SmolLM2-135M-Instruct",
+    )

@@ -85,23 +85,36 @@ def test_robust_center_rejects_outlying_samples() -> None:
 
 
 # -- the serving calibration -----------------------------------------------------------------------
-TRUE = {"step_s": -0.0015, "token_s": 0.0008, "prefill_extra": 0.2, "path": 0.006, "rate": 2e-5}
+TRUE = {
+    "step_s": -0.0015,
+    "token_s": 0.0008,
+    "prefill_extra": 0.2,
+    "path": 0.006,
+    "rate": 2e-5,
+    "corun": 0.45,
+}
 
 
 def _rows(model: StepTimeModel, truth: dict, rng: random.Random, noise: float, outliers: int):
     """Calibration measurements as `truth` would produce them: each row's y = known + x.coef,
     times noise."""
     coef = (
-        truth["step_s"], truth["token_s"], truth["prefill_extra"], truth["path"], truth["rate"]
+        truth["step_s"], truth["token_s"], truth["prefill_extra"], truth["path"], truth["rate"],
+        truth["corun"],
     )  # fmt: skip
     rows = []
-    for _ in range(2):  # two rounds
+    for _ in range(2):  # two rounds on two replicas: every step beside the other's (busy 1)
         for b in (1, 2, 4, 8, 16, 32):
             rate = 2 * b / 0.02  # two replicas streaming b tokens each per ~20 ms
-            rows += [decode_row(model, b, 64, 48, 0.0) for _ in range(b * 2)]
-            rows += [probe_row(model, b, 88, 0.0, rate) for _ in range(6)]
-        rows += [prefill_row(model, p, 0.0, 3.0) for p in (256, 1024) for _ in range(6)]
-    rows += [probe_row(model, 0, 88, 0.0, 0.0) for _ in range(12)]
+            rows += [decode_row(model, b, 64, 48, 0.0, 1.0) for _ in range(b * 2)]
+            rows += [probe_row(model, b, 88, 0.0, rate, 1.0) for _ in range(6)]
+        rows += [prefill_row(model, p, 0.0, 3.0, 1.0) for p in (256, 1024) for _ in range(6)]
+    rows += [probe_row(model, 0, 88, 0.0, 0.0, 0.0) for _ in range(12)]
+    # the solo rows: one replica alone (busy 0)
+    for b in (1, 4, 16):
+        rows += [decode_row(model, b, 64, 48, 0.0, 0.0) for _ in range(b * 2)]
+        rows += [probe_row(model, b, 88, 0.0, b / 0.02, 0.0) for _ in range(6)]
+    rows += [prefill_row(model, 256, 0.0, 1.5, 0.0) for _ in range(6)]
     for r in rows:
         exact = r.known + sum(x * c for x, c in zip(r.x, coef))
         r.y = exact * (1 + rng.gauss(0, noise))
@@ -119,6 +132,7 @@ def test_fit_serving_recovers_signed_coefficients_despite_noise_and_outliers() -
     assert s["prefill_scale"] == pytest.approx(1 + TRUE["prefill_extra"], abs=0.05)
     assert s["path_latency_s"] == pytest.approx(TRUE["path"], abs=0.001)
     assert s["path_rate_s"] == pytest.approx(TRUE["rate"], rel=0.25)
+    assert s["corun"] == pytest.approx(TRUE["corun"], abs=0.05)
     assert sum(e["rejected"] for e in s["fit_error"].values()) >= 6
     assert s["warnings"] == []
 
@@ -128,9 +142,20 @@ def test_fit_serving_warns_when_the_profile_does_not_price_the_cluster() -> None
     rows = _rows(KNOWN, TRUE, random.Random(3), noise=0.02, outliers=0)
     for r in rows:
         if r.group == "decode":
-            r.y += 5e-5 * int(r.level[2:]) ** 2
+            r.y += 5e-5 * int(r.level[2:].split()[0]) ** 2
     s = fit_serving(rows)
     assert any("poor fit: decode" in w for w in s["warnings"]), s["warnings"]
+
+
+def test_a_step_beside_its_hosts_busy_replicas_is_slowed_by_corun() -> None:
+    serving = {"model": 2, "step_s": 0.001, "token_s": 0.0, "prefill_scale": 1.0, "corun": 0.5}
+    step = StepShape.of([], [128] * 4)
+    alone = serving_step(serving, KNOWN, step, 4)
+    assert alone == pytest.approx(KNOWN.predict(step) + 0.001)
+    assert serving_step(serving, KNOWN, step, 4, busy=1.0) == pytest.approx(
+        1.5 * KNOWN.predict(step) + 0.001
+    )
+    assert serving_step({**serving, "corun": 0.0}, KNOWN, step, 4, busy=1.0) == alone
 
 
 def test_a_step_that_streams_nothing_pays_no_token_cost() -> None:
@@ -281,17 +306,37 @@ def test_measure_serving_runs_every_measurement_against_a_streaming_server() -> 
         lines: list[str] = []
         s = measure_serving(
             f"http://127.0.0.1:{server.server_address[1]}", prof, replicas=1, batches=(1, 2, 64),
-            out_len=8, seconds=0.8, rounds=1, prefill_prompts=(256,), idle_probes=3,
+            out_len=8, seconds=1.6, rounds=1, prefill_prompts=(256,), idle_probes=3,
             progress=lines.append,
         )  # fmt: skip
     finally:
         server.shutdown()
         server.server_close()
     assert set(s["fit_error"]) == {"decode", "probe", "prefill", "idle"}
-    assert {r["level"] for r in s["rows"] if r["group"] == "decode"} == {"b=1", "b=2"}  # <= 16
+    levels = {r["level"] for r in s["rows"] if r["group"] == "decode"}
+    assert levels == {"b=1 solo", "b=2 solo"}  # <= 16; one replica: no step beside another
     assert s["replicas"] == 1 and len(s["host"]["loadavg_start"]) == 3
-    assert {"step_s", "token_s", "prefill_scale", "path_latency_s", "path_rate_s"} <= set(s)
+    assert {"step_s", "token_s", "prefill_scale", "path_latency_s", "path_rate_s", "corun"} <= set(
+        s
+    )
     assert any("batch   2" in line for line in lines)
     assert s["batches"] == [1, 2] and s["extra_s"][1] == s["step_s"] + 2 * s["token_s"]
     again = Profile.from_dict(json.loads(json.dumps({**prof.as_dict(), "serving": s})))
     assert again.serving["token_s"] == s["token_s"]
+
+
+def test_the_grid_measures_both_sides_of_a_kernel_switch() -> None:
+    """A quantized model's matmuls change path at the crossover: the prefill grid gets chunks
+    at both sides of it (quick included), within the token budget."""
+    from types import SimpleNamespace
+
+    from sim.profile import _grid, kernel_switches
+
+    config = SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=2048, block_size=16)
+    engine = SimpleNamespace(runner=SimpleNamespace(quant_crossover={"Q4_1": 96, "Q8_0": 4096}))
+    assert kernel_switches(engine) == [96, 4096]
+    assert kernel_switches(SimpleNamespace(runner=SimpleNamespace())) == []
+    for quick in (False, True):
+        _, prefill, _ = _grid(config, 8192, 100_000, quick, 32_768, kernel_switches(engine))
+        chunks = {c for c, _ in prefill}
+        assert {95, 96} <= chunks and not {4095, 4096} & chunks
