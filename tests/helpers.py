@@ -418,3 +418,22 @@ def scheduler_request(
     from replica.request import Request
 
     return Request(engine_request(prompt, params, request_id, priority, arrival), eos)
+
+
+def wait_apps_running(apps: list[str], timeout_s: float) -> None:
+    """Wait until every Serve application in `apps` is RUNNING; fail at once on one that
+    FAILED (its message), or when `timeout_s` passes (the states then)."""
+    import time
+
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = {app: serve.status().applications.get(app) for app in apps}
+        states = {app: st.status if st else None for app, st in statuses.items()}
+        if all(state == "RUNNING" for state in states.values()):
+            return
+        failed = {app: st.message for app, st in statuses.items() if st and "FAILED" in st.status}
+        assert not failed, failed
+        assert time.monotonic() < deadline, states
+        time.sleep(0.5)

@@ -21,7 +21,7 @@ from ray.serve.api import RunTarget  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from tests.helpers import sse_data  # noqa: E402
+from tests.helpers import sse_data, wait_apps_running  # noqa: E402
 
 ON, OFF = "stepserve-feed-on", "stepserve-feed-off"
 MAX_MODEL_LEN = 512  # the tiny llama's positions
@@ -46,19 +46,6 @@ def config(app: str, port: int, model_dir, direct_stream: bool) -> ClusterConfig
     )
 
 
-def wait_running(apps: list[str], timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        statuses = {app: serve.status().applications.get(app) for app in apps}
-        states = {app: st.status if st else None for app, st in statuses.items()}
-        if all(state == "RUNNING" for state in states.values()):
-            return
-        failed = {app: st.message for app, st in statuses.items() if st and "FAILED" in st.status}
-        assert not failed, failed
-        assert time.monotonic() < deadline, states
-        time.sleep(0.5)
-
-
 @pytest.fixture(scope="module")
 def urls(tiny_llama_dir, shared_serve):
     targets = [
@@ -70,7 +57,7 @@ def urls(tiny_llama_dir, shared_serve):
         for app, prefix, on in ((ON, "on", True), (OFF, "off", False))
     ]
     serve.run_many(targets, wait_for_applications_running=False)
-    wait_running([ON, OFF])
+    wait_apps_running([ON, OFF], timeout_s=300)
     yield {ON: f"{shared_serve.url}/on", OFF: f"{shared_serve.url}/off"}
 
 

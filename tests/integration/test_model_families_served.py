@@ -5,8 +5,6 @@ equal to transformers' greedy continuation."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -18,6 +16,7 @@ from ray.serve.api import RunTarget  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
+from tests.helpers import wait_apps_running  # noqa: E402
 from tests.replica.test_model_parity import hf_greedy  # noqa: E402
 
 APP = "stepserve-families"
@@ -57,19 +56,6 @@ def family_dirs(tmp_path_factory, tiny_tokenizer_dir):
     return dirs
 
 
-def _wait_running(apps: list[str], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        statuses = {app: serve.status().applications.get(app) for app in apps}
-        states = {app: st.status if st else None for app, st in statuses.items()}
-        if all(state == "RUNNING" for state in states.values()):
-            return
-        failed = {app: st.message for app, st in statuses.items() if st and "FAILED" in st.status}
-        assert not failed, failed
-        assert time.monotonic() < deadline, states
-        time.sleep(0.5)
-
-
 def test_each_family_is_served_over_http_token_identical_to_transformers(family_dirs, shared_serve):
     """The families are deployed 4 at a time (4 replicas of half a CPU fill the 2-CPU cluster),
     each an application of its own as `stepserve serve --model DIR` makes it, on its own route:
@@ -105,7 +91,7 @@ def test_each_family_is_served_over_http_token_identical_to_transformers(family_
             name: hf_greedy(family_dirs[name], tuple(PROMPT), MAX_TOKENS, stop_at_eos=False)
             for name in wave
         }
-        _wait_running(list(apps.values()))
+        wait_apps_running(list(apps.values()), timeout_s=600)
         for name in apps:
             r = httpx.post(f"{shared_serve.url}/{name}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, (name, r.text)
