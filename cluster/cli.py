@@ -373,7 +373,7 @@ def make_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="streamed tokens go from replica to ingress over a direct TCP feed, one frame per "
-        "step (http.direct_stream, default on); --no-direct-stream: one Ray Serve stream item "
+        "step (http.direct_stream, default off); --no-direct-stream: one Ray Serve stream item "
         "per token",
     )
     add_kv_transfer_args(serve_p, "--kv-fetch")

@@ -65,11 +65,13 @@ class HttpConfig(BaseModel):
         "migration_limit is 0",
     )
     direct_stream: bool = Field(
-        default=True,
+        default=False,
         description="streamed tokens go from replica to ingress over a direct TCP feed, one "
         "frame per engine step for all of an ingress's streams (the ingress listens on its "
         "node's IP, a port the OS picks; a replica that cannot reach it streams over Ray); "
-        "false: one Ray Serve stream item per token",
+        "false: one Ray Serve stream item per token. Off by default: it cuts the front's and "
+        "the ingress's CPU per token, but one quiet-host A/B served 2-3 req/s with a slower "
+        "first token (docs/perf-serving-path.md, 'The direct feed')",
     )
     ingress_replicas: int = Field(
         default=1,
