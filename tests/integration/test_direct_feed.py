@@ -1,5 +1,5 @@
 """The direct feed end to end (router/feed.py, replica/feed.py): two applications of the tiny
-llama on the shared Ray Serve, one with http.direct_stream on (the default), one with it off,
+llama on the shared Ray Serve, one with http.direct_stream on, one with it off (the default),
 through real HTTP and the official openai client. Streams are token-identical either way (n=2
 too), the feed carried the tokens where it is on and nothing where it is off, and a client that
 leaves a fed stream aborts its request in the replica."""
