@@ -373,3 +373,6 @@ def _model_types(model: nn.Module) -> set[QType]:
         for _, seg in weight.segments
         if isinstance(seg, QuantizedTensor) and seg.qtype in kernels.NATIVE_QTYPES
     }
+
+
+kernels.set_crossover_source(table)  # kernels' table is this module's from now on

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,13 +78,32 @@ def crossover_m(qtype: QType, activations: str) -> int:
     return rows
 
 
+def builtin_crossovers() -> dict[str, dict[QType, int]]:
+    """activations -> qtype -> the built-in crossover constants."""
+    return {
+        act: {q: (CROSSOVER_M_KQUANTS if q in KQUANTS else CROSSOVER_M)[act] for q in NATIVE_QTYPES}
+        for act in ACTIVATIONS
+    }
+
+
+# what builds the table: replica/quant/crossover.py registers its `table` when it is imported
+# (it imports this module, not the reverse: no import cycle); until then the constants
+_table_source: Callable[[], dict[str, dict[QType, int]]] = builtin_crossovers
+
+
+def set_crossover_source(source: Callable[[], dict[str, dict[QType, int]]]) -> None:
+    """The function that builds the crossover table from now on (the next use rebuilds it)."""
+    global _table_source
+    _table_source = source
+    reset_crossover()
+
+
 def crossover_table() -> dict[str, dict[QType, int]]:
-    """activations -> qtype -> crossover rows (crossover.py), built on first use."""
+    """activations -> qtype -> crossover rows (crossover.py's table once it is imported: the
+    runner imports it), built on first use."""
     global _crossover
     if not _crossover:
-        from replica.quant import crossover
-
-        _crossover = crossover.table()
+        _crossover = _table_source()
     return _crossover
 
 
