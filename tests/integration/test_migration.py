@@ -279,10 +279,20 @@ def test_a_scale_down_hands_long_streams_to_the_survivor(cluster):
             # those before the last completed)
             return [result for ended, result in keepers.ended if ended > started]
 
-    results = asyncio.run(asyncio.wait_for(scenario(), timeout=300))
-    check_completed(results)
-    # the redeploy replaced the ingress too (its counters with it): the old one's log tells
-    handed_back = migration_log("handed it back (draining)")
+    # an old replica's streams may all end within its grace (each has a random remainder):
+    # then nothing was handed back, and the scale-down is tried once more from two replicas
+    for attempt in range(2):
+        results = asyncio.run(asyncio.wait_for(scenario(), timeout=300))
+        check_completed(results)
+        # the redeploy replaced the ingress too (its counters with it): the old one's log tells
+        handed_back = migration_log("handed it back (draining)")
+        if len(handed_back) > handed_back_before or attempt:
+            break
+        serve.run(
+            build_app(make_config(cluster["model_dir"], cluster["port"])), name=APP,
+            route_prefix="/",
+        )  # fmt: skip
+        helpers.wait_llm_replicas_running(APP, 2, timeout_s=180)
     assert len(handed_back) > handed_back_before, "no stream was handed back: it proved nothing"
     check_identical(results, url)  # waits for the engine branch
 
