@@ -67,9 +67,7 @@ def cache_dir() -> Path:
 
 def fallback(qtype: QType, activations: str) -> int:
     """The measured-once constants (AMD EPYC Zen 4, 2 threads)."""
-    return (kernels.CROSSOVER_M_KQUANTS if qtype in kernels.KQUANTS else kernels.CROSSOVER_M)[
-        activations
-    ]
+    return kernels.builtin_crossover(qtype, activations)
 
 
 def parse_env(value: str | None) -> int | str:
@@ -301,13 +299,9 @@ def table() -> dict[str, dict[QType, int]]:
     """kernels' table: activations -> qtype -> crossover rows, from ENV, the registered model's
     weights (cached or measured) and the fallback constants."""
     setting = parse_env(os.environ.get(ENV))
-    out = {
-        act: {
-            qtype: setting if isinstance(setting, int) else fallback(qtype, act)
-            for qtype in kernels.NATIVE_QTYPES
-        }
-        for act in kernels.ACTIVATIONS
-    }
+    out = kernels.builtin_crossovers()
+    if isinstance(setting, int):
+        out = {act: dict.fromkeys(by_type, setting) for act, by_type in out.items()}
     if setting != "auto" or kernels._library() is None:
         return out
     with _lock:
@@ -320,18 +314,13 @@ def table() -> dict[str, dict[QType, int]]:
 def samples(model: nn.Module) -> dict[QType, list[QuantizedTensor]]:
     """Per native type, one weight per distinct shape among the model's quantized weights (at
     most MAX_ROWS of its rows, copied); types under MIN_ELEMENTS in all are left out."""
-    from replica.quant.weights import named_quantized_weights
-
     found: dict[QType, dict[tuple[int, int], QuantizedTensor]] = {}
-    for _, weight in named_quantized_weights(model):
-        for _, seg in weight.segments:
-            if not isinstance(seg, QuantizedTensor) or seg.qtype not in kernels.NATIVE_QTYPES:
-                continue
-            rows = min(seg.shape[0], MAX_ROWS)
-            shape = (rows, seg.shape[1])
-            if shape not in found.setdefault(seg.qtype, {}):
-                data = seg.data[:rows].clone()
-                found[seg.qtype][shape] = QuantizedTensor(seg.qtype, shape, data)
+    for seg in _native_segments(model):
+        rows = min(seg.shape[0], MAX_ROWS)
+        shape = (rows, seg.shape[1])
+        if shape not in found.setdefault(seg.qtype, {}):
+            data = seg.data[:rows].clone()
+            found[seg.qtype][shape] = QuantizedTensor(seg.qtype, shape, data)
     return {
         qtype: list(by_shape.values())
         for qtype, by_shape in found.items()
@@ -343,7 +332,7 @@ def calibrate(model: nn.Module, activations: str) -> dict[str, int]:
     """At model load (in the runner's instruction-set scope): the model's weights become the
     ones timed for `activations` and the crossovers are chosen now (cached: a disk read after
     the first process). Returns {type name: rows} for the model's native types."""
-    parse_env(os.environ.get(ENV))  # a bad value fails the load, naming itself
+    setting = parse_env(os.environ.get(ENV))  # a bad value fails the load, naming itself
     timed = samples(model)
     with _lock:
         _registered[activations] = timed
@@ -351,8 +340,7 @@ def calibrate(model: nn.Module, activations: str) -> dict[str, int]:
     chosen = kernels.crossover_table()[activations]
     present = _model_types(model)
     result = {qtype.name: chosen[qtype] for qtype in sorted(present)}
-    auto = parse_env(os.environ.get(ENV)) == "auto"
-    untimed = sorted(t.name for t in present if t not in timed) if auto else []
+    untimed = sorted(t.name for t in present if t not in timed) if setting == "auto" else []
     logger.info(
         "quantized matmul crossover (%s activations, %s=%s): de-quantize + GEMM from %s rows%s",
         activations,
@@ -364,15 +352,18 @@ def calibrate(model: nn.Module, activations: str) -> dict[str, int]:
     return result
 
 
-def _model_types(model: nn.Module) -> set[QType]:
+def _native_segments(model: nn.Module) -> Iterator[QuantizedTensor]:
+    """The model's quantized weight segments of the types the native kernels take."""
     from replica.quant.weights import named_quantized_weights
 
-    return {
-        seg.qtype
-        for _, weight in named_quantized_weights(model)
-        for _, seg in weight.segments
-        if isinstance(seg, QuantizedTensor) and seg.qtype in kernels.NATIVE_QTYPES
-    }
+    for _, weight in named_quantized_weights(model):
+        for _, seg in weight.segments:
+            if isinstance(seg, QuantizedTensor) and seg.qtype in kernels.NATIVE_QTYPES:
+                yield seg
+
+
+def _model_types(model: nn.Module) -> set[QType]:
+    return {seg.qtype for seg in _native_segments(model)}
 
 
 kernels.set_crossover_source(table)  # kernels' table is this module's from now on

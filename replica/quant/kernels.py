@@ -74,16 +74,18 @@ def crossover_m(qtype: QType, activations: str) -> int:
     """From how many rows of x the de-quantize + GEMM path takes over from the kernel."""
     rows = crossover_table()[activations].get(qtype)
     if rows is None:  # a type the kernels do not take (they refuse it)
-        return (CROSSOVER_M_KQUANTS if qtype in KQUANTS else CROSSOVER_M)[activations]
+        return builtin_crossover(qtype, activations)
     return rows
+
+
+def builtin_crossover(qtype: QType, activations: str) -> int:
+    """The built-in constant (the fallback of a measured crossover)."""
+    return (CROSSOVER_M_KQUANTS if qtype in KQUANTS else CROSSOVER_M)[activations]
 
 
 def builtin_crossovers() -> dict[str, dict[QType, int]]:
     """activations -> qtype -> the built-in crossover constants."""
-    return {
-        act: {q: (CROSSOVER_M_KQUANTS if q in KQUANTS else CROSSOVER_M)[act] for q in NATIVE_QTYPES}
-        for act in ACTIVATIONS
-    }
+    return {act: {q: builtin_crossover(q, act) for q in NATIVE_QTYPES} for act in ACTIVATIONS}
 
 
 # what builds the table: replica/quant/crossover.py registers its `table` when it is imported
