@@ -26,7 +26,8 @@ MAD of the residuals), over repeated measurements against a running cluster of N
 - decode: closed-loop streams (64-token prompts, 24-72 tokens out) at N x (1, 2, 4, 8, 16, 32)
   concurrency, the levels run `rounds` times in turn; each stream's time per output token is
   the mean served step of a replica with b = concurrency / N streams, which includes the steps
-  where another stream's prompt was prefilled (priced as such, not as pure decode steps);
+  where another stream's prompt or a probe's was prefilled (priced as such, not as pure decode
+  steps: at one replica and one stream, the probes alone add ~10% to the time per token);
 - probes under load: beside each level, sequential 16-token prompts with max_tokens 1: TTFT =
   2 x path at that streaming rate + the wait for the step under way + the probe's mixed step;
 - prefill: one stream per replica of 256- and 1024-token prompts, max_tokens 1 (every replica
@@ -109,18 +110,31 @@ class Row:
 
 
 def decode_row(
-    model: StepTimeModel, batch: int, prompt_len: int, out_len: int, tpot: float, busy: float
+    model: StepTimeModel,
+    batch: int,
+    prompt_len: int,
+    out_len: int,
+    tpot: float,
+    busy: float,
+    probe_rate: float = 0.0,
 ) -> Row:
     """A stream's time per output token with `batch` streams per replica (closed loop): its
     decode steps, of which a share (batch - 1) / out_len also prefill another stream's prompt
     (each stream prefills once per out_len steps, out_len its mean output: the streams' lengths
-    differ so they do not march in step). Every step streams `batch` tokens."""
+    differ so they do not march in step), and a share `probe_rate` x `tpot` (the level's probes
+    per second on this replica, one per step at most) also prefill a probe's prompt. Every step
+    streams `batch` tokens."""
     ctx = prompt_len + out_len // 2
     decode = model.predict(StepShape.of([], [ctx] * batch))
     q = min(1.0, (batch - 1) / max(out_len, 1))
     mixed_shape = StepShape.of([(prompt_len, 0)], [ctx] * (batch - 1))
     known = (1 - q) * decode + q * model.predict(mixed_shape)
     pre = q * prefill_part(model, mixed_shape)
+    f = min(1.0, max(probe_rate, 0.0) * tpot)
+    if f > 0:  # a probe's prefill joins the step: what it adds to the stream's step
+        probe_shape = StepShape.of([(PROBE_TOKENS, 0)], [ctx] * batch)
+        known += f * (model.predict(probe_shape) - decode)
+        pre += f * prefill_part(model, probe_shape)
     level = f"b={batch}" + ("" if busy else " solo")
     return Row("decode", level, tpot, known, (1.0, float(batch), pre, 0.0, 0.0, busy * known))
 
@@ -368,7 +382,11 @@ def measure_rows(
                 )
             )
             tpots = [tpot for _, tpot, n in run.streams if n > 1]
-            rows += [decode_row(model, b, prompt_len, out_len, t, busy) for t in tpots]
+            # the probes share the replicas' steps with the streams (they run for the level's
+            # seconds less the prober's first second and last half)
+            probing_s = max(seconds - min(1.0, seconds / 4) - 0.5, 1e-3)
+            rate = len(run.probes) / probing_s / replicas
+            rows += [decode_row(model, b, prompt_len, out_len, t, busy, rate) for t in tpots]
             rows += [probe_row(model, b, ctx, t, run.tokens_per_s, busy) for t in run.probes]
             if tpots:
                 progress(

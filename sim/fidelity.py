@@ -153,11 +153,28 @@ def sim_metrics(requests: list[dict]) -> dict:
     return out
 
 
-def compare(real: list[dict], sim: dict) -> dict:
+def median_metrics(sims: list[dict]) -> dict:
+    """Per metric, the median over several simulations (seeds) of one trace; `failed` is the
+    most any of them left unfinished."""
+    if not sims:
+        raise ValueError("no simulations to combine")
+    out: dict = {}
+    for key in {k for s in sims for k in s}:
+        values = [s[key] for s in sims if key in s and s[key] == s[key]]
+        if key == "failed":
+            out[key] = max(values)
+        elif values:
+            out[key] = statistics.median(values)
+    return out
+
+
+def compare(real: list[dict], sim: dict, sim_runs: list[dict] | None = None) -> dict:
     """Per metric: the real runs' values, median, spread between them ((max - min) / median),
     each run against the median, the simulation's value and error against the median, the
     tolerance (the bar, or the spread where larger) and whether it is met. `ok`: every judged
-    metric met, no real request failed and the simulation completed every request."""
+    metric met, no real request failed and the simulation completed every request. With
+    `sim_runs` (the simulations `sim` is the median of: one per seed) each row also shows their
+    spread, which the verdict does not widen."""
     if not real:
         raise ValueError("no real runs to compare with")
     rows = {}
@@ -175,6 +192,10 @@ def compare(real: list[dict], sim: dict) -> dict:
             "sim": simulated,
             "error": simulated / median - 1 if median > 0 else math.nan,
         }
+        if sim_runs and len(sim_runs) > 1:
+            each = [x.get(key, math.nan) for x in sim_runs]
+            row["sim_runs"] = each
+            row["sim_spread"] = (max(each) - min(each)) / simulated if simulated > 0 else math.nan
         if key in BAR:
             row["bar"] = BAR[key]
             row["tolerance"] = (
@@ -210,6 +231,9 @@ def format_report(report: dict, names: list[str] | None = None) -> str:
         + f" {'median':>10s} {'spread':>7s} {'runs-med':>13s} {'sim':>10s} {'error':>8s} "
         f"{'tol':>5s}  verdict"
     )  # fmt: skip
+    seeds = any("sim_spread" in r for r in rows.values())
+    if seeds:
+        head = head.replace(f" {'error':>8s}", f" {'sim-spr':>7s} {'error':>8s}")
     lines = [head]
     for key, r in rows.items():
         unit = " tok/s" if key == "throughput" else ""
@@ -219,12 +243,16 @@ def format_report(report: dict, names: list[str] | None = None) -> str:
         tol = f"{r['tolerance']:.0%}" if "tolerance" in r else ""
         lines.append(
             f"{key:12s} {runs} {_ms(key, r['median']):>10s} {r['spread']:7.1%} {each:>13s} "
-            f"{_ms(key, r['sim']):>10s} {r['error']:+8.1%} {tol:>5s}  {verdict}{unit}"
+            f"{_ms(key, r['sim']):>10s}"
+            + (f" {r.get('sim_spread', math.nan):7.1%}" if seeds else "")
+            + f" {r['error']:+8.1%} {tol:>5s}  {verdict}{unit}"
         )
     lines.append(
         "latencies in ms; spread: (max - min) / median of the real runs; error: sim / median - 1; "
         "tol: the bar (p50 10%, p99 20%) or the spread where larger"
-    )
+        + (f"; sim: the median of {len(report['sim_seeds'])} seeds, sim-spr their spread"
+           if seeds and report.get("sim_seeds") else "")
+    )  # fmt: skip
     if report["real_failed"]:
         lines.append(f"FAIL: {report['real_failed']} real requests failed")
     if report["sim_not_completed"]:

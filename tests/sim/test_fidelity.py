@@ -19,6 +19,7 @@ from sim.fidelity import (
     check_matches,
     compare,
     format_report,
+    median_metrics,
     metrics,
     read_run,
     real_metrics,
@@ -99,6 +100,22 @@ def test_queue_mean_is_shown_not_judged():
     assert row["error"] == pytest.approx(4.0) and "ok" not in row
     assert report["ok"]
     assert "(shown)" in format_report(report)
+
+
+def test_compare_judges_the_median_of_several_simulations_and_shows_their_spread():
+    real = [_real(ttft_p50=1.0), _real(ttft_p50=1.0)]
+    sims = [{"ttft_p50": v, "failed": f} for v, f in ((0.8, 0), (1.05, 0), (1.3, 1))]
+    sim = median_metrics(sims)
+    assert sim == {"ttft_p50": 1.05, "failed": 1}  # the worst seed's unfinished count
+    report = compare(real, sim, sims)
+    row = report["metrics"]["ttft_p50"]
+    assert row["sim"] == 1.05 and row["ok"]  # one far seed does not decide the verdict
+    assert row["sim_runs"] == [0.8, 1.05, 1.3]
+    assert row["sim_spread"] == pytest.approx(0.5 / 1.05)
+    assert not report["ok"]  # a seed that left requests unfinished fails the report
+    assert "sim-spr" in format_report(report)
+    with pytest.raises(ValueError, match="no simulations"):
+        median_metrics([])
 
 
 def test_metrics_of_rows():
@@ -280,6 +297,23 @@ def test_cli_compare_fails_when_the_real_ttft_is_twice(tmp_path, capsys):
     assert "verdict: FAIL" in text
     ttft = next(line for line in text.splitlines() if line.startswith("ttft_p50"))
     assert ttft.endswith("FAIL")
+
+
+def test_cli_compare_simulates_each_seed(tmp_path, capsys):
+    trace, records = _trace_and_records(tmp_path)
+    out = tmp_path / "report.json"
+    argv = ["simulate", "--profile", TINY_PROFILE, "--replicas", "2", "--workload",
+            f"trace:{trace}", "--seed", "4", "--compare", *records, "--compare-json", str(out)]  # fmt: skip
+    cli_main([*argv, "--sim-seeds", "3"])
+    report = json.loads(out.read_text())
+    assert report["sim_seeds"] == [4, 5, 6]
+    row = report["metrics"]["ttft_p50"]
+    assert len(row["sim_runs"]) == 3 and row["sim"] == statistics.median(row["sim_runs"])
+    assert "median of 3 seeds" in capsys.readouterr().out
+    cli_main([*argv, "--sim-seeds", "1"])
+    assert "sim_runs" not in json.loads(out.read_text())["metrics"]["ttft_p50"]
+    assert cli_main([*argv, "--sim-seeds", "0"]) == 2
+    assert "--sim-seeds 0: at least 1" in capsys.readouterr().err
 
 
 def test_cli_compare_refuses_other_workloads_and_other_traces(tmp_path, capsys):

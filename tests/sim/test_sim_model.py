@@ -11,6 +11,7 @@ import random
 import pytest
 
 from sim.calibrate import (
+    PROBE_TOKENS,
     decode_row,
     fit_serving,
     path_extra,
@@ -121,6 +122,21 @@ def _rows(model: StepTimeModel, truth: dict, rng: random.Random, noise: float, o
     for r in rng.sample(rows, outliers):
         r.y *= 3.0
     return rows
+
+
+def test_a_decode_row_prices_the_probes_that_joined_its_steps() -> None:
+    # probes at 2/s beside a stream whose steps take 25 ms: 5% of its steps also prefill one
+    plain = decode_row(KNOWN, 4, 64, 48, 0.025, 0.0)
+    probed = decode_row(KNOWN, 4, 64, 48, 0.025, 0.0, probe_rate=2.0)
+    ctx = 64 + 24
+    decode = KNOWN.predict(StepShape.of([], [ctx] * 4))
+    with_probe = KNOWN.predict(StepShape.of([(PROBE_TOKENS, 0)], [ctx] * 4))
+    assert probed.known - plain.known == pytest.approx(0.05 * (with_probe - decode))
+    assert probed.x[2] > plain.x[2]  # its prefill part, which prefill_scale scales
+    assert probed.x[:2] == plain.x[:2]
+    # one probe per step at most
+    flooded = decode_row(KNOWN, 4, 64, 48, 0.025, 0.0, probe_rate=1e6)
+    assert flooded.known - plain.known == pytest.approx(with_probe - decode)
 
 
 def test_fit_serving_recovers_signed_coefficients_despite_noise_and_outliers() -> None:
