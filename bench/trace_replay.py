@@ -1,7 +1,8 @@
 """Replay a trace file (Azure CSV or Mooncake JSONL: sim/workloads.py) on a running stepserve
 server with the trace's own timing, prompt lengths and (Mooncake) shared prefixes, streaming
 each request from /v1/completions as token ids; write the replay record `stepserve simulate
---compare` reads (sim/fidelity.py), with the servers' queue time over the run from /metrics.
+--compare` reads (sim/fidelity.py), with the servers' totals over the run from /metrics (queue
+time, prefix cache queries and hits, engine steps and their time, preemptions).
 
 `--seed` draws the prompts' token ids (the same lengths, times and sharing for any seed): give
 each replay of one server its own, so a second replay does not hit the first one's prefix cache.
@@ -29,30 +30,47 @@ from sim.fidelity import RealRun, write_run  # noqa: E402
 from sim.workloads import read_trace  # noqa: E402
 
 QUEUE = "vllm:request_queue_time_seconds"
+# the replay record's server-side totals (deltas over the run, every replica's label sets
+# summed): field -> metric (a counter's `_total` sample counts as its name)
+SERVER_TOTALS = {
+    "queue_time_s_sum": QUEUE + "_sum",
+    "queue_time_count": QUEUE + "_count",
+    "prefix_cache_queries": "vllm:prefix_cache_queries",
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+    "engine_step_s_sum": "stepserve:engine_step_duration_seconds_sum",
+    "engine_steps": "stepserve:engine_step_duration_seconds_count",
+    "preemptions": "vllm:num_preemptions",
+}
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(?P<value>\S+)")
 
 
-def queue_totals(exposition: str) -> tuple[float, float]:
-    """(sum, count) of the queue-time histogram over every label set of a Prometheus text."""
-    total = count = 0.0
+def server_totals(exposition: str) -> dict[str, float]:
+    """SERVER_TOTALS' fields summed over every label set of a Prometheus text."""
+    field = {metric: key for key, metric in SERVER_TOTALS.items()}
+    out = dict.fromkeys(SERVER_TOTALS, 0.0)
     for line in exposition.splitlines():
         m = _SAMPLE.match(line)
         if m is None:
             continue
-        if m["name"] == QUEUE + "_sum":
-            total += float(m["value"])
-        elif m["name"] == QUEUE + "_count":
-            count += float(m["value"])
-    return total, count
+        name = m["name"].removesuffix("_total")
+        if name in field:
+            out[field[name]] += float(m["value"])
+    return out
 
 
-def scrape_queue(base_url: str) -> tuple[float, float] | None:
+def queue_totals(exposition: str) -> tuple[float, float]:
+    """(sum, count) of the queue-time histogram over every label set of a Prometheus text."""
+    totals = server_totals(exposition)
+    return totals["queue_time_s_sum"], totals["queue_time_count"]
+
+
+def scrape_totals(base_url: str) -> dict[str, float] | None:
     try:
         resp = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10)
         resp.raise_for_status()
     except httpx.HTTPError:
         return None
-    return queue_totals(resp.text)
+    return server_totals(resp.text)
 
 
 def replay(
@@ -70,12 +88,12 @@ def replay(
     rows = read_trace(trace, limit=limit, seed=seed)
     offsets = [r.arrival_s / time_scale for r in rows]
     specs = [r.spec for r in rows]
-    before = scrape_queue(base_url)
+    before = scrape_totals(base_url)
     started = time.time()
     load = LoadConfig(base_url=base_url, max_concurrency=max_concurrency)
     results, wall = asyncio.run(run_load(load, specs, offsets))
     time.sleep(settle_s)  # replicas push their metrics about once a second
-    after = scrape_queue(base_url)
+    after = scrape_totals(base_url)
     meta = {
         "trace": str(trace),
         "seed": seed,
@@ -86,9 +104,12 @@ def replay(
         "wall_s": wall,
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
-    if before is not None and after is not None and after[1] > before[1]:
-        meta["queue_time_s_sum"] = after[0] - before[0]
-        meta["queue_time_count"] = after[1] - before[1]
+    if (
+        before is not None
+        and after is not None
+        and after["queue_time_count"] > before["queue_time_count"]
+    ):
+        meta.update({key: after[key] - before[key] for key in SERVER_TOTALS})
     records = [
         {
             "index": i,

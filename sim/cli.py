@@ -606,7 +606,7 @@ def fidelity_report(args: argparse.Namespace) -> dict:
         draw = argparse.Namespace(**{**vars(args), "seed": args.seed + k})
         wl = workload if k == 0 else build_workload(draw, profile)
         result = simulate(build_cluster_config(draw), profile, wl, build_settings(draw, profile))
-        sims.append(sim_metrics(result.requests))
+        sims.append(sim_metrics(result.requests, result.replicas))
     report = compare([real_metrics(r) for r in runs], median_metrics(sims), sims)
     report["sim_seeds"] = [args.seed + k for k in range(seeds)]
     report["trace"] = args.workload.split(":", 1)[1]

@@ -6,18 +6,23 @@ Replay record (JSONL; bench/trace_replay.py writes it, `read_run` reads it): the
 describes the run, every other line one request of the trace, in trace order:
 
     {"type": "run", "trace": PATH, "seed": S, "time_scale": X, "requests": N, "base_url": URL,
-     "started_at": UNIX_S, "load_average_1m": L, "queue_time_s_sum": Q, "queue_time_count": C}
+     "started_at": UNIX_S, "load_average_1m": L, "queue_time_s_sum": Q, "queue_time_count": C,
+     "prefix_cache_queries": PQ, "prefix_cache_hits": PH, "engine_steps": S,
+     "engine_step_s_sum": SS, "preemptions": P}
     {"type": "request", "index": I, "arrival_s": T, "start_s": T', "prompt_tokens": P,
      "output_tokens": O, "expected_output_tokens": O', "success": true, "ttft_s": ...,
      "tpot_s": ... or null, "e2e_s": ..., "error": ""}
 
 `arrival_s` is the trace's time (after `time_scale`), `start_s` when the request was sent (s
 from the run's start); TPOT is (e2e - TTFT) / (output tokens - 1). The queue-time fields (the
-servers' `vllm:request_queue_time_seconds` over the run) are optional.
+servers' `vllm:request_queue_time_seconds` over the run) and the other server totals (prefix
+cache, engine steps, preemptions: deltas of the replicas' metrics over the run) are optional.
 
 The bar: every p50 (and the throughput) within 10% of the real runs' median, every p99 within
 20%, or within the real runs' own spread ((max - min) / median over the runs) where that is
-larger. The mean queue time is shown, not judged (the client cannot see it per request)."""
+larger. The server-side figures are shown, not judged: the mean queue time (the client cannot see it per
+request), the prefix cache's hit rate (hit / queried prompt tokens), the engine steps and their
+mean time (the simulator's: its served steps)."""
 
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ BAR = {
     "e2e_p99": 0.20,
     "throughput": 0.10,
 }
-SHOWN = ("queue_mean",)  # reported, not judged
+SHOWN = ("queue_mean", "hit_rate", "steps", "step_mean")  # reported, not judged
 
 
 @dataclass
@@ -123,16 +128,30 @@ def metrics(rows: list[dict]) -> dict:
     return out
 
 
+def _server(out: dict, queries: float, hits: float, steps: float, step_s: float) -> None:
+    if queries:
+        out["hit_rate"] = hits / queries
+    if steps:
+        out["steps"] = steps
+        out["step_mean"] = step_s / steps
+
+
 def real_metrics(run: RealRun) -> dict:
     out = metrics(run.rows)
-    count = run.meta.get("queue_time_count")
+    meta = run.meta
+    count = meta.get("queue_time_count")
     if count:
-        out["queue_mean"] = run.meta["queue_time_s_sum"] / count
+        out["queue_mean"] = meta["queue_time_s_sum"] / count
+    _server(
+        out, meta.get("prefix_cache_queries", 0), meta.get("prefix_cache_hits", 0),
+        meta.get("engine_steps", 0), meta.get("engine_step_s_sum", 0.0),
+    )  # fmt: skip
     return out
 
 
-def sim_metrics(requests: list[dict]) -> dict:
-    """`metrics` of a simulation's per-request results (SimResult.requests)."""
+def sim_metrics(requests: list[dict], replicas: list[dict] | None = None) -> dict:
+    """`metrics` of a simulation's per-request results (SimResult.requests), with the server
+    totals of its replicas (SimResult.replicas) where given."""
     rows = [
         {
             "success": r["status"] == "ok",
@@ -150,6 +169,12 @@ def sim_metrics(requests: list[dict]) -> dict:
     ]
     if queued:
         out["queue_mean"] = sum(queued) / len(queued)
+    if replicas:
+        _server(
+            out, sum(r["prefix_cache_queries"] for r in replicas),
+            sum(r["prefix_cache_hits"] for r in replicas), sum(r["steps"] for r in replicas),
+            sum(r["busy_s"] for r in replicas),
+        )  # fmt: skip
     return out
 
 
@@ -217,6 +242,10 @@ def compare(real: list[dict], sim: dict, sim_runs: list[dict] | None = None) -> 
 def _ms(key: str, v: float) -> str:
     if v != v:
         return "n/a"
+    if key == "hit_rate":
+        return f"{v:.3f}"
+    if key == "steps":
+        return f"{v:.0f}"
     return f"{v:.1f}" if key == "throughput" else f"{v * 1e3:.1f}"
 
 

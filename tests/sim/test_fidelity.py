@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from bench.trace_replay import queue_totals
+from bench.trace_replay import queue_totals, server_totals
 from cluster.cli import main as cli_main
 from sim.cluster import SimSettings, Simulation, Workload, simulate
 from sim.fidelity import (
@@ -181,6 +181,40 @@ def test_queue_totals_sums_every_label_set():
         "vllm:other_sum 99\n"
     )
     assert queue_totals(text) == (pytest.approx(1.0), 10.0)
+
+
+def test_server_totals_read_counters_and_the_step_histogram():
+    text = (
+        'vllm:prefix_cache_queries_total{replica="a"} 1000\n'
+        'vllm:prefix_cache_queries_total{replica="b"} 500\n'
+        'vllm:prefix_cache_hits_total{replica="a"} 640\n'
+        'stepserve:engine_step_duration_seconds_sum{replica="a"} 12.5\n'
+        'stepserve:engine_step_duration_seconds_count{replica="a"} 250\n'
+        "vllm:num_preemptions_total 3\n"
+    )
+    t = server_totals(text)
+    assert t["prefix_cache_queries"] == 1500 and t["prefix_cache_hits"] == 640
+    assert t["engine_steps"] == 250 and t["engine_step_s_sum"] == pytest.approx(12.5)
+    assert t["preemptions"] == 3 and t["queue_time_count"] == 0
+
+
+def test_server_figures_are_shown_for_real_and_simulated_runs_not_judged(tmp_path):
+    path = tmp_path / "real.jsonl"
+    meta = {"trace": "t.csv", "prefix_cache_queries": 1000, "prefix_cache_hits": 250,
+            "engine_steps": 40, "engine_step_s_sum": 2.0}  # fmt: skip
+    write_run(path, meta, [_row(0, 100), _row(1, 200)])
+    real = real_metrics(read_run(path))
+    assert real["hit_rate"] == 0.25 and real["steps"] == 40 and real["step_mean"] == 0.05
+    reps = [{"prefix_cache_queries": 600, "prefix_cache_hits": 300, "steps": 30, "busy_s": 3.0},
+            {"prefix_cache_queries": 400, "prefix_cache_hits": 0, "steps": 10, "busy_s": 1.0}]  # fmt: skip
+    rows = [{"status": "ok", "arrival_s": 0.0, "ttft_s": 0.1, "tpot_s": 0.01, "e2e_s": 0.2,
+             "output_tokens": 5, "queue_s": 0.0}]  # fmt: skip
+    sim = sim_metrics(rows, reps)
+    assert sim["hit_rate"] == 0.3 and sim["steps"] == 40 and sim["step_mean"] == 0.1
+    report = compare([real], sim)
+    assert "ok" not in report["metrics"]["hit_rate"] and report["ok"] is not None
+    text = format_report(report)
+    assert "hit_rate" in text and "0.300" in text and "(shown)" in text
 
 
 # -- held-out traces ---------------------------------------------------------------------------
