@@ -178,7 +178,8 @@ def run_trace(trace: HeldOutTrace, args, work: Path, rate: float | None) -> dict
             ok = sum(r["success"] for r in run.rows)
             print(
                 f"[{trace.name}] replay {k}: {ok}/{len(run.rows)} ok in "
-                f"{run.meta['wall_s']:.0f} s (load average {run.meta['load_average_1m']})",
+                f"{run.meta['wall_s']:.0f} s (load average {run.meta['load_average_1m']}, CPU "
+                f"stolen {run.meta['host_cpu']['steal_share']:.1%})",
                 flush=True,
             )
             records.append(str(out))

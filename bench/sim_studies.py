@@ -77,12 +77,14 @@ def ci(values: list[float]) -> dict:
 # -- workloads ------------------------------------------------------------------------------------
 # Per-replica rates (requests, or chats started, per second) putting 8 load_aware replicas of the
 # default model on one core each at roughly 70% of their capacity (found with `stepserve plan`
-# style sweeps in this simulator; see bench/README.md).
+# style sweeps in this simulator; see bench/README.md), on the fp32 AVX2 profile; `--rate-scale`
+# multiplies them for a faster profile (the Q4_1 AVX-512 one: 2.5 for the same busy share,
+# docs/simulator-studies.md).
 PER_REPLICA_RATE = {"heterogeneous": 0.35, "prefix": 0.45, "multi-turn": 0.06}
 
 
-def workload(name: str, replicas: int, seconds: float, seed: int) -> Workload:
-    rate = PER_REPLICA_RATE[name] * replicas
+def workload(name: str, replicas: int, seconds: float, seed: int, scale: float = 1.0) -> Workload:
+    rate = PER_REPLICA_RATE[name] * replicas * scale
     rng = random.Random(seed)
     if name == "multi-turn":
         n = max(4, round(rate * seconds))
@@ -135,7 +137,8 @@ def study_routers(args, profile: Profile) -> dict:
                     cfg = config(n, routing_of(router, cand), engine)
                     t0 = time.perf_counter()
                     result = simulate(
-                        cfg, profile, workload(wl, n, seconds, seed), SimSettings(seed=seed),
+                        cfg, profile, workload(wl, n, seconds, seed, args.rate_scale),
+                        SimSettings(seed=seed),
                         oracle=wl == "multi-turn",
                     )  # fmt: skip
                     s = result.summary()
@@ -334,6 +337,10 @@ def main() -> None:
     p.add_argument("--routers", default=",".join(ROUTERS))
     p.add_argument("--seconds", type=float, default=300.0, help="arrival window (< 1000 replicas)")
     p.add_argument("--seconds-1000", type=float, default=60.0, help="arrival window at 1000")
+    p.add_argument(
+        "--rate-scale", type=float, default=1.0,
+        help="routers: multiply the workloads' per-replica rates (a faster profile's load)",
+    )  # fmt: skip
     p.add_argument("--max-candidates", type=int, default=16)
     p.add_argument("--candidates-from", type=int, default=1000, help="replicas from which "
                    "load_aware ranks --max-candidates sampled replicas instead of all")  # fmt: skip

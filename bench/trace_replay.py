@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.serving import LoadConfig, run_load  # noqa: E402
 from sim.fidelity import RealRun, write_run  # noqa: E402
+from sim.host import CpuTimes, host_load  # noqa: E402
 from sim.workloads import read_trace  # noqa: E402
 
 QUEUE = "vllm:request_queue_time_seconds"
@@ -89,9 +90,11 @@ def replay(
     offsets = [r.arrival_s / time_scale for r in rows]
     specs = [r.spec for r in rows]
     before = scrape_totals(base_url)
+    cpu_start = CpuTimes.now()
     started = time.time()
     load = LoadConfig(base_url=base_url, max_concurrency=max_concurrency)
     results, wall = asyncio.run(run_load(load, specs, offsets))
+    cpu = host_load(cpu_start, CpuTimes.now())
     time.sleep(settle_s)  # replicas push their metrics about once a second
     after = scrape_totals(base_url)
     meta = {
@@ -103,6 +106,9 @@ def replay(
         "started_at": started,
         "wall_s": wall,
         "load_average_1m": round(os.getloadavg()[0], 2),
+        # the host's CPU over the run (the server's and this client's work included): a slower
+        # run with more stolen time was the host's, not the cluster's
+        "host_cpu": {k: cpu[k] for k in ("busy_share", "idle_share", "steal_share")},
     }
     if (
         before is not None

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "STEPSERVE_QUANT_CROSSOVER"
 # rows of x timed, per activation mode (the fp32-activation kernel loses to the GEMM early)
-MEASURED_M = {"int8": (16, 32, 64, 128, 256, 512), "fp32": (4, 8, 16, 32, 64, 128)}
+MEASURED_M = {"int8": (16, 32, 40, 48, 64, 96, 128, 256, 512), "fp32": (4, 8, 16, 32, 64, 128)}
 REPEATS = 3  # per shape, path and M, interleaved; the minimum counts (a busy host only adds)
 # A weight is timed on at most this many of its rows: both paths split W's rows, so their ratio
 # holds, and a 49152-row LM head would cost seconds.
