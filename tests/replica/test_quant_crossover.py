@@ -21,7 +21,8 @@ from tests.replica.quant_helpers import prompt_logits
 from tests.replica.test_cpu_kernels import needs_native
 from tests.replica.test_quant_kernels import make_weight, product
 
-MS = [16, 32, 64, 128, 256, 512]
+MS = [16, 32, 64, 128, 256, 512]  # the tables of the tests that pass their own Ms
+TIMED = list(crossover.MEASURED_M["int8"])  # what crossover_for times
 
 
 @pytest.fixture(autouse=True)
@@ -84,12 +85,12 @@ def test_measure_interleaves_repeats_keeps_minima_and_stops_below_the_first_kern
 def test_the_choice_is_cached_per_cpu_build_and_shapes(tmp_path, monkeypatch):
     w = [make_weight(QType.Q4_1, 64, 64, seed=3)]
     dequant_from_64 = table_timer(
-        {m: m for m in MS}, {m: (m * 1.5 if m < 64 else m * 0.8) for m in MS}
+        {m: m for m in TIMED}, {m: (m * 1.5 if m < 64 else m * 0.8) for m in TIMED}
     )
     assert crossover.crossover_for(QType.Q4_1, "int8", w, dequant_from_64) == 64
     (path,) = (tmp_path / "quant-crossover").glob("Q4_1-int8-*.json")
     record = json.loads(path.read_text())
-    assert record["crossover"] == 64 and record["ms"] == [32, 64, 128, 256, 512]
+    assert record["crossover"] == 64 and record["ms"] == [m for m in TIMED if m >= 48]
     assert record["key"]["cpu"] and record["key"]["shapes"] == [[64, 64]]
     assert record["key"]["kernels"] and record["key"]["torch"] == torch.__version__
 
@@ -98,7 +99,9 @@ def test_the_choice_is_cached_per_cpu_build_and_shapes(tmp_path, monkeypatch):
 
     assert crossover.crossover_for(QType.Q4_1, "int8", w, not_again) == 64
     # other shapes, another CPU or kernel build: another key, timed
-    dequant_from_256 = table_timer({m: m for m in MS}, {m: m * (2 if m < 256 else 0.9) for m in MS})
+    dequant_from_256 = table_timer(
+        {m: m for m in TIMED}, {m: m * (2 if m < 256 else 0.9) for m in TIMED}
+    )
     other = [make_weight(QType.Q4_1, 32, 64, seed=4)]
     assert crossover.crossover_for(QType.Q4_1, "int8", other, dequant_from_256) == 256
     monkeypatch.setattr(crossover.cpu_isa, "cpu_model", lambda: "Another CPU")
@@ -123,7 +126,7 @@ def test_an_unwritable_cache_keeps_the_measured_choice(monkeypatch, tmp_path, ca
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setattr(crossover, "cache_dir", lambda: blocker / "quant-crossover")
-    timer = table_timer({m: m for m in MS}, {m: m * (0.5 if m >= 32 else 2) for m in MS})
+    timer = table_timer({m: m for m in TIMED}, {m: m * (0.5 if m >= 32 else 2) for m in TIMED})
     w = [make_weight(QType.Q8_0, 8, 64, seed=9)]
     with caplog.at_level(logging.WARNING, logger="replica.quant.crossover"):
         assert crossover.crossover_for(QType.Q8_0, "int8", w, timer) == 32
@@ -169,7 +172,7 @@ def test_calibration_times_on_one_thread_and_the_matmul_switches_there(monkeypat
     timed_threads = []
 
     def fake_native_timer(activations):
-        table = table_timer({m: m for m in MS}, {m: m * (0.5 if m >= 64 else 2) for m in MS})
+        table = table_timer({m: m for m in TIMED}, {m: m * (0.5 if m >= 64 else 2) for m in TIMED})
 
         def timer(path, w, m):
             timed_threads.append(torch.get_num_threads())
