@@ -18,8 +18,9 @@ own bytes (quantized bytes for q-*, fp32 bytes for fp32).
 With --model: the linear layers of one SmolLM2-135M (Q4_1 GGUF) decode step instead, through
 quant_matmul as the engine calls it (30 layers of distinct weights, the Q8_0 lm_head).
 
-Run: .venv/bin/python bench/quant_kernels.py [--threads 2] [--levels avx512_bf16,avx2]
-     [--types Q4_1,Q8_0] [--ms 1,4,16,64,256] [--model] [--clock thread (with --threads 1)]
+Run: .venv/bin/python bench/quant_kernels.py [--threads 2] [--levels avx512,avx512_vnni]
+     [--rounds 3] [--types Q4_1,Q8_0] [--ms 1,4,16,64,256] [--model]
+     [--clock thread (with --threads 1)]
 """
 
 from __future__ import annotations
@@ -215,6 +216,13 @@ def main() -> None:
     parser.add_argument("--shapes", default=None, help="e.g. 576x576,49152x576 (default: all)")
     parser.add_argument("--stream-mb", type=float, default=96.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run --levels in turn this many times (an interleaved A/B on a shared host); with "
+        "several levels the best of each is compared at the end",
+    )
     parser.add_argument("--model", action="store_true", help="only the SmolLM2-135M decode step")
     parser.add_argument("--paths", default=",".join(PATHS), help="of " + ",".join(PATHS))
     parser.add_argument(
@@ -240,18 +248,50 @@ def main() -> None:
     )
     print(f"{cpu_isa.cpu_model()}, {args.threads} threads, torch {torch.__version__}")
     gen = torch.Generator().manual_seed(0)
-    for level in levels:
-        with cpu_isa.use_level(level):
-            lib = cpu_kernels.native_library()
-            print(f"== level {level} (kernel path {lib.stepserve_quant_isa()})")
-            if args.model:
-                model_step(args.repeats, gen)
-                continue
-            for n, k in shapes:
-                types = [QType.Q8_0] if (n, k) == LM_HEAD else qtypes
-                bench_shape(
-                    n, k, types, ms, args.stream_mb, args.repeats, gen, lib, args.paths.split(",")
-                )
+    # level -> (n, k, type, M, path) -> best seconds over the rounds
+    best: dict[str, dict[tuple, float]] = {}
+    for _ in range(args.rounds):
+        for level in levels:
+            with cpu_isa.use_level(level):
+                lib = cpu_kernels.native_library()
+                print(f"== level {level} (kernel path {lib.stepserve_quant_isa()})")
+                if args.model:
+                    model_step(args.repeats, gen)
+                    continue
+                for n, k in shapes:
+                    types = [QType.Q8_0] if (n, k) == LM_HEAD else qtypes
+                    rows = bench_shape(
+                        n,
+                        k,
+                        types,
+                        ms,
+                        args.stream_mb,
+                        args.repeats,
+                        gen,
+                        lib,
+                        args.paths.split(","),
+                    )
+                    for n_, k_, qname, m, t, *_ in rows:
+                        for path, sec in t.items():
+                            key = (n_, k_, qname, m, path)
+                            mine = best.setdefault(level, {})
+                            mine[key] = min(mine.get(key, float("inf")), sec)
+    if len(best) > 1:
+        compare_levels(best, args.rounds)
+
+
+def compare_levels(best: dict[str, dict[tuple, float]], rounds: int) -> None:
+    """Per configuration, each level's best time over the rounds and the first level's time over
+    each other's (above 1: the other level is faster)."""
+    first, *others = best
+    print(f"== best of {rounds} round(s), us per call; {first} / other level")
+    for key, base in best[first].items():
+        n, k, qname, m, path = key
+        line = f"{n:>5}x{k:<5} {qname:<5} M={m:<4} {path:<8} {first} {base * 1e6:8.1f}"
+        for level in others:
+            sec = best[level][key]
+            line += f" | {level} {sec * 1e6:8.1f} ({base / sec:.2f}x)"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ class EngineConfig(BaseModel):
         "SiLU * up run as single C kernels (built like the native decode kernel) instead of "
         "several torch ops each.",
     )
-    cpu_isa: Literal["auto", "portable", "avx2", "avx512", "avx512_bf16"] = Field(
+    cpu_isa: Literal["auto", "portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"] = Field(
         default="auto",
         description="CPU: cap of the x86-64 instruction-set level the native kernels and "
         "oneDNN's weight packing may use; auto: the CPU's own, capped by STEPSERVE_CPU_ISA. A "

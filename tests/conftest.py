@@ -226,16 +226,17 @@ def run_generation() -> Callable[..., GenerationRun]:
 
 
 def _isa_levels() -> list[str]:
-    from replica.layers.cpu_isa import runnable_levels
+    from replica.layers.cpu_isa import levels_to_test
 
-    return list(runnable_levels())
+    return list(levels_to_test())
 
 
 @pytest.fixture(params=_isa_levels())
 def cpu_isa_level(request):
-    """Each instruction-set level this CPU can execute (portable, avx2, avx512, avx512_bf16 on
-    x86-64; cpu_isa.py): the native kernels and oneDNN packing run as they would on a CPU whose
-    best level that is. The test body runs inside the level."""
+    """Each instruction-set level this CPU can execute (portable, avx2, avx512, avx512_vnni,
+    avx512_bf16 on x86-64; cpu_isa.py), avx512 left out where avx512_vnni runs
+    (cpu_isa.levels_to_test): the native kernels and oneDNN packing run as they would on a CPU
+    whose best level that is. The test body runs inside the level."""
     from replica.layers.cpu_isa import use_level
 
     with use_level(request.param):

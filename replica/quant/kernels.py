@@ -5,7 +5,7 @@ other CPU kernels: cpu_kernels.py).
 `quant_matmul(x, w)` is y = x W^T with W [N, K] in blocks:
   - activations="int8" (the fast path): each row of x is quantized to int8 per block of 32 (Q4_0,
     Q4_1, Q8_0) or per super-block of 256 (Q4_K, Q5_K, Q6_K) and the products are integer dot
-    products (AVX512-VNNI at the avx512_bf16 level, AVX2/AVX-512BW maddubs otherwise);
+    products (AVX512-VNNI from the avx512_vnni level, AVX2/AVX-512BW maddubs below it);
   - activations="fp32" (the parity mode): weight blocks de-quantized in registers (exactly as
     gguf's reference rounds) and multiplied with fp32 x.
 From a crossover number of rows of x (prefill, big decode batches) the weight is de-quantized to

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not cpu_isa.is_x86(), reason="x86-64 levels")
 
 AVX2_FLAGS = frozenset("sse2 ssse3 sse4_2 avx avx2 fma f16c bmi1 bmi2 movbe popcnt".split())
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+VNNI_FLAGS = AVX512_FLAGS | {"avx512_vnni"}
 
 
 def test_levels_come_from_the_cpu_flags():
@@ -23,9 +24,11 @@ def test_levels_come_from_the_cpu_flags():
     assert cpu_isa.detected_level(AVX2_FLAGS) == "avx2"
     assert cpu_isa.detected_level(AVX2_FLAGS - {"fma"}) == "portable"
     assert cpu_isa.detected_level(AVX512_FLAGS) == "avx512"
-    assert cpu_isa.detected_level(AVX512_FLAGS | {"avx512_bf16", "avx512_vnni"}) == "avx512_bf16"
-    # the bf16 level also needs VNNI (the quantized kernels' vpdpbusd path)
+    assert cpu_isa.detected_level(VNNI_FLAGS) == "avx512_vnni"  # Cascade Lake, Ice Lake
+    assert cpu_isa.detected_level(VNNI_FLAGS | {"avx512_bf16"}) == "avx512_bf16"
+    # the bf16 level sits on the VNNI one (the quantized kernels' vpdpbusd path)
     assert cpu_isa.detected_level(AVX512_FLAGS | {"avx512_bf16"}) == "avx512"
+    assert cpu_isa.detected_level(AVX2_FLAGS | {"avx512_vnni"}) == "avx2"
     # bf16 without the AVX-512 base is not the bf16 level
     assert cpu_isa.detected_level(AVX2_FLAGS | {"avx512_bf16"}) == "avx2"
     assert cpu_isa.missing_flags("avx512", AVX2_FLAGS) == [
@@ -36,6 +39,28 @@ def test_levels_come_from_the_cpu_flags():
         "avx512vl",
     ]
     assert cpu_isa.missing_flags("avx2", AVX512_FLAGS) == []
+    assert cpu_isa.missing_flags("avx512_bf16", AVX512_FLAGS) == ["avx512_bf16", "avx512_vnni"]
+    assert cpu_isa.missing_flags("avx512_bf16", VNNI_FLAGS) == ["avx512_bf16"]
+
+
+def test_vnni_is_its_own_build_and_changes_nothing_else(monkeypatch):
+    """avx512_vnni builds with VNNI (avx512_bf16 keeps it, avx512 has none); oneDNN packing and
+    the attention paths are avx512's; the shared level fixture runs it in avx512's place."""
+    from replica.layers.attention import native_decode
+
+    assert "-mavx512vnni" in cpu_isa.march_flags("avx512_vnni")
+    assert "-mavx512vnni" in cpu_isa.march_flags("avx512_bf16")
+    assert not any("vnni" in f for f in cpu_isa.march_flags("avx512"))
+    assert cpu_isa.onednn_bf16_packing("avx512_vnni", VNNI_FLAGS)
+    assert native_decode.native_prefill_max_keys("avx512_vnni") is None
+    assert "avx512_vnni" in native_decode.VECTOR_PREFILL_LEVELS
+    for flags, tested in (
+        (AVX512_FLAGS, ("portable", "avx2", "avx512")),
+        (VNNI_FLAGS, ("portable", "avx2", "avx512_vnni")),
+        (VNNI_FLAGS | {"avx512_bf16"}, ("portable", "avx2", "avx512_vnni", "avx512_bf16")),
+    ):
+        monkeypatch.setattr(cpu_isa, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu_isa.levels_to_test() == tested
 
 
 def test_bf16_packing_needs_avx512_or_avx_ne_convert():

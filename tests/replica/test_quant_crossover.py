@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from replica.layers import cpu_isa
 from replica.quant import crossover, kernels
 from replica.quant.formats import QType
 from replica.quant.weights import QuantizedWeight
@@ -107,6 +108,18 @@ def test_the_choice_is_cached_per_cpu_build_and_shapes(tmp_path, monkeypatch):
     monkeypatch.setattr(crossover.cpu_isa, "cpu_model", lambda: "Another CPU")
     assert crossover.crossover_for(QType.Q4_1, "int8", w, dequant_from_256) == 256
     assert len(list((tmp_path / "quant-crossover").glob("*.json"))) == 3
+
+
+@needs_native
+def test_each_level_has_a_cached_crossover_of_its_own():
+    """The key names the level's kernel build: a crossover timed with avx512's maddubs kernel is
+    not read back for avx512_vnni's VNNI one (nor any level's for another's)."""
+    w = [make_weight(QType.Q4_1, 64, 64, seed=3)]
+    keys = set()
+    for level in cpu_isa.runnable_levels():
+        with cpu_isa.use_level(level):
+            keys.add(crossover._cache_file(crossover.cache_key(QType.Q4_1, "int8", w)))
+    assert len(keys) == len(cpu_isa.runnable_levels())
 
 
 def test_a_failed_measurement_falls_back_to_the_built_in_constants(caplog):

@@ -50,7 +50,16 @@ def kernel_only(monkeypatch):
     monkeypatch.setattr(kernels, "_crossover", {})
 
 
-PATH = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+# stepserve_quant_isa(): 0 scalar, 1 AVX2 maddubs, 2 its AVX-512 build, 3 AVX512-VNNI
+PATH = {"portable": 0, "avx2": 1, "avx512": 2, "avx512_vnni": 3, "avx512_bf16": 3}
+
+
+@pytest.fixture(params=cpu_isa.runnable_levels())
+def quant_level(request):
+    """Every level this CPU runs: avx512 too where avx512_vnni runs (conftest's cpu_isa_level
+    leaves it out there, as it differs from avx512_vnni only in these kernels)."""
+    with cpu_isa.use_level(request.param):
+        yield request.param
 
 
 def make_weight(qtype: QType, n: int, k: int, seed: int) -> QuantizedTensor:
@@ -147,7 +156,7 @@ def test_every_type_level_and_mode_against_the_references(qtype, cases, monkeypa
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-def test_dequantize_equals_gguf_bitwise(qtype, cases, cpu_isa_level):
+def test_dequantize_equals_gguf_bitwise(qtype, cases, quant_level):
     for w, _, wf, *_ in cases[qtype]:
         assert torch.equal(kernels.dequantize(w), wf)
         n = w.shape[0]
@@ -160,7 +169,7 @@ def test_dequantize_equals_gguf_bitwise(qtype, cases, cpu_isa_level):
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q6_K], ids=lambda t: t.name)
-def test_strided_output_column_slices_bias_and_bf16(qtype, cpu_isa_level, monkeypatch):
+def test_strided_output_column_slices_bias_and_bf16(qtype, quant_level, monkeypatch):
     kernel_only(monkeypatch)
     elems = BLOCK[qtype][0]
     k = 4 * elems
@@ -264,6 +273,22 @@ def test_the_library_compiles_at_every_level():
         assert cpu_kernels._build(compiler, level).exists()
     for level in cpu_isa.runnable_levels():
         assert cpu_kernels.native_library(level).stepserve_quant_isa() == PATH.get(level, 0)
+
+
+@pytest.mark.skipif(
+    "avx512_vnni" not in cpu_isa.runnable_levels(), reason="this CPU has no AVX512-VNNI"
+)
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_vnni_gives_the_bits_of_maddubs(qtype, cases, monkeypatch):
+    """VNNI's int8 dot products (avx512_vnni) are exact integer sums, as maddubs + madd's
+    (avx512): the same outputs to the bit."""
+    kernel_only(monkeypatch)
+    for w, x, *_ in cases[qtype]:
+        ys = {}
+        for level in ("avx512", "avx512_vnni"):
+            with cpu_isa.use_level(level):
+                ys[level] = kernels.quant_matmul(x, w, activations="int8")
+        assert torch.equal(ys["avx512"], ys["avx512_vnni"]), f"{qtype.name} {tuple(w.shape)}"
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q4_K], ids=lambda t: t.name)

@@ -88,7 +88,7 @@ def _decode_batch(
 # build beats it at every length measured, up to 8192 keys, so it has no limit
 # (docs/perf-engine.md, "Prefill attention").
 NATIVE_PREFILL_MAX_KEYS = 1024
-NO_KEY_LIMIT_LEVELS = ("avx512", "avx512_bf16")
+NO_KEY_LIMIT_LEVELS = ("avx512", "avx512_vnni", "avx512_bf16")
 
 
 def native_prefill_max_keys(level: str) -> int | None:
@@ -225,7 +225,7 @@ class NativeDecodeBackend(AttentionBackend):
 
 # the instruction-set levels whose build of the prefill kernel has explicit vector code: below
 # them (SSE2, or another architecture's plain loops) torch's SDPA was 3-5x faster
-VECTOR_PREFILL_LEVELS = ("avx2", "avx512", "avx512_bf16")
+VECTOR_PREFILL_LEVELS = ("avx2", "avx512", "avx512_vnni", "avx512_bf16")
 
 
 def native_prefill_runs_here(spec: AttentionSpec) -> bool:

@@ -11,8 +11,8 @@
  *  - int8 activations: each x row is quantized to int8 per block of 32 (Q4_0, Q4_1, Q8_0: an
  *    fp32 scale amax / 127 and the block's sum of int8 values) or per super-block of 256 (the
  *    K-quants: one scale and the sums of each 16), and the products are integer dot products
- *    (AVX512-VNNI vpdpbusd / vpdpwssd at the avx512_bf16 level, maddubs + madd at avx2 and
- *    avx512, scalar at portable), scaled to fp32 once per block.
+ *    (AVX512-VNNI vpdpbusd / vpdpwssd at the avx512_vnni and avx512_bf16 levels, maddubs + madd
+ *    at avx2 and avx512, scalar at portable), scaled to fp32 once per block.
  *  - fp32 activations: each weight block is de-quantized to fp32 (exactly as the reference
  *    de-quantizer rounds) and multiplied with fp32 x (the parity mode).
  * For M > 1 each weight block is unpacked once and applied to up to MT rows of x; rows of W are
