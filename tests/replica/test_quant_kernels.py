@@ -30,7 +30,8 @@ pytestmark = needs_native
 BLOCK32 = (QType.Q4_0, QType.Q4_1, QType.Q8_0)
 KQUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
 TYPES = BLOCK32 + KQUANTS
-# (N, M, blocks per row): every N and M of the brief, last groups of 1-7 blocks and none
+# (N, M, blocks per row): every N and M of the brief, last groups of 1-7 blocks and none; with
+# AVX-512, whole groups of 16 blocks (zmm) with and without a rest, passes of 16, 8, 4, 1-3 rows
 CASES = [
     (1, 1, 1),
     (7, 2, 2),
@@ -41,6 +42,8 @@ CASES = [
     (1, 130, 15),
     (257, 1, 31),
     (33, 5, 12),
+    (9, 31, 32),
+    (3, 9, 17),
 ]
 
 

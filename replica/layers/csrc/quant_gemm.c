@@ -21,8 +21,10 @@
  * Block-32 int8 kernels work on groups of 8 blocks: the integer dot products (one vector per pair
  * of blocks, see PAIRED) reduced to one vector of 8 block sums and the 8 weight scales loaded into
  * one vector (scalar loads: faster than vpgatherdd on Zen 4), so the fp32 work is a few vector ops
- * per 8 blocks instead of several per block. K-quant int8 kernels accumulate scale * dot in int32
- * over a super-block (maddubs, then madd / VNNI vpdpwssd by the sub-block scales) and convert once.
+ * per 8 blocks instead of several per block. AVX-512 builds take a row's whole groups of 16
+ * blocks in zmm the same way (QG_Z), MTZ rows of x per pass. K-quant int8 kernels accumulate
+ * scale * dot in int32 over a super-block (maddubs, then madd / VNNI vpdpwssd by the sub-block
+ * scales) and convert once.
  *
  * Built without -ffast-math and without contraction: `stepserve_quant_dequantize` then returns
  * exactly what gguf's numpy de-quantizer does (same products and sums, each rounded).
@@ -392,6 +394,7 @@ typedef struct {
     int16_t *bs;
     int64_t nb; /* blocks (or super-blocks) per row */
     int64_t qk; /* bytes of q per row */
+    int quads;  /* block-32: whole groups of 16 in the zmm quad layout (QG_Z, enough rows of x) */
 } xquant;
 
 /* x rows of the block-32 types on the SIMD paths are laid out per pair of blocks A, B as the
@@ -403,6 +406,27 @@ typedef struct {
 #define PAIRED(t) ((t) == T_Q4_0 || (t) == T_Q4_1 || (t) == T_Q8_0)
 #else
 #define PAIRED(t) 0
+#endif
+
+/* AVX-512 builds (QG_Z): a row's whole groups of 16 blocks go through zmm, laid out in x as 4
+ * quads of 128 bytes; quad j holds blocks j, j + 4, j + 8, j + 12: [elements 0-15 of each | 16-31
+ * of each]. One quad's dot products give 16 lanes, 4 per block, and 4 quads reduce to the 16
+ * block sums in order. The last nb % 16 blocks keep the pair layout and the ymm kernel. */
+#if defined(QG_AVX2) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QG_Z 1
+#ifdef __AVX512VNNI__
+#define QG_ZVNNI 1
+#endif
+#define ZG 16 /* blocks per zmm group */
+#ifndef MTZ
+#define MTZ 16 /* rows of x one pass over a weight row serves on the zmm path (then 8, then MT) */
+#endif
+#ifndef ZMIN
+#define ZMIN 4 /* rows of x from which the zmm path is taken */
+#endif
+#define MAXR MTZ
+#else
+#define MAXR MT
 #endif
 
 #ifdef QG_AVX2
@@ -444,7 +468,8 @@ AI __m256i quant32(const float *x, float id, int8_t *q, int32_t *half_sums) {
 
 /* one x row (k elements) per block of 32; paired: the layout above */
 static void quantize_row_b32(const float *x, int64_t k, int8_t *q, float *ds, float *ss,
-                             int32_t *si, int paired) {
+                             int32_t *si, int paired, int quads) {
+    (void)quads;
     const int64_t nb = k / QK;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
@@ -460,6 +485,14 @@ static void quantize_row_b32(const float *x, int64_t k, int8_t *q, float *ds, fl
         int8_t tmp[QK];
         int8_t *qb = paired ? tmp : q + b * QK;
         sum = hsum_epi32(quant32(xb, id, qb, NULL));
+#ifdef QG_Z
+        if (quads && b < nb / ZG * ZG) { /* the quad layout */
+            const int64_t i = b % ZG;
+            int8_t *lo = q + (b - i) * QK + (i % 4) * 128 + (i / 4) * 16;
+            memcpy(lo, tmp, 16);
+            memcpy(lo + 64, tmp + 16, 16);
+        } else
+#endif
         if (paired) {
             int8_t *pair = q + (b / 2) * 2 * QK + (b & 1) * 16;
             memcpy(pair, tmp, 16);
@@ -470,7 +503,7 @@ static void quantize_row_b32(const float *x, int64_t k, int8_t *q, float *ds, fl
             }
         }
 #else
-        (void)paired;
+        (void)paired, (void)quads;
         int8_t *qb = q + b * QK;
         sum = 0;
         for (int i = 0; i < QK; i++) {
@@ -614,7 +647,7 @@ AI __m256 block_scales(int t, const uint8_t *b, int n, __m256 *mins) {
 /* acc[i][r] += the products of n (<= 8) blocks from block g of weight rows b + i * ldw (i < RW)
  * with x rows r0 + r (r < R); Q4_1's mins go to accm */
 AI void group_b32(int t, const uint8_t *b, int64_t ldw, int RW, const xquant *xq, int64_t r0,
-                  int64_t g, int n, int R, __m256 acc[2][MT], __m256 accm[2][MT]) {
+                  int64_t g, int n, int R, __m256 acc[2][MAXR], __m256 accm[2][MAXR]) {
     const int bb = block_bytes(t);
     const int64_t nb = xq->nb;
     __m256i w[2][4], w2[2][4];
@@ -654,16 +687,130 @@ AI void group_b32(int t, const uint8_t *b, int64_t ldw, int RW, const xquant *xq
     }
 }
 
-/* y[r * ldy + i] = W row i . x row r0 + r (+ bias[i]) for RW weight rows from wrow and R rows of
- * x (int8), block-32 types: groups of 8 blocks, the last one partial */
-AI void row_i8_b32(int t, const uint8_t *wrow, int64_t ldw, int RW, const xquant *xq, int64_t r0,
-                   int R, float *y, int64_t ldy, const float *bias) {
+#ifdef QG_Z
+/* 16 bytes from each of the blocks at b, b + 4 bb, b + 8 bb, b + 12 bb (128-bit lanes 0-3) */
+AI __m512i load_quad(const uint8_t *b, int bb) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 4 * bb)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 8 * bb)), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(b + 12 * bb)), 3);
+}
+
+/* quad j of a group from its block j at b, as prep_pair does a pair */
+AI void prep_quad(int t, const uint8_t *b, int bb, __m512i *lo, __m512i *hi) {
+    if (t == T_Q8_0) {
+        *lo = load_quad(b + 2, bb);
+        *hi = load_quad(b + 18, bb);
+#ifdef QG_ZVNNI
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        *lo = _mm512_xor_si512(*lo, flip);
+        *hi = _mm512_xor_si512(*hi, flip);
+#endif
+        return;
+    }
+    const __m512i v = load_quad(b + (t == T_Q4_1 ? 4 : 2), bb);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    *lo = _mm512_and_si512(v, m4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+}
+
+/* the dot products of a prepared quad with x laid out in quads (128 bytes) */
+AI __m512i dot_quad(int t, __m512i lo, __m512i hi, const int8_t *x) {
+    const __m512i xl = _mm512_loadu_si512(x), xh = _mm512_loadu_si512(x + 64);
+#ifdef QG_ZVNNI
+    (void)t;
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
+#else
+    const __m512i ones = _mm512_set1_epi16(1);
+    if (t == T_Q8_0) { /* |w| x (x negated where w < 0), as dot_pair; no vpsignb in AVX-512 */
+        const __m512i z = _mm512_setzero_si512();
+        const __m512i pl = _mm512_maddubs_epi16(
+            _mm512_abs_epi8(lo), _mm512_mask_sub_epi8(xl, _mm512_movepi8_mask(lo), z, xl));
+        const __m512i ph = _mm512_maddubs_epi16(
+            _mm512_abs_epi8(hi), _mm512_mask_sub_epi8(xh, _mm512_movepi8_mask(hi), z, xh));
+        return _mm512_add_epi32(_mm512_madd_epi16(pl, ones), _mm512_madd_epi16(ph, ones));
+    }
+    return _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xl), _mm512_maddubs_epi16(hi, xh)), ones);
+#endif
+}
+
+/* 4 quad vectors -> the 16 block sums in order (lane L of quad j: block 4 L + j) */
+AI __m512i reduce_quads(const __m512i *p) {
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    const __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, c), _mm512_unpackhi_epi64(a, c));
+}
+
+AI __m512 join_ps(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                               _mm256_castps_pd(hi), 1));
+}
+
+/* acc[i][r] += the products of the 16 blocks from block g (a multiple of 16) of weight rows
+ * b + i * ldw (i < RW) with x rows r0 + r (r < R), Q4_1's mins included */
+AI void group16(int t, const uint8_t *b, int64_t ldw, int RW, const xquant *xq, int64_t r0,
+                int64_t g, int R, __m512 acc[2][MAXR]) {
     const int bb = block_bytes(t);
     const int64_t nb = xq->nb;
-    __m256 acc[2][MT], accm[2][MT];
+    __m512i w[2][4], w2[2][4];
+    __m512 dw[2], mins[2];
+    for (int i = 0; i < RW; i++) {
+        const uint8_t *bi = b + i * ldw;
+        for (int q = 0; q < 4; q++) prep_quad(t, bi + q * bb, bb, &w[i][q], &w2[i][q]);
+        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+        const int q41 = t == T_Q4_1;
+        const __m256 d0 = block_scales(t, bi, 8, q41 ? &m0 : NULL);
+        const __m256 d1 = block_scales(t, bi + 8 * bb, 8, q41 ? &m1 : NULL);
+        dw[i] = join_ps(d0, d1);
+        mins[i] = join_ps(m0, m1);
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t row = (r0 + r) * nb + g;
+        const int8_t *x = xq->q + (r0 + r) * xq->qk + g * QK;
+        const __m512 dx = _mm512_loadu_ps(xq->d + row);
+        __m512 sx = _mm512_setzero_ps();
+        __m512i si = _mm512_setzero_si512();
+        if (t == T_Q4_1) sx = _mm512_loadu_ps(xq->s + row);
+        else si = _mm512_loadu_si512(xq->si + row);
+        for (int i = 0; i < RW; i++) {
+            __m512i p[4];
+            for (int q = 0; q < 4; q++) p[q] = dot_quad(t, w[i][q], w2[i][q], x + q * 128);
+            __m512i s = reduce_quads(p);
+            if (t == T_Q4_0) s = _mm512_sub_epi32(s, _mm512_slli_epi32(si, 3));
+#ifdef QG_ZVNNI
+            if (t == T_Q8_0) s = _mm512_sub_epi32(s, _mm512_slli_epi32(si, 7));
+#endif
+            acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw[i], dx), acc[i][r]);
+            if (t == T_Q4_1) acc[i][r] = _mm512_fmadd_ps(mins[i], sx, acc[i][r]);
+        }
+    }
+}
+#endif
+
+/* y[r * ldy + i] = W row i . x row r0 + r (+ bias[i]) for RW weight rows from wrow and R rows of
+ * x (int8), block-32 types: groups of 8 blocks, the last one partial; z (a constant): whole
+ * groups of 16 first in zmm (x in the quad layout) */
+AI void row_i8_b32(int t, const uint8_t *wrow, int64_t ldw, int RW, const xquant *xq, int64_t r0,
+                   int R, float *y, int64_t ldy, const float *bias, int z) {
+    const int bb = block_bytes(t);
+    const int64_t nb = xq->nb;
+    __m256 acc[2][MAXR], accm[2][MAXR];
     for (int i = 0; i < RW; i++)
         for (int r = 0; r < R; r++) acc[i][r] = accm[i][r] = _mm256_setzero_ps();
     int64_t g = 0;
+    (void)z;
+#ifdef QG_Z
+    if (z && nb >= ZG) { /* whole groups of 16 in zmm, then the rest as below */
+        __m512 az[2][MAXR];
+        for (int i = 0; i < RW; i++)
+            for (int r = 0; r < R; r++) az[i][r] = _mm512_setzero_ps();
+        for (; g + ZG <= nb; g += ZG) group16(t, wrow + g * bb, ldw, RW, xq, r0, g, R, az);
+        for (int i = 0; i < RW; i++)
+            for (int r = 0; r < R; r++)
+                acc[i][r] = _mm256_add_ps(_mm512_castps512_ps256(az[i][r]),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(az[i][r]), 1)));
+    }
+#endif
     for (; g + 8 <= nb; g += 8) group_b32(t, wrow + g * bb, ldw, RW, xq, r0, g, 8, R, acc, accm);
     /* the last group's size is a constant in each case: its masks and loads fold */
     const uint8_t *b = wrow + g * bb;
@@ -827,7 +974,8 @@ AI void row1_i8_b32(int t, const uint8_t *wrow, const xquant *xq, int64_t r0, in
 }
 
 AI void row_i8_b32(int t, const uint8_t *wrow, int64_t ldw, int RW, const xquant *xq, int64_t r0,
-                   int R, float *y, int64_t ldy, const float *bias) {
+                   int R, float *y, int64_t ldy, const float *bias, int z) {
+    (void)z;
     for (int i = 0; i < RW; i++) {
         float sums[MT];
         row1_i8_b32(t, wrow + i * ldw, xq, r0, R, sums);
@@ -897,7 +1045,13 @@ AI void row_any(int t, int int8, const uint8_t *wrow, int64_t ldw, int RW, int64
                 const float *x, int64_t ldx, const xquant *xq, int64_t r0, int R, float *y,
                 int64_t ldy, const float *bias) {
     if (int8 && !is_k(t)) {
-        row_i8_b32(t, wrow, ldw, RW, xq, r0, R, y, ldy, bias);
+#ifdef QG_Z
+        if (xq->quads) {
+            row_i8_b32(t, wrow, ldw, RW, xq, r0, R, y, ldy, bias, 1);
+            return;
+        }
+#endif
+        row_i8_b32(t, wrow, ldw, RW, xq, r0, R, y, ldy, bias, 0);
         return;
     }
     for (int i = 0; i < RW; i++) {
@@ -909,13 +1063,30 @@ AI void row_any(int t, int int8, const uint8_t *wrow, int64_t ldw, int RW, int64
 }
 
 /* rows [j0, j1) of W against all m rows of x, for one type (constant at each call): MT rows of x
- * per pass over a weight row, the last 1-3 rows of x two weight rows at a time */
+ * per pass over a weight row (first MTZ at a time on the zmm path), the last 1-3 rows of x two
+ * weight rows at a time */
 AI void rows_typed(int t, int int8, const uint8_t *w, int64_t ldw, int64_t j0, int64_t j1,
                    int64_t k, const float *x, int64_t ldx, int64_t m, const xquant *xq, float *y,
                    int64_t ldy, const float *bias) {
-    const int64_t full = m / MT * MT;
+    int64_t done = 0;
+#ifdef QG_Z
+    if (int8 && xq->quads) { /* more rows of x per unpacked block: 32 zmm registers hold them */
+        done = m / MTZ * MTZ;
+        for (int64_t j = j0; j < j1; j++)
+            for (int64_t r = 0; r < done; r += MTZ)
+                row_i8_b32(t, w + j * ldw, ldw, 1, xq, r, MTZ, y + r * ldy + j, ldy,
+                           bias ? bias + j : NULL, 1);
+        if (MTZ > 8 && m - done >= 8) {
+            for (int64_t j = j0; j < j1; j++)
+                row_i8_b32(t, w + j * ldw, ldw, 1, xq, done, 8, y + done * ldy + j, ldy,
+                           bias ? bias + j : NULL, 1);
+            done += 8;
+        }
+    }
+#endif
+    const int64_t full = done + (m - done) / MT * MT;
     for (int64_t j = j0; j < j1; j++)
-        for (int64_t r = 0; r < full; r += MT)
+        for (int64_t r = done; r < full; r += MT)
             row_any(t, int8, w + j * ldw, ldw, 1, k, x, ldx, xq, r, MT, y + r * ldy + j, ldy,
                     bias ? bias + j : NULL);
     if (full == m) return;
@@ -955,7 +1126,7 @@ static void quantize_x(int t, const float *x, int64_t ldx, int64_t r, int64_t k,
     if (is_k(t)) quantize_row_k(x + r * ldx, k, xq->q + r * xq->qk, xq->d + r * nb, xq->bs + r * nb * 16);
     else
         quantize_row_b32(x + r * ldx, k, xq->q + r * xq->qk, xq->d + r * nb, xq->s + r * nb,
-                         xq->si + r * nb, PAIRED(t));
+                         xq->si + r * nb, PAIRED(t), xq->quads);
 }
 
 static int threads_for(int64_t bytes, int64_t units, int num_threads) {
@@ -1014,6 +1185,10 @@ int stepserve_quant_matmul(int qtype, const uint8_t *w, int64_t ldw, int64_t n, 
             char *base = (char *)scratch + (private_x ? (size_t)tid * copy_bytes : 0);
             xq.nb = nb;
             xq.qk = qk;
+#ifdef QG_Z
+            /* few rows of x: the ymm kernel, which unpacks a weight block for less */
+            xq.quads = PAIRED(qtype) && m >= ZMIN;
+#endif
             xq.q = (int8_t *)base;
             xq.d = (float *)(base + qbytes);
             if (is_k(qtype)) {
