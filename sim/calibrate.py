@@ -108,6 +108,27 @@ class Row:
     known: float
     x: tuple[float, float, float, float, float, float]
 
+    def as_dict(self) -> dict:
+        """As the profile stores it (`serving.rows`)."""
+        return {"group": self.group, "level": self.level, "y": self.y, "known": self.known,
+                "x": list(self.x)}  # fmt: skip
+
+    @classmethod
+    def of_dict(cls, d: dict) -> Row:
+        return cls(d["group"], d["level"], d["y"], d["known"], tuple(d["x"]))
+
+
+def probe_window(seconds: float) -> tuple[float, float]:
+    """When a level's prober sends (`_closed_loop`): from this many seconds after the level's
+    start (the streams reach their steady state) until this many before its end."""
+    return min(1.0, seconds / 4), 0.5
+
+
+def probing_seconds(seconds: float) -> float:
+    """How long a level of `seconds` has its prober running (the probes' rate divides by it)."""
+    start, end = probe_window(seconds)
+    return max(seconds - start - end, 1e-3)
+
 
 def decode_row(
     model: StepTimeModel,
@@ -312,8 +333,9 @@ async def _closed_loop(
                 run.streams.append(await _stream(client, url, prompt, n))
 
         async def prober() -> None:
-            await asyncio.sleep(min(1.0, seconds / 4))  # the streams reach their steady state
-            while time.perf_counter() < deadline - 0.5:
+            start, end = probe_window(seconds)
+            await asyncio.sleep(start)
+            while time.perf_counter() < deadline - end:
                 prompt = [rng.randrange(10, 500) for _ in range(PROBE_TOKENS)]
                 ttft, _, _ = await _stream(client, url, prompt, 1)
                 run.probes.append(ttft)
@@ -382,10 +404,8 @@ def measure_rows(
                 )
             )
             tpots = [tpot for _, tpot, n in run.streams if n > 1]
-            # the probes share the replicas' steps with the streams (they run for the level's
-            # seconds less the prober's first second and last half)
-            probing_s = max(seconds - min(1.0, seconds / 4) - 0.5, 1e-3)
-            rate = len(run.probes) / probing_s / replicas
+            # the probes share the replicas' steps with the streams
+            rate = len(run.probes) / probing_seconds(seconds) / replicas
             rows += [decode_row(model, b, prompt_len, out_len, t, busy, rate) for t in tpots]
             rows += [probe_row(model, b, ctx, t, run.tokens_per_s, busy) for t in run.probes]
             if tpots:
@@ -449,10 +469,7 @@ def measure_serving(
         batches=list(batches),
         extra_s=[serving["step_s"] + serving["token_s"] * b for b in batches],
         replicas=replicas,
-        rows=[
-            {"group": r.group, "level": r.level, "y": r.y, "known": r.known, "x": list(r.x)}
-            for r in rows
-        ],
+        rows=[r.as_dict() for r in rows],
         host={"loadavg_start": list(start.loadavg), "loadavg_end": list(end.loadavg)},
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from sim.calibrate import Row, decode_row, describe, fit_serving  # noqa: E402
+from sim.calibrate import Row, decode_row, describe, fit_serving, probing_seconds  # noqa: E402
 from sim.profile import Profile  # noqa: E402
 
 
@@ -34,11 +34,11 @@ def main() -> int:
     replicas = serving["replicas"]
     stored = serving["rows"]
     probes = collections.Counter(r["level"] for r in stored if r["group"] == "probe")
-    probing_s = args.seconds - min(1.0, args.seconds / 4) - 0.5
+    probing_s = probing_seconds(args.seconds)
     rows = []
     for r in stored:
         if r["group"] != "decode":
-            rows.append(Row(r["group"], r["level"], r["y"], r["known"], tuple(r["x"])))
+            rows.append(Row.of_dict(r))
             continue
         solo = r["level"].endswith(" solo")
         batch = int(r["level"][2:].split()[0])
@@ -59,10 +59,7 @@ def main() -> int:
         print("  warning:", w)
     print("refit: ", describe(new))
     keep = {k: v for k, v in serving.items() if k not in new}
-    rebuilt = [
-        {"group": r.group, "level": r.level, "y": r.y, "known": r.known, "x": list(r.x)}
-        for r in rows
-    ]
+    rebuilt = [r.as_dict() for r in rows]
     prof.serving = {**keep, **new, "rows": rebuilt, "refit": "bench/probes/refit_serving.py"}
     prof.save(args.out)
     print("wrote", args.out)
