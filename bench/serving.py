@@ -100,8 +100,11 @@ async def sse_events(resp: aiohttp.ClientResponse):
 async def send_request(
     session: aiohttp.ClientSession, url: str, body: dict, spec: RequestSpec, t_zero: float
 ) -> RequestResult:
-    """POST one streaming request; TTFT is the first chunk that carries text, ITL the gaps
-    between text chunks, output_len the server's usage count (text chunks if it sends none)."""
+    """POST one streaming request; TTFT is the first chunk that carries text (or token ids,
+    when the body asks for them: `return_token_ids`), ITL the gaps between such chunks,
+    output_len the server's usage count (chunks if it sends none). A token whose text the
+    server holds back (an incomplete UTF-8 character, a possible stop string) still counts
+    with token ids: the simulator's first token is the engine's, not the first text."""
     result = RequestResult(spec.kind, len(spec.prompt_ids), spec.output_len)
     start = time.perf_counter()
     result.start = start - t_zero
@@ -123,7 +126,7 @@ async def send_request(
                     text = choice.get("text")
                     if text is None:
                         text = (choice.get("delta") or {}).get("content")
-                    if not text:
+                    if not text and not choice.get("token_ids"):
                         continue
                     now = time.perf_counter()
                     if chunks == 0:

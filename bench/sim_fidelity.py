@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import gzip
 import json
 import os
 import signal
@@ -78,7 +79,11 @@ def ray_lock():
 
 # -- the server -------------------------------------------------------------------------------
 def start_server(
-    port: int, model: str | None, log: Path, timeout_s: float = 600.0
+    port: int,
+    model: str | None,
+    log: Path,
+    timeout_s: float = 600.0,
+    step_trace: Path | None = None,
 ) -> subprocess.Popen:
     stepserve = str(Path(sys.executable).parent / "stepserve")
     cmd = [stepserve, "serve", "--host", "127.0.0.1", "--port", str(port), "--replicas", "2",
@@ -86,6 +91,9 @@ def start_server(
     if model is not None:
         cmd += ["--model", model]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if step_trace is not None:  # every engine core appends its steps (README, "Metrics")
+        step_trace.unlink(missing_ok=True)
+        env["STEPSERVE_STEP_TRACE"] = str(step_trace)
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -161,7 +169,8 @@ def run_trace(trace: HeldOutTrace, args, work: Path, rate: float | None) -> dict
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     t0 = time.time()
-    proc = start_server(port, args.model, work / f"{trace.name}.server.log")
+    steps = work / f"{trace.name}.steps.jsonl" if args.step_trace else None
+    proc = start_server(port, args.model, work / f"{trace.name}.server.log", step_trace=steps)
     try:
         print(f"[{trace.name}] server ready in {time.time() - t0:.0f} s", flush=True)
         cap = None
@@ -189,12 +198,25 @@ def run_trace(trace: HeldOutTrace, args, work: Path, rate: float | None) -> dict
             "--workload", f"trace:{path}", "--num-requests", str(trace.num_requests),
             "--seed", "1", "--compare", *records,
             "--compare-json", str(work / f"{trace.name}.report.json")]  # fmt: skip
+    if steps is not None:
+        argv += ["--step-trace", str(work / f"{trace.name}.sim-steps.jsonl")]
     from cluster.cli import make_parser
     from sim.cli import fidelity_report
 
     report = fidelity_report(make_parser().parse_args(argv))
     table = format_report(report, [f"real{k}" for k in range(1, args.replays + 1)])
     print(f"\n[{trace.name}] {trace.about}; {rate:.2f} req/s\n{table}\n", flush=True)
+    step_table = None
+    if steps is not None:  # the real replicas' steps, run by run, beside the simulated ones
+        sim_steps = work / f"{trace.name}.sim-steps.jsonl"
+        step_table = step_summary(steps, records, sim_steps, args)
+        print(f"[{trace.name}] steps, real runs and the simulation (seed 1)\n{step_table}\n")
+        # kept gzipped (`stepserve steps` reads .gz); the simulated ones are made again by
+        # `stepserve simulate ... --step-trace`
+        with open(steps, "rb") as f:
+            Path(f"{steps}.gz").write_bytes(gzip.compress(f.read(), 9))
+        steps.unlink()
+        sim_steps.unlink()
     return {
         "about": trace.about,
         "layout": trace.layout,
@@ -206,7 +228,21 @@ def run_trace(trace: HeldOutTrace, args, work: Path, rate: float | None) -> dict
         "command": "stepserve " + " ".join(argv),
         "report": report,
         "table": table,
+        "step_table": step_table,
     }
+
+
+def step_summary(steps: Path, records: list[str], sim_steps: Path, args) -> str:
+    """`stepserve steps` of the server's trace per replay and of the simulated one."""
+    from sim.profile import Profile
+    from sim.steptrace import format_table, overall, read_trace, summarise, window_of
+
+    profile = Profile.load(args.profile)
+    columns = {}
+    for k, record in enumerate(records, 1):
+        columns[f"real{k}"] = overall(summarise(read_trace(steps, *window_of(record)), profile))
+    columns["sim"] = overall(summarise(read_trace(sim_steps), profile))
+    return format_table(columns)
 
 
 def summary_table(results: dict) -> str:
@@ -240,6 +276,11 @@ def main() -> int:
     p.add_argument("--probe-requests", type=int, default=48, help="capacity probe's requests")
     p.add_argument("--seed", type=int, default=0, help="the traces' draws")
     p.add_argument("--out", help="results name (default sim_fidelity_heldout[_quick])")
+    p.add_argument(
+        "--step-trace", action="store_true",
+        help="the servers write step traces (STEPSERVE_STEP_TRACE) and the report adds real vs "
+        "simulated steps (`stepserve steps`)",
+    )  # fmt: skip
     args = p.parse_args()
     traces = QUICK if args.quick else HELDOUT
     args.model = "tiny" if args.quick else "default"
@@ -280,6 +321,7 @@ def main() -> int:
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(results, indent=1) + "\n")
     tables = [f"[{n}] {t['about']}; {t['rate']:.2f} req/s\n{t['table']}\n"
+              + (f"steps:\n{t['step_table']}\n" if t["step_table"] else "")
               for n, t in results["traces"].items()]  # fmt: skip
     (RESULTS / f"{name}.txt").write_text("\n".join([*tables, table]) + "\n")
     print(f"wrote {out} and {name}.txt ({results['wall_s'] / 60:.1f} min)")

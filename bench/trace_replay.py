@@ -92,7 +92,12 @@ def replay(
     before = scrape_totals(base_url)
     cpu_start = CpuTimes.now()
     started = time.time()
-    load = LoadConfig(base_url=base_url, max_concurrency=max_concurrency)
+    mono = time.monotonic()
+    # TTFT at the first token the engine sends, text or not (a random-token prompt's answer
+    # often starts with part of a UTF-8 character, whose text waits for the next step)
+    load = LoadConfig(
+        base_url=base_url, max_concurrency=max_concurrency, extra_body={"return_token_ids": True}
+    )
     results, wall = asyncio.run(run_load(load, specs, offsets))
     cpu = host_load(cpu_start, CpuTimes.now())
     time.sleep(settle_s)  # replicas push their metrics about once a second
@@ -105,6 +110,10 @@ def replay(
         "base_url": base_url,
         "started_at": started,
         "wall_s": wall,
+        # the run on the host's monotonic clock, which a server's step trace uses
+        # (STEPSERVE_STEP_TRACE; `stepserve steps TRACE --run RECORD` keeps this window's steps)
+        "monotonic_start": mono,
+        "monotonic_end": time.monotonic(),
         "load_average_1m": round(os.getloadavg()[0], 2),
         # the host's CPU over the run (the server's and this client's work included): a slower
         # run with more stolen time was the host's, not the cluster's

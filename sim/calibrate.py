@@ -20,7 +20,11 @@ second the host streams (its replicas together; the proxy and ingress serve them
 coefficients are signed: a profile slower than the cluster gets negative corrections, not
 zeros, and a poor fit is reported (`warnings`), not hidden.
 
-They are fitted together, by least squares on relative error with outliers rejected (median and
+With the clusters' step traces (STEPSERVE_STEP_TRACE; `stepserve profile` has the clusters it
+starts write them) the four step terms are fitted on the served steps themselves
+(sim/steptrace.py `fit_steps`: each step's time against its shape's price, its co-running share
+and streamed tokens as measured) and the measurements below fit only the path's two; without,
+all six are fitted together, by least squares on relative error with outliers rejected (median and
 MAD of the residuals), over repeated measurements against a running cluster of N replicas
 (`stepserve profile` starts one; `--calibrate-url URL --calibrate-replicas N` uses yours):
 - decode: closed-loop streams (64-token prompts, 24-72 tokens out) at N x (1, 2, 4, 8, 16, 32)
@@ -33,6 +37,8 @@ MAD of the residuals), over repeated measurements against a running cluster of N
 - prefill: one stream per replica of 256- and 1024-token prompts, max_tokens 1 (every replica
   prefilling at once, as under load): TTFT = 2 x path + the served prefill step;
 - idle probes: 16-token prompts, max_tokens 1, one at a time on the idle cluster;
+- alone on the N-replica cluster (N > 1): one stream at a time for 2 x the level's seconds, the
+  other replicas idle (busy 0);
 - solo (N > 1 and a cluster it starts: `solo_url`): the idle probes, decode levels 1, 4 and 16
   and the 256-token prefill once more on a one-replica cluster, where no other replica's steps
   run beside a step (busy 0); the N-replica levels run with every replica busy (busy 1), which
@@ -51,13 +57,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.profile import (
+from sim.profile import (  # noqa: F401  (prefill_part, serving_step: this module's model)
     OUTLIER_FLOOR,
     OUTLIER_MADS,
     SERVING_MODEL,
     Profile,
     StepShape,
     StepTimeModel,
+    prefill_part,
+    serving_step,
 )
 
 BATCHES = (1, 2, 4, 8, 16, 32)  # streams per replica at each decode level
@@ -68,29 +76,6 @@ POOR_GROUP_MEDIAN = 0.10  # a group of measurements priced off by more than this
 
 
 # -- the model -----------------------------------------------------------------------------------
-def prefill_part(model: StepTimeModel, shape: StepShape) -> float:
-    """The share of a step's Engine.step price that is its prefill chunks."""
-    if shape.tokens <= shape.decodes:
-        return 0.0
-    return max(0.0, model.predict(shape) - model.predict(shape.decode_part()))
-
-
-def serving_step(
-    serving: dict, model: StepTimeModel, shape: StepShape, streamed: int, busy: float = 0.0
-) -> float:
-    """A step's serving time (module docstring): the profile's price, slowed by `busy` (the
-    share of its host's other replicas in a step) times `corun`, its prefill part times
-    `prefill_scale`, a per-step cost and a cost per token it streams (a step that streams none,
-    an intermediate prefill chunk, pays no per-token cost)."""
-    t = model.predict(shape)
-    t *= 1.0 + serving.get("corun", 0.0) * busy
-    scale = serving.get("prefill_scale", 1.0)
-    if scale != 1.0:
-        t += (scale - 1.0) * prefill_part(model, shape)
-    t += serving.get("step_s", 0.0) + serving.get("token_s", 0.0) * streamed
-    return max(t, 1e-6)  # a fit far below the profile: still a step (and a warning)
-
-
 def path_extra(serving: dict, host_tokens_per_s: float) -> float:
     """One-way path latency beyond the idle one when the host streams this many tokens/s."""
     extra = serving.get("path_rate_s", 0.0) * host_tokens_per_s
@@ -188,16 +173,25 @@ def prefill_row(
     return Row("prefill", level, ttft, known, x)
 
 
-def fit_serving(rows: list[Row]) -> dict:
+def fit_serving(rows: list[Row], fixed: dict[str, float] | None = None) -> dict:
     """Least squares of the rows' residuals (y - known) on their x, weighted by 1/y (relative
-    error) and 1/sqrt(rows in the group) (each group counts the same), outliers (OUTLIER_MADS scaled MADs and OUTLIER_FLOOR off) rejected and refitted;
-    coefficients signed. Returns the serving dict's coefficients, per-group errors, rejected
-    counts and warnings."""
-    if len(rows) < len(COEFFICIENTS):
+    error) and 1/sqrt(rows in the group) (each group counts the same), outliers (OUTLIER_MADS
+    scaled MADs and OUTLIER_FLOOR off) rejected and refitted; coefficients signed. `fixed`:
+    coefficients already known (the step terms fitted on the served steps, sim/steptrace.py
+    `fit_steps`), moved into `known`; the rest are fitted. Returns the serving dict's
+    coefficients, per-group errors (over every row: with fixed step terms the decode rows are a
+    check of them), rejected counts and warnings."""
+    fixed = fixed or {}
+    unknown = set(fixed) - set(COEFFICIENTS)
+    if unknown:
+        raise ValueError(f"no serving coefficients {sorted(unknown)}; known: {COEFFICIENTS}")
+    if len(rows) < len(COEFFICIENTS) - len(fixed):
         raise ValueError(f"{len(rows)} measurements cannot fit {len(COEFFICIENTS)} coefficients")
     y = np.asarray([r.y for r in rows])
-    known = np.asarray([r.known for r in rows])
     x = np.asarray([r.x for r in rows])
+    pinned = np.asarray([fixed.get(name, 0.0) for name in COEFFICIENTS])
+    known = np.asarray([r.known for r in rows]) + x @ pinned
+    x = x * np.asarray([0.0 if name in fixed else 1.0 for name in COEFFICIENTS])
     # relative error, and each group (decode, probe, prefill, idle) weighs the same in all:
     # hundreds of decode streams would otherwise drown a dozen idle probes
     count: dict[str, int] = {}
@@ -219,7 +213,7 @@ def fit_serving(rows: list[Row]) -> dict:
         if np.array_equal(new_keep, keep) or new_keep.sum() < len(COEFFICIENTS):
             break
         keep = new_keep
-    values = dict(zip(COEFFICIENTS, (float(c) for c in coef), strict=True))
+    values = dict(zip(COEFFICIENTS, (float(c) for c in coef + pinned), strict=True))
     groups: dict[str, dict] = {}
     for g in sorted({r.group for r in rows}):
         idx = [i for i, r in enumerate(rows) if r.group == g]
@@ -394,6 +388,19 @@ def measure_rows(
     for ttft in _idle_probes(base_url, idle_probes):
         rows.append(probe_row(model, 0, ctx, ttft, 0.0, 0.0))
     progress(f"  idle probes{tag}: TTFT median {statistics.median(r.y for r in rows) * 1e3:.1f} ms")
+    if busy:  # one stream at a time: a replica's steps with the others idle (busy 0), on a host
+        # of N replicas (their idle processes and pinned cores are there, as when a light load
+        # leaves one busy), which a one-replica cluster is not
+        run = asyncio.run(
+            _closed_loop(base_url, 1, prompt_len, out_len, seconds * rounds, seed + 5)
+        )
+        tpots = [tpot for _, tpot, n in run.streams if n > 1]
+        rows += [decode_row(model, 1, prompt_len, out_len, t, 0.0) for t in tpots]
+        if tpots:
+            progress(
+                f"  one stream, the other replicas idle: time per token "
+                f"{statistics.median(tpots) * 1e3:7.2f} ms, {run.tokens_per_s:.0f} tok/s"
+            )
     for rnd in range(rounds):
         order = batches if rnd % 2 == 0 else tuple(reversed(batches))  # drift averages out
         for b in order:
@@ -440,6 +447,29 @@ def measure_solo(base_url: str, profile: Profile, seconds: float = 12.0, progres
     )  # fmt: skip
 
 
+def fit_step_traces(paths, model, progress=print) -> dict | None:
+    """`fit_steps` of the calibration clusters' step traces (each path one cluster's), or None
+    when there are none or too few steps (the rows alone then fit every term)."""
+    from sim.steptrace import fit_steps, read_trace
+
+    traces = []
+    for path in paths:
+        try:
+            trace = read_trace(path)
+        except OSError as exc:
+            progress(f"  no step trace {path}: {exc}")
+            continue
+        if trace:
+            traces.append(trace)
+    if not traces:
+        return None
+    try:
+        return fit_steps(traces, model)
+    except ValueError as exc:
+        progress(f"  step traces not fitted: {exc}")
+        return None
+
+
 def measure_serving(
     base_url: str,
     profile: Profile,
@@ -447,18 +477,29 @@ def measure_serving(
     seconds: float = 12.0,
     solo_rows: list[Row] | tuple = (),
     progress=print,
+    step_traces=(),
     **levels,
 ) -> dict:
     """The serving calibration of a running cluster of `replicas` (module docstring), with the
     solo rows of a one-replica cluster measured before (`measure_solo`): the measurements, then
-    `fit_serving`."""
+    `fit_serving`. `step_traces`: the clusters' step traces (STEPSERVE_STEP_TRACE) over the
+    measurements; when given, the step terms are fitted on the served steps themselves
+    (sim/steptrace.py `fit_steps`) and the rows fit the path's."""
     from sim.host import CpuTimes
 
     start = CpuTimes.now()
     rows = list(solo_rows) + measure_rows(
         base_url, profile, replicas, seconds=seconds, progress=progress, **levels
     )
-    serving = fit_serving(rows)
+    steps = fit_step_traces(step_traces, profile.model, progress) if step_traces else None
+    fixed = None
+    if steps is not None:
+        fixed = {name: steps[name] for name in ("step_s", "token_s", "corun")}
+        fixed["prefill_extra"] = steps["prefill_scale"] - 1.0
+    serving = fit_serving(rows, fixed)
+    if steps is not None:
+        serving["step_fit"] = {k: steps[k] for k in ("steps", "rejected", "fit_error")}
+        serving["warnings"] = [*steps["warnings"], *serving["warnings"]]
     end = CpuTimes.now()
     batches = tuple(
         b for b in levels.get("batches", BATCHES) if b <= profile.engine.get("max_num_seqs", 256)

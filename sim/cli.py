@@ -1,4 +1,4 @@
-"""`stepserve profile`, `stepserve simulate` and `stepserve plan` (registered by cluster/cli.py).
+"""`stepserve profile`, `simulate`, `plan` and `steps` (registered by cluster/cli.py).
 
 stepserve profile --model default --threads 1 --out sim/profiles/mine.json   # + serving calibration
 stepserve profile --model default --threads 1 --no-serving                    # Engine.step only
@@ -6,6 +6,7 @@ stepserve simulate --profile SmolLM2-135M-Instruct-avx2-1t --replicas 8 --worklo
 stepserve simulate --config cluster.yaml --profile P --workload trace:sim/traces/azure_sample.csv
 stepserve simulate --profile P --replicas 16 --workload random --rate 8 --loras 64 --max-cpu-loras 8
 stepserve plan --profile P --workload heterogeneous --rate 20 --slo-ttft-ms 1000 --slo-tpot-ms 200
+stepserve steps server-steps.jsonl@replay1.jsonl sim-steps.jsonl --profile P   # real vs sim steps
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def add_commands(sub) -> None:
         "running this model and engine settings) instead of starting one",
     )
     prof.add_argument(
+        "--calibrate-step-trace", metavar="PATH",
+        help="with --calibrate-url: the step trace that cluster's engine cores write "
+        "(STEPSERVE_STEP_TRACE), to fit the step terms on its served steps",
+    )  # fmt: skip
+    prof.add_argument(
         "--calibrate-replicas", type=int, default=2,
         help="replicas of the calibration cluster (started with --threads torch threads each)",
     )  # fmt: skip
@@ -77,7 +83,28 @@ def add_commands(sub) -> None:
         "judge the median per metric (one seed is one draw of the routers' ties and the token "
         "ids; default 5)",
     )  # fmt: skip
+    simp.add_argument(
+        "--step-trace", metavar="PATH",
+        help="write a line per simulated step, as an engine core does under STEPSERVE_STEP_TRACE "
+        "(read by `stepserve steps`)",
+    )  # fmt: skip
     simp.set_defaults(func=cmd_simulate)
+
+    steps = sub.add_parser(
+        "steps", help="summarise step traces (STEPSERVE_STEP_TRACE or simulate --step-trace), "
+        "priced by a profile",
+    )  # fmt: skip
+    steps.add_argument(
+        "traces", nargs="+", metavar="TRACE[@RECORD]",
+        help="a step trace; @RECORD: only the steps of that replay record's run "
+        "(bench/trace_replay.py), for a server's trace that spans several runs",
+    )  # fmt: skip
+    steps.add_argument("--profile", help="price each step with this profile (and its serving fit)")
+    steps.add_argument(
+        "--per-replica", action="store_true", help="a column per replica, not one per trace"
+    )
+    steps.add_argument("--json", metavar="PATH", help="also write the summaries as JSON")
+    steps.set_defaults(func=cmd_steps)
 
     plan = sub.add_parser(
         "plan", help="the fewest replicas that meet a TTFT/TPOT SLO at a rate (simulated)"
@@ -272,12 +299,17 @@ def _measure_engine(config, args: argparse.Namespace):
 
 
 def _calibrate(prof, args: argparse.Namespace, out: Path, overrides: dict | None = None) -> int:
+    import tempfile
+
     from sim.calibrate import describe, measure_serving, measure_solo
 
     replicas = args.calibrate_replicas
     solo = []
+    # the clusters it starts write step traces: the step terms are fitted on the served steps
+    traces_dir = Path(tempfile.mkdtemp(prefix="stepserve-calibration-"))
+    traces = [traces_dir / "solo.steps.jsonl", traces_dir / "steps.jsonl"]
     if replicas > 1 and not args.calibrate_url:  # steps with no other replica beside them
-        url, server = _start_cluster(prof, args, overrides, 1)
+        url, server = _start_cluster(prof, args, overrides, 1, step_trace=traces[0])
         try:
             print(f"stepserve profile: serving calibration against {url} (1 replica, solo)")
             solo = measure_solo(url, prof, seconds=args.calibrate_seconds)
@@ -285,16 +317,29 @@ def _calibrate(prof, args: argparse.Namespace, out: Path, overrides: dict | None
             _stop_cluster(server)
     if args.calibrate_url:
         url, server = args.calibrate_url, None
+        traces = [Path(args.calibrate_step_trace)] if args.calibrate_step_trace else []
     else:
-        url, server = _start_cluster(prof, args, overrides, replicas)
+        url, server = _start_cluster(prof, args, overrides, replicas, step_trace=traces[1])
     try:
         print(f"stepserve profile: serving calibration against {url} ({replicas} replicas)")
         prof.serving = measure_serving(
-            url, prof, replicas, seconds=args.calibrate_seconds, solo_rows=solo
-        )
+            url, prof, replicas, seconds=args.calibrate_seconds, solo_rows=solo,
+            step_traces=[t for t in traces if t.exists()],
+        )  # fmt: skip
     finally:
         if server is not None:
             _stop_cluster(server)
+    step_fit = prof.serving.get("step_fit")
+    if step_fit:
+        print(f"  step terms fitted on {step_fit['steps']} served steps ({step_fit['rejected']} "
+              "rejected); the measurements fit the path")  # fmt: skip
+        for group, e in step_fit["fit_error"].items():
+            print(f"  {group:13s} {e['n']:5d} steps, median error {e['median_abs_rel_error']:.1%}, "
+                  f"summed time {e['sum_error']:+.1%}")  # fmt: skip
+        # kept to look at (`stepserve steps DIR/steps.jsonl --profile OUT`), a few MB
+        print(f"  the clusters' step traces are in {traces_dir}")
+    else:
+        print("  no step trace: every term fitted on the measurements")
     print(f"  serving: {describe(prof.serving)}")
     for group, e in prof.serving["fit_error"].items():
         print(
@@ -307,9 +352,12 @@ def _calibrate(prof, args: argparse.Namespace, out: Path, overrides: dict | None
     return 0
 
 
-def _start_cluster(prof, args: argparse.Namespace, overrides: dict | None, replicas: int):
+def _start_cluster(
+    prof, args: argparse.Namespace, overrides: dict | None, replicas: int, step_trace=None
+):
     """`stepserve serve` of the profile's model and engine settings in a child process, on a
-    free loopback port; returns (its URL, the process) once /health answers."""
+    free loopback port (`step_trace`: the file its engine cores write their steps to); returns
+    (its URL, the process) once /health answers."""
     import os
     import socket
     import subprocess
@@ -336,9 +384,11 @@ def _start_cluster(prof, args: argparse.Namespace, overrides: dict | None, repli
     print(f"stepserve profile: starting a {replicas}-replica cluster on port {port}", flush=True)
     root = str(Path(__file__).resolve().parent.parent)  # this checkout's stepserve
     pythonpath = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, pythonpath)))}
+    if step_trace is not None:
+        env["STEPSERVE_STEP_TRACE"] = str(step_trace)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(cfg)],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, pythonpath)))},
+        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(cfg)], env=env
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -533,8 +583,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = build_cluster_config(args)
     workload = build_workload(args, profile)
     t0 = time.perf_counter()
-    result = simulate(config, profile, workload, build_settings(args, profile))
+    trace = [] if args.step_trace else None
+    result = simulate(config, profile, workload, build_settings(args, profile), step_trace=trace)
     wall = time.perf_counter() - t0
+    if trace is not None:
+        Path(args.step_trace).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.step_trace, "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in trace)
+        print(f"  wrote {len(trace)} steps to {args.step_trace}")
     summary = result.summary()
     summary["wall_s"] = wall
     print_summary(summary)
@@ -605,7 +661,14 @@ def fidelity_report(args: argparse.Namespace) -> dict:
     for k in range(seeds):
         draw = argparse.Namespace(**{**vars(args), "seed": args.seed + k})
         wl = workload if k == 0 else build_workload(draw, profile)
-        result = simulate(build_cluster_config(draw), profile, wl, build_settings(draw, profile))
+        trace = [] if k == 0 and getattr(args, "step_trace", None) else None
+        result = simulate(
+            build_cluster_config(draw), profile, wl, build_settings(draw, profile), step_trace=trace
+        )
+        if trace is not None:  # the first seed's steps
+            Path(args.step_trace).parent.mkdir(parents=True, exist_ok=True)
+            with open(args.step_trace, "w") as f:
+                f.writelines(json.dumps(line) + "\n" for line in trace)
         sims.append(sim_metrics(result.requests, result.replicas))
     report = compare([real_metrics(r) for r in runs], median_metrics(sims), sims)
     report["sim_seeds"] = [args.seed + k for k in range(seeds)]
@@ -613,6 +676,35 @@ def fidelity_report(args: argparse.Namespace) -> dict:
     report["real_runs"] = [{"path": r.path, **r.meta} for r in runs]
     report["profile"] = profile.meta.get("name", args.profile)
     return report
+
+
+def cmd_steps(args: argparse.Namespace) -> int:
+    """`stepserve steps`: step traces side by side (sim/steptrace.py)."""
+    from sim.profile import Profile
+    from sim.steptrace import format_table, overall, read_trace, summarise, window_of
+
+    profile = Profile.load(args.profile) if args.profile else None
+    columns, summaries = {}, {}
+    for item in args.traces:
+        path, _, record = item.partition("@")
+        since, until = window_of(record) if record else (None, None)
+        trace = read_trace(path, since, until)
+        if not trace:
+            raise ValueError(f"{item}: no steps" + (" in the record's run" if record else ""))
+        summary = summarise(trace, profile)
+        label = Path(record or path).stem
+        summaries[item] = summary
+        if args.per_replica:
+            columns.update({f"{label}:{r}"[-24:]: d for r, d in summary.items() if r != "all"})
+        else:
+            columns[label] = overall(summary)
+    if profile is not None:
+        print(f"priced by {profile.meta.get('name', args.profile)}")
+    print(format_table(columns))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summaries, indent=1) + "\n")
+        print(f"  wrote {args.json}")
+    return 0
 
 
 def write_result(out: Path, result, summary: dict) -> None:

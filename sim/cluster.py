@@ -158,6 +158,7 @@ class Simulation:
         self.num_pending = 0
         self._answers: dict[int, list[list[int]]] = {}
         self.step_log: list | None = None  # set to [] to record every step (tests)
+        self.step_trace: list | None = None  # set to [] for the engine's step-trace lines
         self.oracle = False  # set to report each request's oracle hits (one infinite cache)
         self._req_ids = itertools.count()
         scaling = config.autoscaling
@@ -513,9 +514,13 @@ def simulate(
     settings: SimSettings | None = None,
     replicas: int | None = None,
     oracle: bool = False,
+    step_trace: list | None = None,
 ) -> SimResult:
+    """Run the workload; `step_trace`: a list that gets a line per step, as a real engine core
+    writes them under STEPSERVE_STEP_TRACE (sim/steptrace.py reads both)."""
     sim = Simulation(config, profile, settings, replicas)
     sim.oracle = oracle
+    sim.step_trace = step_trace
     sim.add_requests(workload.requests)
     sim.add_conversations(workload.conversations)
     return sim.run()

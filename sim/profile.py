@@ -145,6 +145,30 @@ class StepTimeModel:
         return model
 
 
+# -- a served step (sim/calibrate.py fits its terms) --------------------------------------------
+def prefill_part(model: StepTimeModel, shape: StepShape) -> float:
+    """The share of a step's Engine.step price that is its prefill chunks."""
+    if shape.tokens <= shape.decodes:
+        return 0.0
+    return max(0.0, model.predict(shape) - model.predict(shape.decode_part()))
+
+
+def serving_step(
+    serving: dict, model: StepTimeModel, shape: StepShape, streamed: int, busy: float = 0.0
+) -> float:
+    """A step's serving time (module docstring): the profile's price, slowed by `busy` (the
+    share of its host's other replicas in a step) times `corun`, its prefill part times
+    `prefill_scale`, a per-step cost and a cost per token it streams (a step that streams none,
+    an intermediate prefill chunk, pays no per-token cost)."""
+    t = model.predict(shape)
+    t *= 1.0 + serving.get("corun", 0.0) * busy
+    scale = serving.get("prefill_scale", 1.0)
+    if scale != 1.0:
+        t += (scale - 1.0) * prefill_part(model, shape)
+    t += serving.get("step_s", 0.0) + serving.get("token_s", 0.0) * streamed
+    return max(t, 1e-6)  # a fit far below the profile: still a step (and a warning)
+
+
 def _hat_features(tokens: float, knots: list[float]) -> list[float]:
     """Piecewise-linear basis: the weights of `tokens` on its two neighbouring knots (linear
     continuation past the last)."""

@@ -353,6 +353,14 @@ class SimReplica:
             streamed = sum(1 for s in so.scheduled if s.sample)
             duration = serving_step(serving, self.sim.model, shape, streamed, self.host_busy())
             self._note_streamed(now, 0)  # idle until now
+        if self.sim.step_trace is not None:  # STEPSERVE_STEP_TRACE's step lines
+            self.sim.step_trace.append(
+                {
+                    "ev": "step", "pid": self.rid, "t": now + duration, "dur": duration,
+                    "reqs": [[s.request_id, s.start, s.num_tokens, len(s.draft),
+                              s.request.num_prompt_tokens] for s in so.scheduled],
+                }
+            )  # fmt: skip
         self.busy_s += duration
         self.num_steps += 1
         self.sim.at(now + duration, self._end_step, so)

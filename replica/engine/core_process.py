@@ -125,6 +125,7 @@ class EngineCore:
         self._grammar_engine_tried = False  # imported once the core has idled a heartbeat
         self._busy_at = time.monotonic()  # when the core last had a request
         self._trace = None
+        self._pid = os.getpid()  # tells the replicas of one trace file apart
         if trace := os.environ.get(STEP_TRACE_ENV):
             try:
                 self._trace = open(trace, "a", buffering=1)
@@ -152,7 +153,8 @@ class EngineCore:
             [s.request_id, s.start, s.num_tokens, len(s.draft), s.request.num_prompt_tokens]
             for s in scheduler_output.scheduled
         ]
-        line = {"ev": "step", "t": time.monotonic(), "dur": step_time, "reqs": rows}
+        line = {"ev": "step", "pid": self._pid, "t": time.monotonic(), "dur": step_time,
+                "reqs": rows}  # fmt: skip
         times = getattr(engine.runner, "step_times", None)  # ModelRunner's; not every Runner's
         if times is not None:
             line["forward"] = times.forward
@@ -206,6 +208,7 @@ class EngineCore:
             self._write_trace(
                 {
                     "ev": "add",
+                    "pid": self._pid,
                     "t": time.monotonic(),
                     "rid": request.request_id,
                     "arrival": request.arrival_time,

@@ -235,15 +235,18 @@ def test_the_step_trace_records_each_add_and_step(tiny_llama_dir, tmp_path, monk
                                 request_id="traced"))
             )  # fmt: skip
             assert out.num_output_tokens == 3
+            pid = engine._proc.pid
         finally:
             engine.shutdown()
-        return before, time.monotonic()
+        return before, time.monotonic(), pid
 
-    before, after = in_loop(body)
+    before, after, engine_pid = in_loop(body)
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     (add,) = [line for line in lines if line["ev"] == "add"]
     assert add["rid"] == "traced" and before <= add["arrival"] <= add["t"] <= after
     steps = [line for line in lines if line["ev"] == "step"]
+    # every line names the core process that wrote it (the replicas of a server share a file)
+    assert {line["pid"] for line in lines} == {engine_pid}
     rows = [row for step in steps for row in step["reqs"] if row[0] == "traced"]
     # the prompt in one step (5 tokens from position 0), then one token per step (drafts
     # off), every row naming the prompt's length

@@ -356,3 +356,23 @@ def test_the_grid_measures_both_sides_of_a_kernel_switch() -> None:
         _, prefill, _ = _grid(config, 8192, 100_000, quick, 32_768, kernel_switches(engine))
         chunks = {c for c, _ in prefill}
         assert {95, 96} <= chunks and not {4095, 4096} & chunks
+
+
+def test_fit_serving_with_fixed_step_terms_fits_only_the_path() -> None:
+    """The step terms fitted on served steps are kept as given; the rows then fit the path,
+    and the decode rows check the fixed terms (their error is reported)."""
+    rows = _rows(KNOWN, TRUE, random.Random(4), noise=0.02, outliers=0)
+    fixed = {name: TRUE[name] for name in ("step_s", "token_s", "prefill_extra", "corun")}
+    s = fit_serving(rows, fixed)
+    assert (s["step_s"], s["token_s"], s["corun"]) == (
+        TRUE["step_s"], TRUE["token_s"], TRUE["corun"],
+    )  # fmt: skip
+    assert s["prefill_scale"] == 1 + TRUE["prefill_extra"]
+    assert s["path_latency_s"] == pytest.approx(TRUE["path"], abs=0.001)
+    assert s["fit_error"]["decode"]["median_abs_rel_error"] < 0.05
+    # wrong fixed terms show in the decode rows' error, not hidden by the path
+    off = fit_serving(rows, {**fixed, "token_s": TRUE["token_s"] + 0.002})
+    assert off["fit_error"]["decode"]["bias"] > 0.1
+    assert any("poor fit: decode" in w for w in off["warnings"])
+    with pytest.raises(ValueError, match="no serving coefficients"):
+        fit_serving(rows, {"nope": 1.0})

@@ -1,0 +1,327 @@
+"""Step traces read, summarised and priced: the engine cores' (STEPSERVE_STEP_TRACE, one line per
+step: when it ended, how long it took, what it ran) or the simulator's (`stepserve simulate
+--step-trace`, the same lines). Per replica: the steps, their time, what they held (prefill
+chunks, decode batch), the gaps between back-to-back steps; with a profile, each step's time
+against the profile's price for the same shape (Engine.step alone, and the serving fit's price
+with its co-running and streaming terms). A real trace and a simulated one side by side tell
+whether the simulator misprices steps (real / price off 1) or schedules other steps than the
+real replicas ran (other shapes, batch sizes, step counts)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sim.profile import StepShape, prefill_part, serving_step
+
+# a gap between two steps of a replica that share a request is the engine loop's own time (it
+# had work); longer than this it waited for something else (the host, a lock) and is counted
+# apart
+LOOP_GAP_S = 0.050
+
+
+@dataclass
+class TracedStep:
+    replica: str
+    end: float
+    dur: float
+    rows: list  # [request id, first position, tokens, draft tokens, prompt tokens]
+
+    @property
+    def start(self) -> float:
+        return self.end - self.dur
+
+    def shape(self) -> StepShape:
+        """As the simulator prices it (StepShape.of_scheduler_output: a one-token chunk past
+        the prompt is a decode)."""
+        prefill, decode = [], []
+        for _, start, tokens, _, prompt in self.rows:
+            if tokens == 1 and start >= prompt:
+                decode.append(start + 1)
+            else:
+                prefill.append((tokens, start))
+        return StepShape.of(prefill, decode)
+
+    def streamed(self) -> int:
+        """The requests that sample a token in it (a prompt's last chunk or a decode; a
+        preempted request's recompute is counted as sampling when it passes its prompt)."""
+        return sum(1 for _, start, tokens, drafts, prompt in self.rows
+                   if start + tokens - drafts >= prompt)  # fmt: skip
+
+    def prefill_tokens(self) -> int:
+        return sum(t for _, s, t, _, p in self.rows if not (t == 1 and s >= p))
+
+
+def read_trace(
+    path: str | Path, since: float | None = None, until: float | None = None
+) -> dict[str, list[TracedStep]]:
+    """Each replica's steps (by the `pid` its lines carry; a trace without it is one replica),
+    in time order, those that started in [since, until] when given (a `.gz` file is read
+    through gzip)."""
+    out: dict[str, list[TracedStep]] = {}
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{n}: not a JSON line: {exc}") from None
+            if d.get("ev") != "step":
+                continue
+            step = TracedStep(str(d.get("pid", "-")), float(d["t"]), float(d["dur"]), d["reqs"])
+            if since is not None and step.start < since:
+                continue
+            if until is not None and step.start > until:
+                continue
+            out.setdefault(step.replica, []).append(step)
+    for steps in out.values():
+        steps.sort(key=lambda s: s.end)
+    return out
+
+
+def window_of(record: str | Path) -> tuple[float, float]:
+    """A replay record's run on the monotonic clock (bench/trace_replay.py's meta)."""
+    with open(record) as f:
+        meta = json.loads(f.readline())
+    if "monotonic_start" not in meta:
+        raise ValueError(f"{record}: no monotonic_start in its first line (an older replay)")
+    return meta["monotonic_start"], meta["monotonic_end"]
+
+
+def corun_shares(trace: dict[str, list[TracedStep]]) -> dict[int, float]:
+    """Per step (by id()): the share of its time the host's other replicas spent in steps,
+    averaged over them (sim/replica.py's `host_busy`, measured)."""
+    out: dict[int, float] = {}
+    names = list(trace)
+    spans = {
+        r: (np.array([s.start for s in trace[r]]), np.array([s.end for s in trace[r]]))
+        for r in names
+    }
+    for r in names:
+        others = [o for o in names if o != r]
+        for step in trace[r]:
+            if not others or step.dur <= 0:
+                out[id(step)] = 0.0
+                continue
+            share = 0.0
+            for o in others:
+                starts, ends = spans[o]
+                lo = np.searchsorted(
+                    ends, step.start
+                )  # the first of o's steps ending after it starts
+                hi = np.searchsorted(starts, step.end)  # past the last starting before it ends
+                if hi > lo:
+                    a = np.maximum(starts[lo:hi], step.start)
+                    b = np.minimum(ends[lo:hi], step.end)
+                    share += float(np.clip(b - a, 0, None).sum()) / step.dur
+            out[id(step)] = min(share / len(others), 1.0)
+    return out
+
+
+def _q(values, q: float) -> float:
+    return float(np.quantile(values, q)) if len(values) else float("nan")
+
+
+def summarise(trace: dict[str, list[TracedStep]], profile=None) -> dict:
+    """Per replica and over all: steps, busy seconds, span, loop gaps, step composition, and with
+    a profile, real time over its prices (sums and per-step quantiles, split by what the step
+    held and whether another replica was in a step)."""
+    corun = corun_shares(trace)
+    model = profile.model if profile is not None else None
+    serving = profile.serving if profile is not None else None
+    groups = {**{r: steps for r, steps in sorted(trace.items())}}
+    if len(trace) > 1:
+        groups["all"] = [s for steps in trace.values() for s in steps]
+    out = {}
+    for name, steps in groups.items():
+        if not steps:
+            continue
+        durs = np.array([s.dur for s in steps])
+        mixed = np.array([s.prefill_tokens() > 0 for s in steps])
+        decodes = np.array([sum(1 for r in s.rows if r[2] == 1 and r[1] >= r[4]) for s in steps])
+        gaps, waits = [], []
+        reps = [name] if name != "all" else list(trace)
+        for r in reps:
+            seq = trace[r]
+            for a, b in zip(seq, seq[1:]):
+                if {row[0] for row in a.rows} & {row[0] for row in b.rows}:
+                    g = max(b.start - a.end, 0.0)  # float rounding: back to back is 0
+                    (gaps if g <= LOOP_GAP_S else waits).append(g)
+        span = max(s.end for s in steps) - min(s.start for s in steps)
+        d = {
+            "steps": len(steps),
+            "busy_s": float(durs.sum()),
+            "span_s": span,
+            "step_ms_p50": _q(durs, 0.5) * 1e3,
+            "step_ms_p99": _q(durs, 0.99) * 1e3,
+            "step_ms_mean": float(durs.mean()) * 1e3,
+            "mixed_share": float(mixed.mean()),
+            "decode_batch_mean": float(decodes.mean()),
+            "tokens_mean": float(np.mean([sum(r[2] for r in s.rows) for s in steps])),
+            "prefill_tokens": int(sum(s.prefill_tokens() for s in steps)),
+            "streamed": int(sum(s.streamed() for s in steps)),
+            "corun_mean": float(np.mean([corun[id(s)] for s in steps])),
+            "loop_gap_ms_mean": float(np.mean(gaps)) * 1e3 if gaps else 0.0,
+            "loop_gap_s": float(np.sum(gaps)),
+            "long_waits": len(waits),
+            "long_wait_s": float(np.sum(waits)),
+        }
+        if model is not None:
+            engine = np.array([model.predict(s.shape()) for s in steps])
+            d["engine_price_s"] = float(engine.sum())
+            d["real_over_engine"] = float(durs.sum() / engine.sum()) if engine.sum() else None
+            ratio = durs / np.maximum(engine, 1e-6)
+            for label, sel in (("decode", ~mixed), ("mixed", mixed)):
+                if sel.any():
+                    d[f"ratio_{label}_p50"] = _q(ratio[sel], 0.5)
+                    d[f"ratio_{label}_p90"] = _q(ratio[sel], 0.9)
+                    d[f"ratio_{label}_sum"] = float(durs[sel].sum() / engine[sel].sum())
+            shares = np.array([corun[id(s)] for s in steps])
+            for label, sel in (("alone", shares < 0.5), ("corun", shares >= 0.5)):
+                if sel.any():
+                    d[f"ratio_{label}_sum"] = float(durs[sel].sum() / engine[sel].sum())
+            if serving is not None:
+                priced = np.array(
+                    [serving_step(serving, model, s.shape(), s.streamed(), corun[id(s)])
+                     for s in steps]
+                )  # fmt: skip
+                d["serving_price_s"] = float(priced.sum())
+                d["real_over_serving"] = float(durs.sum() / priced.sum()) if priced.sum() else None
+        out[name] = d
+    return out
+
+
+ROWS = (
+    ("steps", "{:.0f}"), ("busy_s", "{:.1f}"), ("span_s", "{:.1f}"), ("step_ms_p50", "{:.1f}"),
+    ("step_ms_p99", "{:.1f}"), ("step_ms_mean", "{:.1f}"), ("mixed_share", "{:.3f}"),
+    ("decode_batch_mean", "{:.2f}"), ("tokens_mean", "{:.1f}"), ("prefill_tokens", "{:.0f}"),
+    ("streamed", "{:.0f}"), ("corun_mean", "{:.3f}"), ("loop_gap_ms_mean", "{:.2f}"),
+    ("loop_gap_s", "{:.1f}"), ("long_waits", "{:.0f}"), ("long_wait_s", "{:.1f}"),
+    ("engine_price_s", "{:.1f}"), ("real_over_engine", "{:.3f}"), ("ratio_decode_p50", "{:.3f}"),
+    ("ratio_decode_p90", "{:.3f}"), ("ratio_decode_sum", "{:.3f}"), ("ratio_mixed_p50", "{:.3f}"),
+    ("ratio_mixed_p90", "{:.3f}"), ("ratio_mixed_sum", "{:.3f}"), ("ratio_alone_sum", "{:.3f}"),
+    ("ratio_corun_sum", "{:.3f}"), ("serving_price_s", "{:.1f}"), ("real_over_serving", "{:.3f}"),
+)  # fmt: skip
+
+
+def format_table(columns: dict[str, dict]) -> str:
+    """Columns (a label each: a trace's `summarise()["all"]` or one replica's) by row."""
+    labels = list(columns)
+    width = max([12, *(len(label) + 1 for label in labels)])
+    lines = [f"{'':20s}" + "".join(f"{label:>{width}s}" for label in labels)]
+    for key, fmt in ROWS:
+        if not any(key in c for c in columns.values()):
+            continue
+        cells = []
+        for label in labels:
+            v = columns[label].get(key)
+            cells.append(f"{'-' if v is None else fmt.format(v):>{width}s}")
+        lines.append(f"{key:20s}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def overall(summary: dict) -> dict:
+    """The whole trace's column: "all", or its only replica's."""
+    return summary.get("all") or next(iter(summary.values()))
+
+
+# -- the serving step terms, fitted on served steps ------------------------------------------------
+STEP_TERMS = ("corun", "prefill_extra", "step_s", "token_s")
+POOR_STEP_MEDIAN = 0.10  # a group of steps priced off by more than this at the median: poor fit
+
+
+def step_rows(trace: dict[str, list[TracedStep]], model) -> list[tuple[str, float, float, tuple]]:
+    """Per step: (group, its cycle, its Engine.step price, the terms' features). The cycle is
+    the step and the loop's gap to the replica's next step when that one follows at once (the
+    simulator runs steps back to back); the features are what `serving_step` multiplies its
+    coefficients by: the price times the co-running share, the prefill part, 1, the tokens
+    streamed. Groups: decode-only or mixed, alone or co-running (share under or over 1/2)."""
+    corun = corun_shares(trace)
+    rows = []
+    for steps in trace.values():
+        for a, b in zip(steps, [*steps[1:], None]):
+            cycle = a.dur
+            if b is not None and {r[0] for r in a.rows} & {r[0] for r in b.rows}:
+                gap = b.start - a.end
+                if 0.0 < gap <= LOOP_GAP_S:
+                    cycle += gap
+            shape = a.shape()
+            price = model.predict(shape)
+            share = corun[id(a)]
+            kind = "mixed" if a.prefill_tokens() else "decode"
+            group = f"{kind} {'corun' if share >= 0.5 else 'alone'}"
+            features = (price * share, prefill_part(model, shape), 1.0, float(a.streamed()))
+            rows.append((group, cycle, price, features))
+    return rows
+
+
+def fit_steps(traces: list[dict[str, list[TracedStep]]], model) -> dict:
+    """The serving step terms (`serving_step`: corun, prefill_scale, step_s, token_s) fitted to
+    the served steps of `traces` (each one cluster's: co-running is measured within a trace):
+    least squares of each cycle's excess over its Engine.step price on
+    the features, relative error, each group weighing the same, outliers (OUTLIER_MADS MADs and
+    OUTLIER_FLOOR off) rejected and refitted. Returns the terms, per-group errors and
+    warnings."""
+    from sim.profile import OUTLIER_FLOOR, OUTLIER_MADS
+
+    rows = [row for trace in traces for row in step_rows(trace, model)]
+    if len(rows) < 4 * len(STEP_TERMS):
+        raise ValueError(f"{len(rows)} steps cannot fit {len(STEP_TERMS)} step terms")
+    groups = [g for g, _, _, _ in rows]
+    y = np.array([c for _, c, _, _ in rows])
+    known = np.array([p for _, _, p, _ in rows])
+    x = np.array([f for _, _, _, f in rows])
+    count = {g: groups.count(g) for g in set(groups)}
+    # each group weighs the same, and within one a step by its time (absolute error: the
+    # simulator needs the sum of the steps right, which relative error would give to the many
+    # short ones)
+    mean = {g: float(np.mean([c for name, c in zip(groups, y) if name == g])) for g in count}
+    w = np.array([1.0 / (math.sqrt(count[g]) * max(mean[g], 1e-6)) for g in groups])
+    free = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
+    keep = np.ones(len(rows), dtype=bool)
+    coef = np.zeros(x.shape[1])
+    for _ in range(8):
+        a = x[keep][:, free] * w[keep, None]
+        coef[free] = np.linalg.lstsq(a, (y[keep] - known[keep]) * w[keep], rcond=None)[0]
+        rel = (known + x @ coef) / y - 1.0
+        med = float(np.median(rel[keep]))
+        mad = float(np.median(np.abs(rel[keep] - med))) * 1.4826
+        new_keep = np.abs(rel - med) <= max(OUTLIER_MADS * mad, OUTLIER_FLOOR)
+        if np.array_equal(new_keep, keep) or new_keep.sum() < 4 * len(STEP_TERMS):
+            break
+        keep = new_keep
+    values = dict(zip(STEP_TERMS, (float(c) for c in coef), strict=True))
+    errors, warnings = {}, []
+    for g in sorted(count):
+        idx = np.array([i for i, name in enumerate(groups) if name == g])
+        kept = idx[keep[idx]] if keep[idx].any() else idx
+        errors[g] = {
+            "n": int(len(idx)),
+            "rejected": int((~keep[idx]).sum()),
+            "median_abs_rel_error": float(np.median(np.abs(rel[kept]))),
+            "bias": float(np.median(rel[idx])),
+            "sum_error": float((known[idx] + x[idx] @ coef).sum() / y[idx].sum() - 1.0),
+        }
+        if errors[g]["median_abs_rel_error"] > POOR_STEP_MEDIAN:
+            warnings.append(
+                f"poor fit: {g} steps priced {errors[g]['median_abs_rel_error']:.0%} off at the "
+                f"median (limit {POOR_STEP_MEDIAN:.0%})"
+            )
+    return {
+        "corun": values["corun"],
+        "prefill_scale": 1.0 + values["prefill_extra"],
+        "step_s": values["step_s"],
+        "token_s": values["token_s"],
+        "steps": len(rows),
+        "rejected": int((~keep).sum()),
+        "fit_error": errors,
+        "warnings": warnings,
+    }

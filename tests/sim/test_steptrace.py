@@ -1,0 +1,211 @@
+"""Step traces (sim/steptrace.py, `stepserve steps`, `simulate --step-trace`): a step's shape and
+streamed tokens from its trace line, co-running shares, loop gaps, a replay's window, and the
+simulator's own trace priced back to exactly what the simulator charged. No Ray."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli import main as cli_main
+from sim.calibrate import serving_step
+from sim.heldout import QUICK
+from sim.steptrace import (
+    TracedStep,
+    corun_shares,
+    overall,
+    read_trace,
+    summarise,
+    window_of,
+)
+from tests.sim.test_fidelity import TINY_PROFILE
+from tests.sim.test_sim import KNOWN, _config, _open_loop, _profile
+
+
+def _line(pid, t, dur, rows):
+    return json.dumps({"ev": "step", "pid": pid, "t": t, "dur": dur, "reqs": rows})
+
+
+def test_a_step_line_gives_its_shape_and_streamed_tokens():
+    step = TracedStep("1", 10.0, 0.05, [
+        ["a", 0, 64, 0, 100],     # a prompt's first chunk: no token out
+        ["b", 64, 36, 0, 100],    # its last chunk, after 64 cached: samples
+        ["c", 120, 1, 0, 100],    # a decode at context 121
+        ["d", 130, 3, 2, 100],    # a decode with two drafts: samples
+    ])  # fmt: skip
+    shape = step.shape()
+    assert shape.tokens == 104 and shape.requests == 4 and shape.decodes == 1
+    assert shape.causal_pairs == 64 * 65 / 2
+    assert shape.prefix_pairs == 36 * (64 + 37 / 2) + 3 * (130 + 2)
+    assert shape.decode_context == 121
+    assert step.streamed() == 3 and step.prefill_tokens() == 103
+    assert step.start == pytest.approx(9.95)
+
+
+def test_corun_share_is_the_overlap_with_the_other_replicas_steps():
+    trace = {
+        "1": [TracedStep("1", 1.0, 1.0, []), TracedStep("1", 3.0, 1.0, [])],
+        "2": [TracedStep("2", 1.5, 1.0, [])],  # 0.5 - 1.5: half of each of 1's... first only
+    }
+    shares = corun_shares(trace)
+    a, b = trace["1"]
+    assert shares[id(a)] == pytest.approx(0.5) and shares[id(b)] == 0.0
+    assert shares[id(trace["2"][0])] == pytest.approx(0.5)
+    assert corun_shares({"1": [a]})[id(a)] == 0.0  # alone on the host
+
+
+def test_read_trace_splits_replicas_keeps_a_window_and_counts_loop_gaps(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    lines = [
+        json.dumps({"ev": "add", "pid": 7, "t": 0.9, "rid": "x", "arrival": 0.8}),
+        _line(7, 1.00, 0.1, [["x", 0, 10, 0, 10]]),
+        _line(7, 1.11, 0.1, [["x", 10, 1, 0, 10]]),  # 10 ms after: the loop's gap
+        _line(7, 1.50, 0.1, [["x", 11, 1, 0, 10]]),  # 290 ms after: a long wait
+        _line(7, 3.00, 0.1, [["y", 0, 5, 0, 5]]),  # another request: an idle gap, not counted
+        _line(8, 1.20, 0.2, [["z", 0, 20, 0, 20]]),
+        "",
+    ]
+    path.write_text("\n".join(lines))
+    trace = read_trace(path)
+    assert sorted(trace) == ["7", "8"] and len(trace["7"]) == 4
+    import gzip
+
+    packed = tmp_path / "steps.jsonl.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert [len(v) for v in read_trace(packed).values()] == [4, 1]
+    s = summarise(trace)
+    assert s["7"]["loop_gap_ms_mean"] == pytest.approx(10.0)
+    assert s["7"]["long_waits"] == 1 and s["7"]["long_wait_s"] == pytest.approx(0.29)
+    assert s["all"]["steps"] == 5 and s["all"]["busy_s"] == pytest.approx(0.6)
+    assert s["7"]["mixed_share"] == 0.5 and s["7"]["decode_batch_mean"] == 0.5
+    assert overall(s) is s["all"] and overall({"7": s["7"]}) is s["7"]
+    windowed = read_trace(path, since=0.95, until=1.45)  # steps that started in it
+    assert [len(v) for v in windowed.values()] == [2, 1]
+    record = tmp_path / "run.jsonl"
+    record.write_text(json.dumps({"type": "run", "monotonic_start": 0.95, "monotonic_end": 1.45}))
+    assert window_of(record) == (0.95, 1.45)
+    (tmp_path / "old.jsonl").write_text(json.dumps({"type": "run"}) + "\n")
+    with pytest.raises(ValueError, match="monotonic_start"):
+        window_of(tmp_path / "old.jsonl")
+    (tmp_path / "bad.jsonl").write_text("{nope\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        read_trace(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("serving", [None, {"model": 2, "step_s": 0.002, "token_s": 0.0007,
+                                            "prefill_scale": 1.3, "corun": 0.4}])  # fmt: skip
+def test_the_simulators_trace_prices_back_to_what_it_charged(serving):
+    """One replica (nothing co-runs): the trace's shapes and streamed tokens, priced again,
+    give exactly the simulated step times, so a real trace's ratio measures the model alone."""
+    from sim.cluster import simulate
+
+    profile = _profile()
+    profile.serving = serving
+    trace: list = []
+    simulate(_config(), profile, _open_loop(40, 6.0, seed=3), replicas=1, step_trace=trace)
+    steps = read_trace_lines(trace)
+    s = overall(summarise(steps, profile))
+    assert s["steps"] == len(trace) > 40 and s["mixed_share"] > 0
+    if serving is None:
+        assert s["real_over_engine"] == pytest.approx(1.0, abs=1e-9)
+        assert "real_over_serving" not in s
+    else:
+        assert s["real_over_serving"] == pytest.approx(1.0, abs=1e-9)
+        assert s["real_over_engine"] > 1.1  # the serving fit's terms on top
+        step = steps["replica-0"][0]
+        assert step.dur == pytest.approx(
+            serving_step(serving, KNOWN, step.shape(), step.streamed(), 0.0)
+        )
+
+
+def read_trace_lines(lines: list[dict]):
+    out: dict = {}
+    for d in lines:
+        out.setdefault(d["pid"], []).append(TracedStep(d["pid"], d["t"], d["dur"], d["reqs"]))
+    return out
+
+
+def test_cli_simulate_writes_a_trace_and_steps_reads_it(tmp_path, capsys):
+    trace = QUICK[0].write(tmp_path / "trace.csv", rate=3.0, seed=2)
+    steps = tmp_path / "sim-steps.jsonl"
+    argv = ["simulate", "--profile", TINY_PROFILE, "--replicas", "2", "--workload",
+            f"trace:{trace}", "--step-trace", str(steps)]  # fmt: skip
+    assert cli_main(argv) == 0
+    lines = [json.loads(x) for x in steps.read_text().splitlines()]
+    assert {d["pid"] for d in lines} == {"replica-0", "replica-1"}
+    capsys.readouterr()
+    out = tmp_path / "steps.json"
+    assert cli_main(["steps", str(steps), "--profile", TINY_PROFILE, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "real_over_engine" in text and "sim-steps" in text  # (a profile without serving)
+    summary = json.loads(out.read_text())[str(steps)]
+    assert summary["all"]["steps"] == len(lines)
+    assert cli_main(["steps", str(steps), "--per-replica"]) == 0
+    assert "replica-1" in capsys.readouterr().out
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert cli_main(["steps", str(empty)]) == 2
+    assert "no steps" in capsys.readouterr().err
+
+
+def test_fit_steps_recovers_the_terms_the_simulator_charged():
+    """Two replicas on one host (co-running steps), served steps priced with known terms:
+    fitted back on the simulator's trace."""
+    from sim.cluster import simulate
+    from sim.steptrace import fit_steps
+
+    truth = {"model": 2, "step_s": 0.003, "token_s": 0.0009, "prefill_scale": 1.25,
+             "corun": 0.3, "replicas": 2}  # fmt: skip
+    profile = _profile()
+    profile.serving = truth
+    trace: list = []
+    simulate(_config(replicas=2), profile, _open_loop(160, 14.0, seed=5), step_trace=trace)
+    fit = fit_steps([read_trace_lines(trace)], KNOWN)
+    assert fit["steps"] == len(trace)
+    assert fit["step_s"] == pytest.approx(truth["step_s"], abs=0.0005)
+    assert fit["token_s"] == pytest.approx(truth["token_s"], abs=0.0001)
+    assert fit["prefill_scale"] == pytest.approx(truth["prefill_scale"], abs=0.05)
+    assert fit["corun"] == pytest.approx(truth["corun"], abs=0.05)
+    groups = fit["fit_error"]
+    assert {"decode alone", "decode corun", "mixed corun"} <= set(groups)
+    assert all(abs(g["sum_error"]) < 0.03 for g in groups.values())
+    with pytest.raises(ValueError, match="cannot fit"):
+        fit_steps([{"r": read_trace_lines(trace)["replica-0"][:5]}], KNOWN)
+
+
+def test_measure_serving_fits_the_step_terms_on_the_clusters_traces(tmp_path, monkeypatch):
+    """The calibration's glue: with the clusters' step traces the step terms come from the
+    served steps and the rows fit the path; a missing or empty trace falls back to the rows."""
+    import random
+
+    import sim.calibrate as calibrate
+    from sim.cluster import simulate
+    from tests.sim.test_sim_model import TRUE, _rows
+
+    truth = {"model": 2, "step_s": 0.003, "token_s": 0.0009, "prefill_scale": 1.25,
+             "corun": 0.3, "replicas": 2}  # fmt: skip
+    profile = _profile()
+    profile.serving = truth
+    trace: list = []
+    simulate(_config(replicas=2), profile, _open_loop(160, 14.0, seed=5), step_trace=trace)
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in trace))
+    # the client's measurements of the same cluster: its step terms, and a path
+    same = {**TRUE, "step_s": 0.003, "token_s": 0.0009, "prefill_extra": 0.25, "corun": 0.3}
+    rows = _rows(KNOWN, same, random.Random(5), noise=0.02, outliers=0)
+    monkeypatch.setattr(calibrate, "measure_rows", lambda *a, **k: list(rows))
+    profile.serving = None
+    s = calibrate.measure_serving("http://unused", profile, 2, step_traces=[path],
+                                  progress=lambda *_: None)  # fmt: skip
+    assert s["step_fit"]["steps"] == len(trace)
+    assert s["token_s"] == pytest.approx(truth["token_s"], abs=0.0001)
+    assert s["corun"] == pytest.approx(truth["corun"], abs=0.05)
+    assert s["path_latency_s"] == pytest.approx(TRUE["path"], abs=0.002)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for traces in ([], [empty], [tmp_path / "missing.jsonl"]):
+        s = calibrate.measure_serving("http://unused", profile, 2, step_traces=traces,
+                                      progress=lambda *_: None)  # fmt: skip
+        assert "step_fit" not in s
+        assert s["token_s"] == pytest.approx(same["token_s"], abs=0.0002)  # the rows' own fit
