@@ -149,18 +149,28 @@ def test_cli_simulate_writes_a_trace_and_steps_reads_it(tmp_path, capsys):
     assert "no steps" in capsys.readouterr().err
 
 
-def test_fit_steps_recovers_the_terms_the_simulator_charged():
-    """Two replicas on one host (co-running steps), served steps priced with known terms:
-    fitted back on the simulator's trace."""
-    from sim.cluster import simulate
-    from sim.steptrace import fit_steps
+# served steps priced with known terms: what the fits must recover
+TRUTH = {"model": 2, "step_s": 0.003, "token_s": 0.0009, "prefill_scale": 1.25, "corun": 0.3,
+         "replicas": 2}  # fmt: skip
 
-    truth = {"model": 2, "step_s": 0.003, "token_s": 0.0009, "prefill_scale": 1.25,
-             "corun": 0.3, "replicas": 2}  # fmt: skip
+
+def _two_replica_trace() -> list[dict]:
+    """The simulator's step trace of two replicas on one host (co-running steps) priced with
+    TRUTH."""
+    from sim.cluster import simulate
+
     profile = _profile()
-    profile.serving = truth
+    profile.serving = TRUTH
     trace: list = []
     simulate(_config(replicas=2), profile, _open_loop(160, 14.0, seed=5), step_trace=trace)
+    return trace
+
+
+def test_fit_steps_recovers_the_terms_the_simulator_charged():
+    from sim.steptrace import fit_steps
+
+    truth = TRUTH
+    trace = _two_replica_trace()
     fit = fit_steps([read_trace_lines(trace)], KNOWN)
     assert fit["steps"] == len(trace)
     assert fit["step_s"] == pytest.approx(truth["step_s"], abs=0.0005)
@@ -180,22 +190,17 @@ def test_measure_serving_fits_the_step_terms_on_the_clusters_traces(tmp_path, mo
     import random
 
     import sim.calibrate as calibrate
-    from sim.cluster import simulate
     from tests.sim.test_sim_model import TRUE, _rows
 
-    truth = {"model": 2, "step_s": 0.003, "token_s": 0.0009, "prefill_scale": 1.25,
-             "corun": 0.3, "replicas": 2}  # fmt: skip
+    truth = TRUTH
     profile = _profile()
-    profile.serving = truth
-    trace: list = []
-    simulate(_config(replicas=2), profile, _open_loop(160, 14.0, seed=5), step_trace=trace)
+    trace = _two_replica_trace()
     path = tmp_path / "steps.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in trace))
     # the client's measurements of the same cluster: its step terms, and a path
     same = {**TRUE, "step_s": 0.003, "token_s": 0.0009, "prefill_extra": 0.25, "corun": 0.3}
     rows = _rows(KNOWN, same, random.Random(5), noise=0.02, outliers=0)
     monkeypatch.setattr(calibrate, "measure_rows", lambda *a, **k: list(rows))
-    profile.serving = None
     s = calibrate.measure_serving("http://unused", profile, 2, step_traces=[path],
                                   progress=lambda *_: None)  # fmt: skip
     assert s["step_fit"]["steps"] == len(trace)
