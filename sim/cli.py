@@ -103,6 +103,11 @@ def add_commands(sub) -> None:
     steps.add_argument(
         "--per-replica", action="store_true", help="a column per replica, not one per trace"
     )
+    steps.add_argument(
+        "--ttft", action="store_true",
+        help="for each TRACE@RECORD (an engine core's trace), also split the replay's first "
+        "tokens: path in, the wait for the core to read it, queue, prefill, path out",
+    )  # fmt: skip
     steps.add_argument("--json", metavar="PATH", help="also write the summaries as JSON")
     steps.set_defaults(func=cmd_steps)
 
@@ -681,10 +686,18 @@ def fidelity_report(args: argparse.Namespace) -> dict:
 def cmd_steps(args: argparse.Namespace) -> int:
     """`stepserve steps`: step traces side by side (sim/steptrace.py)."""
     from sim.profile import Profile
-    from sim.steptrace import format_table, overall, read_trace, summarise, window_of
+    from sim.steptrace import (
+        format_table,
+        format_ttft,
+        overall,
+        read_trace,
+        summarise,
+        ttft_parts,
+        window_of,
+    )
 
     profile = Profile.load(args.profile) if args.profile else None
-    columns, summaries = {}, {}
+    columns, summaries, splits = {}, {}, []
     for item in args.traces:
         path, _, record = item.partition("@")
         since, until = window_of(record) if record else (None, None)
@@ -698,9 +711,15 @@ def cmd_steps(args: argparse.Namespace) -> int:
             columns.update({f"{label}:{r}"[-24:]: d for r, d in summary.items() if r != "all"})
         else:
             columns[label] = overall(summary)
+        if args.ttft and record:
+            parts = ttft_parts(path, record)
+            summary["ttft_parts"] = parts
+            splits.append(format_ttft(label, parts))
     if profile is not None:
         print(f"priced by {profile.meta.get('name', args.profile)}")
     print(format_table(columns))
+    for text in splits:
+        print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(summaries, indent=1) + "\n")
         print(f"  wrote {args.json}")

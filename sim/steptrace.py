@@ -325,3 +325,83 @@ def fit_steps(traces: list[dict[str, list[TracedStep]]], model) -> dict:
         "fit_error": errors,
         "warnings": warnings,
     }
+
+
+# -- a replay's first tokens, split by the server's step trace ------------------------------------
+TTFT_PARTS = (
+    ("path_in", "client send -> the front hands it to the core"),
+    ("handoff", "-> the core reads it (it reads between steps)"),
+    ("core_wait", "-> first scheduled"),
+    ("prefill", "-> the end of the step that samples its first token"),
+    ("path_out", "-> the client has the first token"),
+)
+
+
+def ttft_parts(trace_path: str | Path, record: str | Path) -> dict:
+    """Each request of a replay record (bench/trace_replay.py) matched to the core's `add` and
+    steps in the trace (same prompt length, the first arrival after its send), its TTFT split
+    into TTFT_PARTS; returns per part the mean, p50 and p90 in seconds, and the matched count.
+    The trace must hold `add` lines (the engine core's; the simulator writes none)."""
+    t0, t1 = window_of(record)
+    with open(record) as f:
+        rows = [d for d in map(json.loads, filter(str.strip, f)) if d.get("type") == "request"]
+    adds: dict[str, dict] = {}
+    scheduled: dict[str, float] = {}
+    first: dict[str, tuple[float, int]] = {}
+    opener = gzip.open if str(trace_path).endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            if d.get("ev") == "add":
+                if t0 - 1.0 <= d["t"] <= t1 + 1.0:
+                    adds[d["rid"]] = d
+            elif d.get("ev") == "step":
+                for rid, start, tokens, drafts, prompt in d["reqs"]:
+                    if rid not in adds:
+                        continue
+                    scheduled.setdefault(rid, d["t"] - d["dur"])
+                    if start + tokens - drafts >= prompt and rid not in first:
+                        first[rid] = (d["t"], prompt)
+    if not adds:
+        raise ValueError(
+            f"{trace_path}: no `add` lines in {record}'s run (an engine core's trace?)"
+        )
+    by_len: dict[int, list[str]] = {}
+    for rid, (_, prompt) in first.items():
+        by_len.setdefault(prompt, []).append(rid)
+    used: set[str] = set()
+    parts: list[tuple[float, ...]] = []
+    for row in rows:
+        if not row.get("success") or row.get("ttft_s") is None:
+            continue
+        send = t0 + row["start_s"]
+        candidates = [rid for rid in by_len.get(row["prompt_tokens"], ())
+                      if rid not in used and adds[rid]["arrival"] >= send - 0.01]  # fmt: skip
+        if not candidates:
+            continue
+        rid = min(candidates, key=lambda r: adds[r]["arrival"])
+        used.add(rid)
+        add = adds[rid]
+        end = first[rid][0]
+        parts.append((add["arrival"] - send, add["t"] - add["arrival"], scheduled[rid] - add["t"],
+                      end - scheduled[rid], send + row["ttft_s"] - end, row["ttft_s"]))  # fmt: skip
+    out: dict = {"requests": len(rows), "matched": len(parts)}
+    if parts:
+        a = np.array(parts)
+        for i, name in enumerate([n for n, _ in TTFT_PARTS] + ["ttft"]):
+            out[name] = {"mean": float(a[:, i].mean()), "p50": _q(a[:, i], 0.5),
+                         "p90": _q(a[:, i], 0.9)}  # fmt: skip
+    return out
+
+
+def format_ttft(label: str, parts: dict) -> str:
+    lines = [f"{label}: TTFT split, {parts['matched']} of {parts['requests']} requests matched "
+             "(ms: mean / p50 / p90)"]  # fmt: skip
+    for name, about in [*TTFT_PARTS, ("ttft", "the whole first token")]:
+        if name in parts:
+            p = parts[name]
+            lines.append(f"  {name:10s} {p['mean'] * 1e3:9.1f} {p['p50'] * 1e3:9.1f} "
+                         f"{p['p90'] * 1e3:9.1f}  {about}")  # fmt: skip
+    return "\n".join(lines)

@@ -214,3 +214,43 @@ def test_measure_serving_fits_the_step_terms_on_the_clusters_traces(tmp_path, mo
                                       progress=lambda *_: None)  # fmt: skip
         assert "step_fit" not in s
         assert s["token_s"] == pytest.approx(same["token_s"], abs=0.0002)  # the rows' own fit
+
+
+def test_ttft_parts_split_a_replays_first_tokens_by_the_core_trace(tmp_path, capsys):
+    """A request sent at 10.00 reaches the core's front at 10.02, the core reads it at 10.30
+    (after the step under way), schedules it at 10.31 in a two-chunk prefill that samples at
+    10.80, and the client has the token at 10.85; a second one of another length likewise."""
+    from sim.fidelity import write_run
+    from sim.steptrace import ttft_parts
+
+    lines = [
+        {"ev": "add", "pid": 1, "t": 10.30, "rid": "a", "arrival": 10.02},
+        {"ev": "step", "pid": 1, "t": 10.50, "dur": 0.19, "reqs": [["a", 0, 64, 0, 100]]},
+        {"ev": "step", "pid": 1, "t": 10.80, "dur": 0.29, "reqs": [["a", 64, 36, 0, 100]]},
+        {"ev": "add", "pid": 1, "t": 11.05, "rid": "b", "arrival": 11.04},
+        {"ev": "step", "pid": 1, "t": 11.20, "dur": 0.14, "reqs": [["b", 0, 20, 0, 20]]},
+    ]
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(d) + "\n" for d in lines))
+    rows = [
+        {"index": 0, "start_s": 0.0, "prompt_tokens": 100, "success": True, "ttft_s": 0.85},
+        {"index": 1, "start_s": 1.0, "prompt_tokens": 20, "success": True, "ttft_s": 0.25},
+        {"index": 2, "start_s": 2.0, "prompt_tokens": 7, "success": False, "ttft_s": None},
+    ]
+    for row in rows:
+        row.update(output_tokens=4, e2e_s=1.0)
+    record = tmp_path / "real1.jsonl"
+    write_run(record, {"monotonic_start": 10.0, "monotonic_end": 13.0}, rows)
+    parts = ttft_parts(trace, record)
+    assert parts["requests"] == 3 and parts["matched"] == 2
+    assert parts["path_in"]["p50"] == pytest.approx(0.03)  # 0.02 and 0.04
+    assert parts["handoff"]["mean"] == pytest.approx((0.28 + 0.01) / 2)
+    assert parts["prefill"]["mean"] == pytest.approx((0.49 + 0.14) / 2)
+    assert parts["path_out"]["mean"] == pytest.approx((0.05 + 0.05) / 2)
+    assert parts["ttft"]["mean"] == pytest.approx(0.55)
+    assert cli_main(["steps", f"{trace}@{record}", "--ttft"]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 3 requests matched" in out and "handoff" in out
+    write_run(record, {"monotonic_start": 20.0, "monotonic_end": 21.0}, rows)
+    with pytest.raises(ValueError, match="no `add` lines"):
+        ttft_parts(trace, record)
