@@ -223,6 +223,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.from_profile and args.no_serving:
         raise ValueError("--from calibrates an existing profile: it cannot take --no-serving")
+    if args.calibrate_step_trace and not args.calibrate_url:
+        raise ValueError(
+            "--calibrate-step-trace is the trace of the cluster at --calibrate-url: give both "
+            "(the clusters `stepserve profile` starts write their own)"
+        )
     if args.calibrate_replicas < 1:
         raise ValueError(f"--calibrate-replicas {args.calibrate_replicas}: at least 1")
     # the engine's step times need a quiet host (a calibration of an existing profile does not
@@ -311,8 +316,8 @@ def _calibrate(prof, args: argparse.Namespace, out: Path, overrides: dict | None
     replicas = args.calibrate_replicas
     solo = []
     # the clusters it starts write step traces: the step terms are fitted on the served steps
-    traces_dir = Path(tempfile.mkdtemp(prefix="stepserve-calibration-"))
-    traces = [traces_dir / "solo.steps.jsonl", traces_dir / "steps.jsonl"]
+    traces_dir = None if args.calibrate_url else Path(tempfile.mkdtemp(prefix="stepserve-cal-"))
+    traces = [traces_dir / "solo.steps.jsonl", traces_dir / "steps.jsonl"] if traces_dir else []
     if replicas > 1 and not args.calibrate_url:  # steps with no other replica beside them
         url, server = _start_cluster(prof, args, overrides, 1, step_trace=traces[0])
         try:
@@ -341,8 +346,8 @@ def _calibrate(prof, args: argparse.Namespace, out: Path, overrides: dict | None
         for group, e in step_fit["fit_error"].items():
             print(f"  {group:13s} {e['n']:5d} steps, median error {e['median_abs_rel_error']:.1%}, "
                   f"summed time {e['sum_error']:+.1%}")  # fmt: skip
-        # kept to look at (`stepserve steps DIR/steps.jsonl --profile OUT`), a few MB
-        print(f"  the clusters' step traces are in {traces_dir}")
+        if traces_dir is not None:  # kept to look at (`stepserve steps DIR/steps.jsonl`), MBs
+            print(f"  the clusters' step traces are in {traces_dir}")
     else:
         print("  no step trace: every term fitted on the measurements")
     print(f"  serving: {describe(prof.serving)}")

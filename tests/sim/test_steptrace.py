@@ -254,3 +254,40 @@ def test_ttft_parts_split_a_replays_first_tokens_by_the_core_trace(tmp_path, cap
     write_run(record, {"monotonic_start": 20.0, "monotonic_end": 21.0}, rows)
     with pytest.raises(ValueError, match="no `add` lines"):
         ttft_parts(trace, record)
+
+
+def test_profile_refuses_a_step_trace_without_the_cluster_it_belongs_to(capsys):
+    argv = ["profile", "--from", TINY_PROFILE, "--calibrate-step-trace", "steps.jsonl"]
+    assert cli_main(argv) == 2
+    assert "--calibrate-step-trace is the trace of the cluster at --calibrate-url" in (
+        capsys.readouterr().err
+    )
+
+
+def test_the_calibration_measures_one_stream_alone_on_the_n_replica_cluster(monkeypatch):
+    """With N > 1 replicas the calibration first runs one stream at a time (the other replicas
+    idle): decode rows at busy 0 on that cluster, besides the levels with every replica busy."""
+    import sim.calibrate as calibrate
+
+    levels = []
+
+    async def fake_loop(base_url, concurrency, prompt_len, out_len, seconds, seed, **kw):
+        levels.append((concurrency, seconds, kw.get("probe", False)))
+        return calibrate.LevelRun([(0.05, 0.02, 20)] * 3, [0.06] * 2 if kw.get("probe") else [],
+                                  100.0)  # fmt: skip
+
+    monkeypatch.setattr(calibrate, "_closed_loop", fake_loop)
+    monkeypatch.setattr(calibrate, "_idle_probes", lambda url, n: [0.04] * n)
+    rows = calibrate.measure_rows("http://unused", _profile(), 2, batches=(1, 4), seconds=3.0,
+                                  rounds=1, prefill_prompts=(), progress=lambda *_: None)  # fmt: skip
+    # the alone level first: one stream, no prober, both rounds' time; then 2 x b streams
+    assert levels == [(1, 3.0, False), (2, 3.0, True), (8, 3.0, True)]
+    decode = [r for r in rows if r.group == "decode"]
+    alone = [r for r in decode if r.x[5] == 0.0]
+    assert len(alone) == 3 and all(r.level == "b=1 solo" for r in alone)
+    assert {r.level for r in decode if r.x[5] > 0} == {"b=1", "b=4"}
+    # one replica: no alone level (every step is alone already)
+    levels.clear()
+    calibrate.measure_rows("http://unused", _profile(), 1, batches=(1,), seconds=3.0, rounds=1,
+                           prefill_prompts=(), progress=lambda *_: None)  # fmt: skip
+    assert levels == [(1, 3.0, True)]
