@@ -54,7 +54,13 @@ class TracedStep:
                    if start + tokens - drafts >= prompt)  # fmt: skip
 
     def prefill_tokens(self) -> int:
-        return sum(t for _, s, t, _, p in self.rows if not (t == 1 and s >= p))
+        """Prompt tokens run in it (a decode's draft tokens are not: its row starts past the
+        prompt)."""
+        return sum(t for _, s, t, _, p in self.rows if s < p)
+
+    def decodes(self) -> int:
+        """Requests past their prompt in it (a decode with drafts counts as one)."""
+        return sum(1 for _, s, _, _, p in self.rows if s >= p)
 
 
 def read_trace(
@@ -146,7 +152,7 @@ def summarise(trace: dict[str, list[TracedStep]], profile=None) -> dict:
             continue
         durs = np.array([s.dur for s in steps])
         mixed = np.array([s.prefill_tokens() > 0 for s in steps])
-        decodes = np.array([sum(1 for r in s.rows if r[2] == 1 and r[1] >= r[4]) for s in steps])
+        decodes = np.array([s.decodes() for s in steps])
         gaps, waits = [], []
         reps = [name] if name != "all" else list(trace)
         for r in reps:

@@ -39,7 +39,7 @@ def test_a_step_line_gives_its_shape_and_streamed_tokens():
     assert shape.causal_pairs == 64 * 65 / 2
     assert shape.prefix_pairs == 36 * (64 + 37 / 2) + 3 * (130 + 2)
     assert shape.decode_context == 121
-    assert step.streamed() == 3 and step.prefill_tokens() == 103
+    assert step.streamed() == 3 and step.prefill_tokens() == 100 and step.decodes() == 2
     assert step.start == pytest.approx(9.95)
 
 
