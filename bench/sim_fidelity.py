@@ -235,13 +235,13 @@ def run_trace(trace: HeldOutTrace, args, work: Path, rate: float | None) -> dict
 def step_summary(steps: Path, records: list[str], sim_steps: Path, args) -> str:
     """`stepserve steps` of the server's trace per replay and of the simulated one."""
     from sim.profile import Profile
-    from sim.steptrace import format_table, overall, read_trace, summarise, window_of
+    from sim.steptrace import format_table, overall, summarise_file
 
     profile = Profile.load(args.profile)
     columns = {}
     for k, record in enumerate(records, 1):
-        columns[f"real{k}"] = overall(summarise(read_trace(steps, *window_of(record)), profile))
-    columns["sim"] = overall(summarise(read_trace(sim_steps), profile))
+        columns[f"real{k}"] = overall(summarise_file(steps, record, profile))
+    columns["sim"] = overall(summarise_file(sim_steps, profile=profile))
     return format_table(columns)
 
 

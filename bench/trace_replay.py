@@ -111,7 +111,7 @@ def replay(
         "started_at": started,
         "wall_s": wall,
         # the run on the host's monotonic clock, which a server's step trace uses
-        # (STEPSERVE_STEP_TRACE; `stepserve steps TRACE --run RECORD` keeps this window's steps)
+        # (STEPSERVE_STEP_TRACE; `stepserve steps TRACE@RECORD` keeps this window's steps)
         "monotonic_start": mono,
         "monotonic_end": time.monotonic(),
         "load_average_1m": round(os.getloadavg()[0], 2),

@@ -58,13 +58,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.profile import (  # noqa: F401  (prefill_part, serving_step: this module's model)
-    OUTLIER_FLOOR,
-    OUTLIER_MADS,
     SERVING_MODEL,
     Profile,
     StepShape,
     StepTimeModel,
+    group_errors,
     prefill_part,
+    robust_lstsq,
     serving_step,
 )
 
@@ -199,31 +199,9 @@ def fit_serving(rows: list[Row], fixed: dict[str, float] | None = None) -> dict:
         count[r.group] = count.get(r.group, 0) + 1
     w = np.asarray([1.0 / math.sqrt(count[r.group]) for r in rows]) / np.maximum(y, 1e-6)
     # a coefficient no row measures stays 0 (e.g. no load: no path rate)
-    free = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
-    keep = np.ones(len(rows), dtype=bool)
-    coef = np.zeros(x.shape[1])
-    for _ in range(5):
-        a = x[keep][:, free] * w[keep, None]
-        b = (y[keep] - known[keep]) * w[keep]
-        coef[free] = np.linalg.lstsq(a, b, rcond=None)[0]
-        rel = (known + x @ coef) / y - 1.0
-        med = float(np.median(rel[keep]))
-        mad = float(np.median(np.abs(rel[keep] - med))) * 1.4826
-        new_keep = np.abs(rel - med) <= max(OUTLIER_MADS * mad, OUTLIER_FLOOR)
-        if np.array_equal(new_keep, keep) or new_keep.sum() < len(COEFFICIENTS):
-            break
-        keep = new_keep
+    coef, rel, keep = robust_lstsq(x, y, known, w, min_kept=len(COEFFICIENTS), rounds=5)
     values = dict(zip(COEFFICIENTS, (float(c) for c in coef + pinned), strict=True))
-    groups: dict[str, dict] = {}
-    for g in sorted({r.group for r in rows}):
-        idx = [i for i, r in enumerate(rows) if r.group == g]
-        errs = np.abs(rel[idx])
-        groups[g] = {
-            "n": len(idx),
-            "rejected": int((~keep[idx]).sum()),
-            "median_abs_rel_error": float(np.median(errs[keep[idx]] if keep[idx].any() else errs)),
-            "bias": float(np.median(rel[idx])),
-        }
+    groups = group_errors([r.group for r in rows], rel, keep)
     warnings = []
     for g, e in groups.items():
         if e["median_abs_rel_error"] > POOR_GROUP_MEDIAN:

@@ -597,9 +597,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     result = simulate(config, profile, workload, build_settings(args, profile), step_trace=trace)
     wall = time.perf_counter() - t0
     if trace is not None:
-        Path(args.step_trace).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.step_trace, "w") as f:
-            f.writelines(json.dumps(line) + "\n" for line in trace)
+        _write_step_trace(args.step_trace, trace)
         print(f"  wrote {len(trace)} steps to {args.step_trace}")
     summary = result.summary()
     summary["wall_s"] = wall
@@ -614,6 +612,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 print(f"  wrote {p}")
         print(f"  wrote {out}/summary.json, requests.jsonl, replicas.json, timelines.json")
     return 0
+
+
+def _write_step_trace(path: str, lines: list[dict]) -> None:
+    """The simulator's step lines (`simulate --step-trace`), one JSON line each."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -676,9 +681,7 @@ def fidelity_report(args: argparse.Namespace) -> dict:
             build_cluster_config(draw), profile, wl, build_settings(draw, profile), step_trace=trace
         )
         if trace is not None:  # the first seed's steps
-            Path(args.step_trace).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.step_trace, "w") as f:
-                f.writelines(json.dumps(line) + "\n" for line in trace)
+            _write_step_trace(args.step_trace, trace)
         sims.append(sim_metrics(result.requests, result.replicas))
     report = compare([real_metrics(r) for r in runs], median_metrics(sims), sims)
     report["sim_seeds"] = [args.seed + k for k in range(seeds)]
@@ -691,25 +694,13 @@ def fidelity_report(args: argparse.Namespace) -> dict:
 def cmd_steps(args: argparse.Namespace) -> int:
     """`stepserve steps`: step traces side by side (sim/steptrace.py)."""
     from sim.profile import Profile
-    from sim.steptrace import (
-        format_table,
-        format_ttft,
-        overall,
-        read_trace,
-        summarise,
-        ttft_parts,
-        window_of,
-    )
+    from sim.steptrace import format_table, format_ttft, overall, summarise_file, ttft_parts
 
     profile = Profile.load(args.profile) if args.profile else None
     columns, summaries, splits = {}, {}, []
     for item in args.traces:
         path, _, record = item.partition("@")
-        since, until = window_of(record) if record else (None, None)
-        trace = read_trace(path, since, until)
-        if not trace:
-            raise ValueError(f"{item}: no steps" + (" in the record's run" if record else ""))
-        summary = summarise(trace, profile)
+        summary = summarise_file(path, record or None, profile)
         label = Path(record or path).stem
         summaries[item] = summary
         if args.per_replica:

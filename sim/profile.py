@@ -208,6 +208,46 @@ def robust_center(samples: list[float], mads: float = OUTLIER_MADS) -> tuple[flo
     return statistics.median(x for x, k in zip(samples, keep) if k), keep
 
 
+def robust_lstsq(
+    x: np.ndarray, y: np.ndarray, known: np.ndarray, w: np.ndarray, min_kept: int, rounds: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Coefficients c for y ~ known + x @ c by least squares weighted by `w`, on the columns of
+    `x` that some row measures (the others stay 0), refitted without the rows whose relative
+    residual is OUTLIER_MADS scaled MADs and OUTLIER_FLOOR off the median, until that rejects
+    nothing new, `rounds` fits were made, or fewer than `min_kept` rows would be left. Returns
+    (c, every row's relative residual, which rows were kept)."""
+    free = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
+    keep = np.ones(len(y), dtype=bool)
+    coef = np.zeros(x.shape[1])
+    for _ in range(rounds):
+        a = x[keep][:, free] * w[keep, None]
+        coef[free] = np.linalg.lstsq(a, (y[keep] - known[keep]) * w[keep], rcond=None)[0]
+        rel = (known + x @ coef) / y - 1.0
+        med = float(np.median(rel[keep]))
+        mad = float(np.median(np.abs(rel[keep] - med))) * 1.4826
+        new_keep = np.abs(rel - med) <= max(OUTLIER_MADS * mad, OUTLIER_FLOOR)
+        if np.array_equal(new_keep, keep) or new_keep.sum() < min_kept:
+            break
+        keep = new_keep
+    return coef, rel, keep
+
+
+def group_errors(groups: list[str], rel: np.ndarray, keep: np.ndarray) -> dict[str, dict]:
+    """Per group (sorted): rows, rejected rows, the median |relative residual| of the kept ones
+    (of all when none was kept) and the median residual (bias)."""
+    out = {}
+    for g in sorted(set(groups)):
+        idx = np.array([i for i, name in enumerate(groups) if name == g])
+        kept = idx[keep[idx]] if keep[idx].any() else idx
+        out[g] = {
+            "n": int(len(idx)),
+            "rejected": int((~keep[idx]).sum()),
+            "median_abs_rel_error": float(np.median(np.abs(rel[kept]))),
+            "bias": float(np.median(rel[idx])),
+        }
+    return out
+
+
 def _solve(rows: list[list[float]], targets: list[float], drop: set[int]) -> np.ndarray:
     a = np.asarray(rows)
     if drop:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.profile import StepShape, prefill_part, serving_step
+from sim.profile import StepShape, group_errors, prefill_part, robust_lstsq, serving_step
 
 # a gap between two steps of a replica that share a request is the engine loop's own time (it
 # had work); longer than this it waited for something else (the host, a lock) and is counted
@@ -63,6 +63,19 @@ class TracedStep:
         return sum(1 for _, s, _, _, p in self.rows if s >= p)
 
 
+def follow_gap(a: TracedStep, b: TracedStep) -> float | None:
+    """The loop's gap from step `a` to its replica's next step `b` when `b` goes on with a
+    request of `a` (the replica had work: the gap is the engine loop's own), else None."""
+    if {row[0] for row in a.rows} & {row[0] for row in b.rows}:
+        return max(b.start - a.end, 0.0)  # float rounding: back to back is 0
+    return None
+
+
+def _open_text(path: str | Path):
+    """A trace file for reading, through gzip when it ends in `.gz`."""
+    return (gzip.open if str(path).endswith(".gz") else open)(path, "rt")
+
+
 def read_trace(
     path: str | Path, since: float | None = None, until: float | None = None
 ) -> dict[str, list[TracedStep]]:
@@ -70,8 +83,7 @@ def read_trace(
     in time order, those that started in [since, until] when given (a `.gz` file is read
     through gzip)."""
     out: dict[str, list[TracedStep]] = {}
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
+    with _open_text(path) as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
             if not line:
@@ -93,10 +105,12 @@ def read_trace(
     return out
 
 
-def window_of(record: str | Path) -> tuple[float, float]:
-    """A replay record's run on the monotonic clock (bench/trace_replay.py's meta)."""
-    with open(record) as f:
-        meta = json.loads(f.readline())
+def window_of(record: str | Path, meta: dict | None = None) -> tuple[float, float]:
+    """A replay record's run on the monotonic clock (bench/trace_replay.py's meta: its first
+    line, read unless given)."""
+    if meta is None:
+        with open(record) as f:
+            meta = json.loads(f.readline())
     if "monotonic_start" not in meta:
         raise ValueError(f"{record}: no monotonic_start in its first line (an older replay)")
     return meta["monotonic_start"], meta["monotonic_end"]
@@ -143,9 +157,13 @@ def summarise(trace: dict[str, list[TracedStep]], profile=None) -> dict:
     corun = corun_shares(trace)
     model = profile.model if profile is not None else None
     serving = profile.serving if profile is not None else None
+    every = [s for steps in trace.values() for s in steps]
+    if model is not None:  # each step's shape and Engine.step price, once ("all" has them too)
+        shape = {id(s): s.shape() for s in every}
+        price = {k: model.predict(v) for k, v in shape.items()}
     groups = {**{r: steps for r, steps in sorted(trace.items())}}
     if len(trace) > 1:
-        groups["all"] = [s for steps in trace.values() for s in steps]
+        groups["all"] = every
     out = {}
     for name, steps in groups.items():
         if not steps:
@@ -158,8 +176,8 @@ def summarise(trace: dict[str, list[TracedStep]], profile=None) -> dict:
         for r in reps:
             seq = trace[r]
             for a, b in zip(seq, seq[1:]):
-                if {row[0] for row in a.rows} & {row[0] for row in b.rows}:
-                    g = max(b.start - a.end, 0.0)  # float rounding: back to back is 0
+                g = follow_gap(a, b)
+                if g is not None:
                     (gaps if g <= LOOP_GAP_S else waits).append(g)
         span = max(s.end for s in steps) - min(s.start for s in steps)
         d = {
@@ -181,7 +199,7 @@ def summarise(trace: dict[str, list[TracedStep]], profile=None) -> dict:
             "long_wait_s": float(np.sum(waits)),
         }
         if model is not None:
-            engine = np.array([model.predict(s.shape()) for s in steps])
+            engine = np.array([price[id(s)] for s in steps])
             d["engine_price_s"] = float(engine.sum())
             d["real_over_engine"] = float(durs.sum() / engine.sum()) if engine.sum() else None
             ratio = durs / np.maximum(engine, 1e-6)
@@ -196,7 +214,7 @@ def summarise(trace: dict[str, list[TracedStep]], profile=None) -> dict:
                     d[f"ratio_{label}_sum"] = float(durs[sel].sum() / engine[sel].sum())
             if serving is not None:
                 priced = np.array(
-                    [serving_step(serving, model, s.shape(), s.streamed(), corun[id(s)])
+                    [serving_step(serving, model, shape[id(s)], s.streamed(), corun[id(s)])
                      for s in steps]
                 )  # fmt: skip
                 d["serving_price_s"] = float(priced.sum())
@@ -234,6 +252,15 @@ def format_table(columns: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def summarise_file(path: str | Path, record: str | Path | None = None, profile=None) -> dict:
+    """`summarise` of a trace file, only the steps of a replay record's run when given; a
+    ValueError when there are none."""
+    trace = read_trace(path, *window_of(record)) if record else read_trace(path)
+    if not trace:
+        raise ValueError(f"{path}: no steps" + (f" in {record}'s run" if record else ""))
+    return summarise(trace, profile)
+
+
 def overall(summary: dict) -> dict:
     """The whole trace's column: "all", or its only replica's."""
     return summary.get("all") or next(iter(summary.values()))
@@ -255,10 +282,9 @@ def step_rows(trace: dict[str, list[TracedStep]], model) -> list[tuple[str, floa
     for steps in trace.values():
         for a, b in zip(steps, [*steps[1:], None]):
             cycle = a.dur
-            if b is not None and {r[0] for r in a.rows} & {r[0] for r in b.rows}:
-                gap = b.start - a.end
-                if 0.0 < gap <= LOOP_GAP_S:
-                    cycle += gap
+            gap = follow_gap(a, b) if b is not None else None
+            if gap is not None and gap <= LOOP_GAP_S:
+                cycle += gap
             shape = a.shape()
             price = model.predict(shape)
             share = corun[id(a)]
@@ -272,12 +298,10 @@ def step_rows(trace: dict[str, list[TracedStep]], model) -> list[tuple[str, floa
 def fit_steps(traces: list[dict[str, list[TracedStep]]], model) -> dict:
     """The serving step terms (`serving_step`: corun, prefill_scale, step_s, token_s) fitted to
     the served steps of `traces` (each one cluster's: co-running is measured within a trace):
-    least squares of each cycle's excess over its Engine.step price on
-    the features, relative error, each group weighing the same, outliers (OUTLIER_MADS MADs and
-    OUTLIER_FLOOR off) rejected and refitted. Returns the terms, per-group errors and
-    warnings."""
-    from sim.profile import OUTLIER_FLOOR, OUTLIER_MADS
-
+    least squares (`robust_lstsq`) of each cycle's excess over its Engine.step price on the
+    features, each group weighing the same and within a group absolute error, outliers rejected
+    and refitted. Returns the terms, per-group errors (with each group's summed time against
+    its price) and warnings."""
     rows = [row for trace in traces for row in step_rows(trace, model)]
     if len(rows) < 4 * len(STEP_TERMS):
         raise ValueError(f"{len(rows)} steps cannot fit {len(STEP_TERMS)} step terms")
@@ -291,34 +315,15 @@ def fit_steps(traces: list[dict[str, list[TracedStep]]], model) -> dict:
     # short ones)
     mean = {g: float(np.mean([c for name, c in zip(groups, y) if name == g])) for g in count}
     w = np.array([1.0 / (math.sqrt(count[g]) * max(mean[g], 1e-6)) for g in groups])
-    free = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
-    keep = np.ones(len(rows), dtype=bool)
-    coef = np.zeros(x.shape[1])
-    for _ in range(8):
-        a = x[keep][:, free] * w[keep, None]
-        coef[free] = np.linalg.lstsq(a, (y[keep] - known[keep]) * w[keep], rcond=None)[0]
-        rel = (known + x @ coef) / y - 1.0
-        med = float(np.median(rel[keep]))
-        mad = float(np.median(np.abs(rel[keep] - med))) * 1.4826
-        new_keep = np.abs(rel - med) <= max(OUTLIER_MADS * mad, OUTLIER_FLOOR)
-        if np.array_equal(new_keep, keep) or new_keep.sum() < 4 * len(STEP_TERMS):
-            break
-        keep = new_keep
+    coef, rel, keep = robust_lstsq(x, y, known, w, min_kept=4 * len(STEP_TERMS), rounds=8)
     values = dict(zip(STEP_TERMS, (float(c) for c in coef), strict=True))
-    errors, warnings = {}, []
-    for g in sorted(count):
+    errors, warnings = group_errors(groups, rel, keep), []
+    for g, e in errors.items():
         idx = np.array([i for i, name in enumerate(groups) if name == g])
-        kept = idx[keep[idx]] if keep[idx].any() else idx
-        errors[g] = {
-            "n": int(len(idx)),
-            "rejected": int((~keep[idx]).sum()),
-            "median_abs_rel_error": float(np.median(np.abs(rel[kept]))),
-            "bias": float(np.median(rel[idx])),
-            "sum_error": float((known[idx] + x[idx] @ coef).sum() / y[idx].sum() - 1.0),
-        }
-        if errors[g]["median_abs_rel_error"] > POOR_STEP_MEDIAN:
+        e["sum_error"] = float((known[idx] + x[idx] @ coef).sum() / y[idx].sum() - 1.0)
+        if e["median_abs_rel_error"] > POOR_STEP_MEDIAN:
             warnings.append(
-                f"poor fit: {g} steps priced {errors[g]['median_abs_rel_error']:.0%} off at the "
+                f"poor fit: {g} steps priced {e['median_abs_rel_error']:.0%} off at the "
                 f"median (limit {POOR_STEP_MEDIAN:.0%})"
             )
     return {
@@ -348,14 +353,14 @@ def ttft_parts(trace_path: str | Path, record: str | Path) -> dict:
     steps in the trace (same prompt length, the first arrival after its send), its TTFT split
     into TTFT_PARTS; returns per part the mean, p50 and p90 in seconds, and the matched count.
     The trace must hold `add` lines (the engine core's; the simulator writes none)."""
-    t0, t1 = window_of(record)
     with open(record) as f:
-        rows = [d for d in map(json.loads, filter(str.strip, f)) if d.get("type") == "request"]
+        lines = [json.loads(line) for line in f if line.strip()]
+    t0, t1 = window_of(record, lines[0] if lines else {})
+    rows = [d for d in lines if d.get("type") == "request"]
     adds: dict[str, dict] = {}
     scheduled: dict[str, float] = {}
     first: dict[str, tuple[float, int]] = {}
-    opener = gzip.open if str(trace_path).endswith(".gz") else open
-    with opener(trace_path, "rt") as f:
+    with _open_text(trace_path) as f:
         for line in f:
             if not line.strip():
                 continue
