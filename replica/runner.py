@@ -81,6 +81,9 @@ class StepBatch:
     # stream whose final hidden states it sums (replica/pooling.py), and whose they are
     pool_spans: list[tuple[int, int]] = field(default_factory=list)
     pool_ids: list[str] = field(default_factory=list)
+    # every row's final hidden state is read (a pooling request's step; every rank): the last
+    # layer computes them all, not only the sampled rows
+    all_rows: bool = False
     # KV tier moves made before the forward (kv_tier.py; SchedulerOutput.kv_ops)
     kv_ops: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -654,6 +657,7 @@ class ModelRunner:
         batch.kv_ops = so.kv_ops
         if pooling:
             self._pool_spans(so, first_row, batch)
+            batch.all_rows = bool(batch.pool_spans)
         return batch
 
     @staticmethod
@@ -740,15 +744,31 @@ class ModelRunner:
             lora = self.lora
             if lora is not None:  # the step's rows grouped by adapter, once for every layer
                 lora.begin_step(batch.lora_slots, batch.query_lens)
+            # the last layer computes only the rows read (the sampled ones) past its attention,
+            # unless the step pools hidden rows or runs an adapter (its rows are grouped for
+            # the whole stream)
+            keep = None
+            if (
+                rows is not None
+                and len(batch.sample_rows) < len(batch.input_ids)
+                and not batch.all_rows
+                and not any(batch.lora_slots)
+            ):
+                keep = rows
             forward_start = time.perf_counter()
             try:
-                hidden = self.model(ids, positions, self.kv_caches, meta)
+                hidden = self.model(ids, positions, self.kv_caches, meta, keep)
             finally:
                 if lora is not None:
                     lora.end_step()
-            logits = (
-                None if rows is None else self.model.compute_logits(hidden.index_select(0, rows))
-            )
+            if keep is not None:
+                logits = self.model.compute_logits(hidden)
+            else:
+                logits = (
+                    None
+                    if rows is None
+                    else self.model.compute_logits(hidden.index_select(0, rows))
+                )
             pooled = None
             if batch.pool_spans:  # the final norm's output: what an embedding pools
                 pooled = dict(zip(batch.pool_ids, pool_rows(hidden, batch.pool_spans)))

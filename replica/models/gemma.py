@@ -121,8 +121,14 @@ class GemmaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, meta
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        meta,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention block's output (for the rows in `keep` only, when given)."""
         qkv = self.qkv_proj(hidden)
         num_tokens, d = hidden.shape[0], self.head_dim
         qk_size = self.q_size + self.kv_size
@@ -137,7 +143,8 @@ class GemmaAttention(nn.Module):
                 qk = torch.cat([self.q_norm._norm(qk[:, :h]), self.k_norm._norm(qk[:, h:])], 1)
             qk = rotary.rotate(positions, qk)
             q, k = qk.reshape(num_tokens, qk_size).split([self.q_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, qkv[:, qk_size:], kv_cache, meta))
+        out = self.attn(q, k, qkv[:, qk_size:], kv_cache, meta)
+        return self.o_proj(out if keep is None else out.index_select(0, keep))
 
 
 class GemmaMLP(nn.Module):
@@ -183,14 +190,19 @@ class GemmaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's normed MLP output, the residual stream before adding it): each residual
-        add is done by the pre-norm that follows it (fused where the C kernels run)."""
+        add is done by the pre-norm that follows it (fused where the C kernels run); with
+        `keep`, for those rows only (LlamaDecoderLayer's)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache, meta))
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
+        hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
@@ -243,12 +255,15 @@ class GemmaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         embedded = self.embed_tokens(input_ids)
         hidden = embedded * torch.tensor(self.normalizer).to(embedded.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            rows = keep if i == last else None
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, rows)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 

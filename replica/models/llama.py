@@ -92,7 +92,10 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention block's output; with `keep`, for those rows only (every row's K and V
+        still reach the cache)."""
         qkv = self.qkv_proj(hidden)
         num_tokens = hidden.shape[0]
         qk_size = self.q_size + self.kv_size
@@ -112,6 +115,8 @@ class LlamaAttention(nn.Module):
             qk = rotary.rotate(positions, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
             q, k = qk.view(num_tokens, qk_size).split([self.q_size, self.kv_size], dim=-1)
         out = self.attn(q, k, qkv[:, qk_size:], kv_cache, meta)
+        if keep is not None:
+            out = out.index_select(0, keep)
         return self.o_proj(out)
 
 
@@ -164,14 +169,18 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before adding it): each residual add
-        is done by the norm that follows it, fused where the C kernels run."""
+        is done by the norm that follows it, fused where the C kernels run. With `keep`, both
+        for those rows only: past the attention, the rows nothing reads are not computed."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -210,10 +219,13 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            rows = keep if i == last else None
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, rows)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
@@ -257,9 +269,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the flat token stream."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        """Final hidden states [T, hidden] of the flat token stream; with `keep` (row indices),
+        those rows' only [len(keep), hidden], in its order: the last layer computes no other
+        row past its attention (a prompt's other rows feed only the KV cache)."""
+        return self.model(input_ids, positions, kv_caches, meta, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the full vocabulary for the given rows (gathered across ranks)."""

@@ -21,14 +21,14 @@ MESSAGE_CAPACITY = 2048
 
 
 def encode_batch(batch: StepBatch) -> list[int]:
-    """[num_reqs, num_sampled, has LoRA slots, starts, query_lens, table lengths, sample rows,
-    token ids, block ids, LoRA slots if any, then per further KV group (a hybrid model's):
-    its tables' lengths and block ids] as one flat list of ints."""
+    """[num_reqs, num_sampled, flags (LoRA slots, KV ops, all rows read), starts, query_lens,
+    table lengths, sample rows, token ids, block ids, LoRA slots if any, then per further KV
+    group (a hybrid model's): its tables' lengths and block ids] as one flat list of ints."""
     tables = batch.block_ids
     flat = [
         len(batch.starts),
         len(batch.sample_rows),
-        int(bool(batch.lora_slots)) | int(bool(batch.kv_ops)) << 1,
+        int(bool(batch.lora_slots)) | int(bool(batch.kv_ops)) << 1 | int(batch.all_rows) << 2,
         *batch.starts,
         *batch.query_lens,
         *map(len, tables),
@@ -66,7 +66,7 @@ def _tables(flat: list[int], i: int, lengths: list[int]) -> tuple[list[list[int]
 
 def decode_batch(flat: list[int]) -> StepBatch:
     n, m, flags = flat[0], flat[1], flat[2]
-    has_lora, has_ops = flags & 1, flags & 2
+    has_lora, has_ops, all_rows = flags & 1, flags & 2, bool(flags & 4)
     i = 3
     starts = flat[i : i + n]
     query_lens = flat[i + n : i + 2 * n]
@@ -96,6 +96,7 @@ def decode_batch(flat: list[int]) -> StepBatch:
         groups.append(group)
     batch = StepBatch(input_ids, starts, query_lens, tables, sample_rows, groups, lora_slots)
     batch.kv_ops = kv_ops
+    batch.all_rows = all_rows
     return batch
 
 

@@ -18,7 +18,7 @@ from replica.layers.attention import TorchSDPAMetadata
 from replica.layers.linear import TensorParallel
 from replica.loader import build_model, load_hf_config, load_weights, safetensors_files
 from replica.request import SamplingParams
-from replica.runner import ModelRunner
+from replica.runner import ModelRunner, StepBatch
 from tests.replica.test_cpu_kernels import NATIVE_POSSIBLE, needs_native
 
 
@@ -612,3 +612,26 @@ def test_bfloat16_follows_transformers_bf16_up_to_its_own_ties(
             f"leads by {gap} (bf16 ulp {bf16_ulp(top)}): not a tie"
         )
     assert identical >= len(prompts) // 2  # seen here: 5 or 6 of 7 whole continuations equal
+
+
+def test_last_layer_computes_only_the_sampled_rows(tiny_llama_dir):
+    """Past its attention, the last layer runs the rows whose logits are read; a step whose
+    every row is read (a pooling request's) runs them all. The logits are the same."""
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama_dir), device="cpu"), tiny_llama_dir)
+    mlp_rows: list[int] = []
+    runner.model.model.layers[-1].mlp.register_forward_hook(
+        lambda module, args, out: mlp_rows.append(args[0].shape[0])
+    )
+    prompts = [[5, 9, 200, 31, 7, 7, 64], [3, 1, 4, 1, 5]]
+    tables = [[0], [1]]
+
+    def logits(all_rows: bool) -> torch.Tensor:
+        batch = StepBatch(sum(prompts, []), [0, 0], [7, 5], tables, [6, 11])
+        batch.all_rows = all_rows
+        return runner.forward_batch(batch)
+
+    pruned = logits(False)
+    full = logits(True)
+    assert mlp_rows == [2, 12]
+    torch.testing.assert_close(pruned, full, rtol=1e-5, atol=1e-5)
+    assert pruned.argmax(-1).tolist() == full.argmax(-1).tolist()

@@ -144,6 +144,9 @@ def test_tp4_replicates_kv_heads_and_matches_transformers(tiny_qwen2_dir, run_ge
 def test_batch_encoding_round_trips():
     batch = StepBatch([5, 6, 7, 8], [0, 9, 3], [2, 1, 1], [[4, 2], [7, 1, 3], []], [1, 3])
     assert parallel.decode_batch(parallel.encode_batch(batch)) == batch
+    # a pooling step: every rank computes every row of the last layer
+    batch.all_rows = True
+    assert parallel.decode_batch(parallel.encode_batch(batch)).all_rows
 
 
 @pytest.mark.timeout(120)
