@@ -503,4 +503,5 @@ def describe(serving: dict) -> str:
         f"{serving['path_latency_s'] * 1e3:.2f} ms one way "
         f"{serving['path_rate_s'] * 1e6:+.2f} ms per 1000 tok/s streamed, co-running "
         f"replicas x{1 + serving.get('corun', 0.0):.2f}"
+        + (f", host spread {serving['host_spread']:.3f}" if serving.get("host_spread") else "")
     )

@@ -167,6 +167,13 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
         "--net-jitter-ms", type=float, default=0.0,
         help="network variance: each one-way hop adds an exponential draw of this mean",
     )  # fmt: skip
+    p.add_argument(
+        "--host-spread", type=float, metavar="S",
+        help="host variance: each host's steps cost exp(N(0, S)) times their price, drawn per "
+        "host from the seed (S: the log standard deviation of a host's price level between "
+        "runs; `stepserve steps --profile` measures it from replays); default: the profile's "
+        "serving.host_spread, else 0; 0: off",
+    )  # fmt: skip
     p.add_argument("--autoscaler", choices=["stepserve", "ray_default"], default="stepserve")
     p.add_argument("--ray-target-ongoing", type=float, default=2.0)
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: divide arrival times")
@@ -330,12 +337,14 @@ def _calibrate(prof, args: argparse.Namespace, out: Path, overrides: dict | None
         traces = [Path(args.calibrate_step_trace)] if args.calibrate_step_trace else []
     else:
         url, server = _start_cluster(prof, args, overrides, replicas, step_trace=traces[1])
+    # the host's spread between hours is measured from replays, not here: a recalibration keeps it
+    kept = {k: v for k, v in (prof.serving or {}).items() if k.startswith("host_spread")}
     try:
         print(f"stepserve profile: serving calibration against {url} ({replicas} replicas)")
         prof.serving = measure_serving(
             url, prof, replicas, seconds=args.calibrate_seconds, solo_rows=solo,
             step_traces=[t for t in traces if t.exists()],
-        )  # fmt: skip
+        ) | kept  # fmt: skip
     finally:
         if server is not None:
             _stop_cluster(server)
@@ -447,6 +456,24 @@ def profile_warnings(profile, args: argparse.Namespace | None = None) -> list[st
             "without the serving path's cost (stepserve profile --from PROFILE calibrates it)"
         )
     return out
+
+
+def host_spread_of(args: argparse.Namespace, profile) -> float:
+    """The host spread a run applies (SimSettings.host_spread's default resolved)."""
+    if getattr(args, "host_spread", None) is not None:
+        return args.host_spread
+    if getattr(args, "no_serving_calibration", False) or not profile.serving:
+        return 0.0
+    return float(profile.serving.get("host_spread", 0.0))
+
+
+def _print_host_spread(args: argparse.Namespace, profile) -> None:
+    spread = host_spread_of(args, profile)
+    if spread:
+        print(
+            f"  host spread {spread:.3f}: each host's steps cost exp(N(0, {spread:.3f})) times "
+            "their price, drawn from the seed (--host-spread 0: none)"
+        )
 
 
 def _fmt_err(e: dict) -> str:
@@ -572,6 +599,7 @@ def build_settings(args: argparse.Namespace, profile=None):
         lose_replica_at_s=tuple(args.lose_replica_at),
         add_replica_at_s=tuple(args.add_replica_at),
         net_jitter_s=args.net_jitter_ms / 1000.0,
+        host_spread=getattr(args, "host_spread", None),
         autoscaler=args.autoscaler,
         ray_target_ongoing_requests=args.ray_target_ongoing,
         seed=args.seed,
@@ -590,6 +618,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return cmd_compare(args)
     profile = Profile.load(args.profile)
     _print_warnings("simulate", profile_warnings(profile, args))
+    _print_host_spread(args, profile)
     config = build_cluster_config(args)
     workload = build_workload(args, profile)
     t0 = time.perf_counter()
@@ -623,10 +652,13 @@ def _write_step_trace(path: str, lines: list[dict]) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """`simulate --compare`: the trace simulated (--sim-seeds times), against its real replays."""
+    from sim.profile import Profile
+
     report = fidelity_report(args)
     print(f"fidelity: {args.workload} ({len(args.compare)} real runs) vs simulated")
     for i, path in enumerate(args.compare, 1):
         print(f"  run{i}: {path}")
+    _print_host_spread(args, Profile.load(args.profile))
     from sim.fidelity import format_report
 
     print(format_report(report))
@@ -694,7 +726,14 @@ def fidelity_report(args: argparse.Namespace) -> dict:
 def cmd_steps(args: argparse.Namespace) -> int:
     """`stepserve steps`: step traces side by side (sim/steptrace.py)."""
     from sim.profile import Profile
-    from sim.steptrace import format_table, format_ttft, overall, summarise_file, ttft_parts
+    from sim.steptrace import (
+        format_table,
+        format_ttft,
+        overall,
+        price_level,
+        summarise_file,
+        ttft_parts,
+    )
 
     profile = Profile.load(args.profile) if args.profile else None
     columns, summaries, splits = {}, {}, []
@@ -714,6 +753,13 @@ def cmd_steps(args: argparse.Namespace) -> int:
     if profile is not None:
         print(f"priced by {profile.meta.get('name', args.profile)}")
     print(format_table(columns))
+    level = price_level([overall(s).get("real_over_serving") for s in summaries.values()])
+    if level is not None:
+        print(
+            f"served price level over {level['traces']} traces: median {level['median']:.3f}, "
+            f"log-sd {level['log_sd']:.3f} (over replays of one trace at different hours: the "
+            "host's spread, simulate --host-spread)"
+        )
     for text in splits:
         print(text)
     if args.json:
@@ -782,6 +828,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     profile = Profile.load(args.profile)
     _print_warnings("plan", profile_warnings(profile, args))
+    _print_host_spread(args, profile)
     slo = (args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0)
     cache: dict[int, dict] = {}
 

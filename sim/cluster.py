@@ -90,6 +90,11 @@ class SimSettings:
     # network variance: each one-way hop takes net_latency_s plus an exponential draw of this
     # mean (0: every hop exactly net_latency_s)
     net_jitter_s: float = 0.0
+    # host variance: each host's steps cost exp(N(0, host_spread)) times their price, drawn once
+    # per host from the seed (a host's speed moves a few percent between hours, and near
+    # saturation latency moves several times that: docs/simulator-studies.md); None: the
+    # profile's serving calibration's `host_spread`, else 0
+    host_spread: float | None = None
 
 
 DEFAULT_COLD_START_S = 10.0
@@ -120,6 +125,14 @@ class Simulation:
         self.serving = upgrade_serving(self.serving)  # any layout the profile format had
         self.rng = random.Random(self.settings.seed)
         self.net_rng = random.Random(self.settings.seed + 1)  # apart from routing's draws
+        spread = self.settings.host_spread
+        if spread is None:
+            spread = float((self.serving or {}).get("host_spread", 0.0))
+        if not spread >= 0.0:
+            raise ValueError(f"host_spread {spread}: must be >= 0 (0: every host at its price)")
+        self.host_spread = spread
+        self.host_rng = random.Random(self.settings.seed + 2)  # apart from the others' draws
+        self.host_speeds: list[float] = []  # per host, in the order hosts are first used
         cold = self.settings.cold_start_s
         if cold is None:
             cold = profile.meta.get("startup_s", DEFAULT_COLD_START_S)
@@ -326,10 +339,12 @@ class Simulation:
         if self.pd is not None:
             replica.role = "prefill" if number < self.pd.prefill_replicas else "decode"
         self.replicas.append(replica)
+        size = 1
         if self.serving is not None:  # replicas share hosts of the calibration's size
             size = max(1, int(self.serving.get("replicas", 1)))
             replica.host = self.hosts.setdefault(number // size, [])
             replica.host.append(replica)
+        replica.speed = self.host_speed(number // size)
         self.by_rid[replica.rid] = replica
         self.timelines[replica.rid] = []
         if ready_at <= now:
@@ -337,6 +352,13 @@ class Simulation:
         else:
             self.at(ready_at, self._ready, replica)
         return replica
+
+    def host_speed(self, host: int) -> float:
+        """The price factor of host number `host` (1.0 without a host spread)."""
+        while len(self.host_speeds) <= host:
+            draw = self.host_rng.gauss(0.0, 1.0) if self.host_spread else 0.0
+            self.host_speeds.append(math.exp(self.host_spread * draw))
+        return self.host_speeds[host]
 
     def _ready(self, now: float, replica: SimReplica) -> None:
         if replica.state != STARTING:

@@ -143,6 +143,7 @@ class SimReplica:
     def __init__(self, sim, rid: str, created: float) -> None:
         self.sim = sim
         self.rid = rid
+        self.speed = 1.0  # its host's step price factor (Simulation.host_speed)
         # speculation is not modelled (its gain depends on the text, which the simulator
         # does not have): the replica's scheduler proposes no drafts
         cfg = sim.config.engine.model_copy(update={"num_speculative_tokens": 0})
@@ -353,6 +354,7 @@ class SimReplica:
             streamed = sum(1 for s in so.scheduled if s.sample)
             duration = serving_step(serving, self.sim.model, shape, streamed, self.host_busy())
             self._note_streamed(now, 0)  # idle until now
+        duration *= self.speed  # its host's price level (SimSettings.host_spread)
         if self.sim.step_trace is not None:  # STEPSERVE_STEP_TRACE's step lines
             self.sim.step_trace.append(
                 {

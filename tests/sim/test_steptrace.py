@@ -143,6 +143,11 @@ def test_cli_simulate_writes_a_trace_and_steps_reads_it(tmp_path, capsys):
     assert summary["all"]["steps"] == len(lines)
     assert cli_main(["steps", str(steps), "--per-replica"]) == 0
     assert "replica-1" in capsys.readouterr().out
+    slow = tmp_path / "slow-steps.jsonl"  # --host-spread reaches the simulation
+    assert cli_main([*argv[:-1], str(slow), "--host-spread", "0.3"]) == 0
+    assert "host spread 0.300" in capsys.readouterr().out
+    durs = [json.loads(x)["dur"] for x in slow.read_text().splitlines()]
+    assert durs[:5] != [d["dur"] for d in lines[:5]]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert cli_main(["steps", str(empty)]) == 2
@@ -291,3 +296,49 @@ def test_the_calibration_measures_one_stream_alone_on_the_n_replica_cluster(monk
     calibrate.measure_rows("http://unused", _profile(), 1, batches=(1,), seconds=3.0, rounds=1,
                            prefill_prompts=(), progress=lambda *_: None)  # fmt: skip
     assert levels == [(1, 3.0, True)]
+
+
+def test_host_spread_scales_each_hosts_steps_by_one_seeded_draw():
+    """SimSettings.host_spread: every step of a host costs its price times that host's draw
+    (both replicas of a two-replica host share it); 0 is the plain run, a seed repeats."""
+    import math
+
+    from sim.cluster import SimSettings, simulate
+
+    profile = _profile()
+    terms = {**TRUTH, "corun": 0.0}  # two replicas a host; a step's price without its share
+    profile.serving = terms
+    work = _open_loop(60, 4.0, seed=7)
+
+    def run(spread, seed=0):
+        trace: list = []
+        settings = SimSettings(host_spread=spread, seed=seed)
+        simulate(_config(replicas=4), profile, work, settings, step_trace=trace)
+        return trace
+
+    plain, none = run(0.0), run(None)  # the profile has no host_spread: None is 0
+    assert [s["dur"] for s in plain] == [s["dur"] for s in none]
+    spread = run(0.3)
+    factors: dict[str, set] = {}
+    for line in spread:  # each step's time over its price
+        step = read_trace_lines([line])[line["pid"]][0]
+        price = serving_step(terms, KNOWN, step.shape(), step.streamed())
+        factors.setdefault(line["pid"], set()).add(round(line["dur"] / price, 6))
+    assert all(len(f) == 1 for f in factors.values()), factors  # one factor per replica...
+    per = {pid: f.pop() for pid, f in factors.items()}
+    assert per["replica-0"] == per["replica-1"] and per["replica-2"] == per["replica-3"]
+    assert per["replica-0"] != per["replica-2"]  # ...and per host
+    assert all(abs(math.log(v)) < 5 * 0.3 for v in per.values())
+    assert [s["dur"] for s in run(0.3)] == [s["dur"] for s in spread]  # the seed repeats
+    assert [s["dur"] for s in run(0.3, seed=1)] != [s["dur"] for s in spread]
+    with pytest.raises(ValueError, match="host_spread -0.1"):
+        run(-0.1)
+
+
+def test_price_level_is_the_median_and_log_spread_of_the_traces():
+    from sim.steptrace import price_level
+
+    assert price_level([1.0]) is None and price_level([]) is None
+    level = price_level([0.9, 1.0, 1.1])
+    assert level["traces"] == 3 and level["median"] == pytest.approx(1.0)
+    assert level["log_sd"] == pytest.approx(0.10034, abs=1e-4)
