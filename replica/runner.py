@@ -761,13 +761,10 @@ class ModelRunner:
             finally:
                 if lora is not None:
                     lora.end_step()
-            if keep is not None:
-                logits = self.model.compute_logits(hidden)
-            else:
-                logits = (
-                    None
-                    if rows is None
-                    else self.model.compute_logits(hidden.index_select(0, rows))
+            logits = None
+            if rows is not None:  # with keep, the model's rows are the sampled ones already
+                logits = self.model.compute_logits(
+                    hidden if keep is not None else hidden.index_select(0, rows)
                 )
             pooled = None
             if batch.pool_spans:  # the final norm's output: what an embedding pools

@@ -174,6 +174,11 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
         "runs; `stepserve steps --profile` measures it from replays); default: the profile's "
         "serving.host_spread, else 0; 0: off",
     )  # fmt: skip
+    p.add_argument(
+        "--host-level", type=float, default=1.0, metavar="F",
+        help="every host's steps cost F times their price (default 1): the level a live "
+        "cluster runs at, its served steps over their price (`stepserve steps --profile`)",
+    )  # fmt: skip
     p.add_argument("--autoscaler", choices=["stepserve", "ray_default"], default="stepserve")
     p.add_argument("--ray-target-ongoing", type=float, default=2.0)
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: divide arrival times")
@@ -458,17 +463,13 @@ def profile_warnings(profile, args: argparse.Namespace | None = None) -> list[st
     return out
 
 
-def host_spread_of(args: argparse.Namespace, profile) -> float:
-    """The host spread a run applies (SimSettings.host_spread's default resolved)."""
-    if getattr(args, "host_spread", None) is not None:
-        return args.host_spread
-    if getattr(args, "no_serving_calibration", False) or not profile.serving:
-        return 0.0
-    return float(profile.serving.get("host_spread", 0.0))
-
-
 def _print_host_spread(args: argparse.Namespace, profile) -> None:
-    spread = host_spread_of(args, profile)
+    from sim.cluster import host_spread_for
+
+    level = getattr(args, "host_level", 1.0)
+    if level != 1.0:
+        print(f"  host level {level:.3f}: every step costs {level:.3f} times its price")
+    spread = host_spread_for(build_settings(args, profile), profile)
     if spread:
         print(
             f"  host spread {spread:.3f}: each host's steps cost exp(N(0, {spread:.3f})) times "
@@ -600,6 +601,7 @@ def build_settings(args: argparse.Namespace, profile=None):
         add_replica_at_s=tuple(args.add_replica_at),
         net_jitter_s=args.net_jitter_ms / 1000.0,
         host_spread=getattr(args, "host_spread", None),
+        host_level=getattr(args, "host_level", 1.0),
         autoscaler=args.autoscaler,
         ray_target_ongoing_requests=args.ray_target_ongoing,
         seed=args.seed,

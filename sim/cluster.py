@@ -95,9 +95,22 @@ class SimSettings:
     # saturation latency moves several times that: docs/simulator-studies.md); None: the
     # profile's serving calibration's `host_spread`, else 0
     host_spread: float | None = None
+    # every host's price level times this (1: the profile's); e.g. a live cluster's served
+    # steps over their price (`stepserve steps --profile`), to simulate at the level it runs at
+    host_level: float = 1.0
 
 
 DEFAULT_COLD_START_S = 10.0
+
+
+def host_spread_for(settings: SimSettings, profile: Profile) -> float:
+    """The host spread a simulation applies: the settings', else its serving calibration's
+    (none when steps are priced as Engine.step alone)."""
+    if settings.host_spread is not None:
+        return settings.host_spread
+    serving = settings.serving if settings.serving is not None else profile.serving
+    return float((serving or {}).get("host_spread", 0.0))
+
 
 # A placeholder until a profile measures it: a rank-16 adapter of the 135M model (q, k, v, o
 # and the MLP's projections on 30 layers: about 5 MB of fp32 weights) read from a local disk
@@ -125,11 +138,11 @@ class Simulation:
         self.serving = upgrade_serving(self.serving)  # any layout the profile format had
         self.rng = random.Random(self.settings.seed)
         self.net_rng = random.Random(self.settings.seed + 1)  # apart from routing's draws
-        spread = self.settings.host_spread
-        if spread is None:
-            spread = float((self.serving or {}).get("host_spread", 0.0))
+        spread = host_spread_for(self.settings, profile)
         if not spread >= 0.0:
             raise ValueError(f"host_spread {spread}: must be >= 0 (0: every host at its price)")
+        if not self.settings.host_level > 0.0:
+            raise ValueError(f"host_level {self.settings.host_level}: must be > 0 (1: the price)")
         self.host_spread = spread
         self.host_rng = random.Random(self.settings.seed + 2)  # apart from the others' draws
         self.host_speeds: list[float] = []  # per host, in the order hosts are first used
@@ -354,10 +367,10 @@ class Simulation:
         return replica
 
     def host_speed(self, host: int) -> float:
-        """The price factor of host number `host` (1.0 without a host spread)."""
+        """The price factor of host number `host` (host_level without a host spread)."""
         while len(self.host_speeds) <= host:
             draw = self.host_rng.gauss(0.0, 1.0) if self.host_spread else 0.0
-            self.host_speeds.append(math.exp(self.host_spread * draw))
+            self.host_speeds.append(self.settings.host_level * math.exp(self.host_spread * draw))
         return self.host_speeds[host]
 
     def _ready(self, now: float, replica: SimReplica) -> None:

@@ -300,7 +300,8 @@ def test_the_calibration_measures_one_stream_alone_on_the_n_replica_cluster(monk
 
 def test_host_spread_scales_each_hosts_steps_by_one_seeded_draw():
     """SimSettings.host_spread: every step of a host costs its price times that host's draw
-    (both replicas of a two-replica host share it); 0 is the plain run, a seed repeats."""
+    (both replicas of a two-replica host share it); 0 is the plain run, a seed repeats;
+    host_level scales every host."""
     import math
 
     from sim.cluster import SimSettings, simulate
@@ -310,20 +311,26 @@ def test_host_spread_scales_each_hosts_steps_by_one_seeded_draw():
     profile.serving = terms
     work = _open_loop(60, 4.0, seed=7)
 
-    def run(spread, seed=0):
+    def run(spread, seed=0, level=1.0):
         trace: list = []
-        settings = SimSettings(host_spread=spread, seed=seed)
+        settings = SimSettings(host_spread=spread, seed=seed, host_level=level)
         simulate(_config(replicas=4), profile, work, settings, step_trace=trace)
         return trace
 
+    def factors_of(trace) -> dict[str, set]:  # per replica, each step's time over its price
+        out: dict[str, set] = {}
+        for line in trace:
+            step = read_trace_lines([line])[line["pid"]][0]
+            price = serving_step(terms, KNOWN, step.shape(), step.streamed())
+            out.setdefault(line["pid"], set()).add(round(line["dur"] / price, 6))
+        return out
+
     plain, none = run(0.0), run(None)  # the profile has no host_spread: None is 0
     assert [s["dur"] for s in plain] == [s["dur"] for s in none]
+    assert factors_of(plain) == {f"replica-{i}": {1.0} for i in range(4)}
+    assert factors_of(run(0.0, level=1.25)) == {f"replica-{i}": {1.25} for i in range(4)}
     spread = run(0.3)
-    factors: dict[str, set] = {}
-    for line in spread:  # each step's time over its price
-        step = read_trace_lines([line])[line["pid"]][0]
-        price = serving_step(terms, KNOWN, step.shape(), step.streamed())
-        factors.setdefault(line["pid"], set()).add(round(line["dur"] / price, 6))
+    factors = factors_of(spread)
     assert all(len(f) == 1 for f in factors.values()), factors  # one factor per replica...
     per = {pid: f.pop() for pid, f in factors.items()}
     assert per["replica-0"] == per["replica-1"] and per["replica-2"] == per["replica-3"]
@@ -333,6 +340,8 @@ def test_host_spread_scales_each_hosts_steps_by_one_seeded_draw():
     assert [s["dur"] for s in run(0.3, seed=1)] != [s["dur"] for s in spread]
     with pytest.raises(ValueError, match="host_spread -0.1"):
         run(-0.1)
+    with pytest.raises(ValueError, match="host_level 0"):
+        run(0.0, level=0.0)
 
 
 def test_price_level_is_the_median_and_log_spread_of_the_traces():
