@@ -179,6 +179,12 @@ def _add_sim_args(p: argparse.ArgumentParser, replicas: bool = True) -> None:
         help="every host's steps cost F times their price (default 1): the level a live "
         "cluster runs at, its served steps over their price (`stepserve steps --profile`)",
     )  # fmt: skip
+    p.add_argument(
+        "--host-level-from", action="append", default=[], metavar="TRACE[@RECORD]",
+        help="--host-level measured: the served steps of these engine-core step traces "
+        "(STEPSERVE_STEP_TRACE; @RECORD: one replay's window) over the profile's serving "
+        "price, their geometric mean (repeatable)",
+    )  # fmt: skip
     p.add_argument("--autoscaler", choices=["stepserve", "ray_default"], default="stepserve")
     p.add_argument("--ray-target-ongoing", type=float, default=2.0)
     p.add_argument("--time-scale", type=float, default=1.0, help="trace: divide arrival times")
@@ -463,9 +469,15 @@ def profile_warnings(profile, args: argparse.Namespace | None = None) -> list[st
     return out
 
 
-def _print_host_spread(args: argparse.Namespace, profile) -> None:
+def _host_settings(args: argparse.Namespace, profile) -> None:
+    """`--host-level-from` measured into `args.host_level`; the host level and spread in effect
+    printed."""
     from sim.cluster import host_spread_for
 
+    traces = getattr(args, "host_level_from", [])
+    if traces:
+        args.host_level = measured_host_level(traces, profile)
+        print(f"  host level measured on {len(traces)} step trace(s): {args.host_level:.3f}")
     level = getattr(args, "host_level", 1.0)
     if level != 1.0:
         print(f"  host level {level:.3f}: every step costs {level:.3f} times its price")
@@ -475,6 +487,19 @@ def _print_host_spread(args: argparse.Namespace, profile) -> None:
             f"  host spread {spread:.3f}: each host's steps cost exp(N(0, {spread:.3f})) times "
             "their price, drawn from the seed (--host-spread 0: none)"
         )
+
+
+def measured_host_level(items: list[str], profile) -> float:
+    """The geometric mean of `real_over_serving` over step traces (TRACE[@RECORD] each)."""
+    from sim.steptrace import overall, price_level, summarise_file
+
+    if not profile.serving:
+        raise ValueError("--host-level-from needs a profile with a serving calibration")
+    ratios = []
+    for item in items:
+        path, _, record = item.partition("@")
+        ratios.append(overall(summarise_file(path, record or None, profile))["real_over_serving"])
+    return ratios[0] if len(ratios) == 1 else price_level(ratios)["level"]
 
 
 def _fmt_err(e: dict) -> str:
@@ -620,7 +645,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return cmd_compare(args)
     profile = Profile.load(args.profile)
     _print_warnings("simulate", profile_warnings(profile, args))
-    _print_host_spread(args, profile)
+    _host_settings(args, profile)
     config = build_cluster_config(args)
     workload = build_workload(args, profile)
     t0 = time.perf_counter()
@@ -656,11 +681,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """`simulate --compare`: the trace simulated (--sim-seeds times), against its real replays."""
     from sim.profile import Profile
 
+    _host_settings(args, Profile.load(args.profile))
     report = fidelity_report(args)
     print(f"fidelity: {args.workload} ({len(args.compare)} real runs) vs simulated")
     for i, path in enumerate(args.compare, 1):
         print(f"  run{i}: {path}")
-    _print_host_spread(args, Profile.load(args.profile))
     from sim.fidelity import format_report
 
     print(format_report(report))
@@ -830,7 +855,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     profile = Profile.load(args.profile)
     _print_warnings("plan", profile_warnings(profile, args))
-    _print_host_spread(args, profile)
+    _host_settings(args, profile)
     slo = (args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0)
     cache: dict[int, dict] = {}
 

@@ -253,15 +253,21 @@ def format_table(columns: dict[str, dict]) -> str:
 
 
 def price_level(ratios: list[float]) -> dict | None:
-    """The served price level of several traces (each one's `real_over_serving`): its median and
-    the standard deviation of its log, which over replays of one trace at different hours is
-    the host's spread (`SimSettings.host_spread`); None for fewer than two."""
+    """The served price level of several traces (each one's `real_over_serving`): its median,
+    its geometric mean (`level`: `SimSettings.host_level`) and the standard deviation of its
+    log, which over replays of one trace at different hours is the host's spread
+    (`SimSettings.host_spread`); None for fewer than two."""
     logs = [math.log(r) for r in ratios if r and r > 0]
     if len(logs) < 2:
         return None
     mean = sum(logs) / len(logs)
     sd = math.sqrt(sum((v - mean) ** 2 for v in logs) / (len(logs) - 1))
-    return {"traces": len(logs), "median": float(np.median(np.exp(logs))), "log_sd": sd}
+    return {
+        "traces": len(logs),
+        "median": float(np.median(np.exp(logs))),
+        "level": math.exp(mean),
+        "log_sd": sd,
+    }
 
 
 def summarise_file(path: str | Path, record: str | Path | None = None, profile=None) -> dict:

@@ -351,3 +351,34 @@ def test_price_level_is_the_median_and_log_spread_of_the_traces():
     level = price_level([0.9, 1.0, 1.1])
     assert level["traces"] == 3 and level["median"] == pytest.approx(1.0)
     assert level["log_sd"] == pytest.approx(0.10034, abs=1e-4)
+    assert level["level"] == pytest.approx((0.9 * 1.0 * 1.1) ** (1 / 3))
+
+
+def test_host_level_from_a_step_trace_measures_the_level_it_ran_at(tmp_path, capsys):
+    """`--host-level-from`: a one-replica simulated trace at host level 1.2, priced by its own
+    profile, measures 1.2; a profile without a serving calibration is refused."""
+    from sim.cluster import SimSettings, simulate
+    from sim.profile import Profile
+
+    profile = _profile()
+    profile.serving = {**TRUTH, "path_latency_s": 0.001, "path_rate_s": 0.0}
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    trace: list = []
+    settings = SimSettings(host_level=1.2)
+    simulate(_config(), Profile.load(path), _open_loop(40, 6.0, seed=3), settings, replicas=1,
+             step_trace=trace)  # fmt: skip
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text("".join(json.dumps(line) + "\n" for line in trace))
+    from sim.cli import measured_host_level
+
+    assert measured_host_level([str(steps)], Profile.load(path)) == pytest.approx(1.2)
+    assert measured_host_level([str(steps)] * 2, Profile.load(path)) == pytest.approx(1.2)
+    wl = QUICK[0].write(tmp_path / "trace.csv", rate=3.0, seed=2)
+    argv = ["simulate", "--profile", str(path), "--replicas", "1", "--workload", f"trace:{wl}",
+            "--host-level-from", str(steps)]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert "host level 1.200" in capsys.readouterr().out
+    argv[2] = TINY_PROFILE  # no serving calibration
+    assert cli_main(argv) == 2
+    assert "needs a profile with a serving calibration" in capsys.readouterr().err
