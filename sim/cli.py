@@ -489,6 +489,23 @@ def _host_settings(args: argparse.Namespace, profile) -> None:
         )
 
 
+def _plan_for_a_slow_hour(args: argparse.Namespace, profile) -> None:
+    """A plan provisions for a slow hour: with a host spread S in the profile and no host
+    setting given, every host at exp(S) times its price (one deviation up), not a seeded draw
+    per host (a small fleet's plan would move with the seed)."""
+    from sim.cluster import host_spread_for
+
+    if args.host_spread is not None or args.host_level != 1.0 or args.host_level_from:
+        return
+    spread = host_spread_for(build_settings(args, profile), profile)
+    if spread:
+        args.host_spread, args.host_level = 0.0, math.exp(spread)
+        print(
+            f"  planned for a slow hour: the profile's host spread {spread:.3f} one deviation up "
+            "(--host-level F or --host-spread S to choose)"
+        )
+
+
 def measured_host_level(items: list[str], profile) -> float:
     """The geometric mean of `real_over_serving` over step traces (TRACE[@RECORD] each)."""
     from sim.steptrace import overall, price_level, summarise_file
@@ -855,6 +872,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     profile = Profile.load(args.profile)
     _print_warnings("plan", profile_warnings(profile, args))
+    _plan_for_a_slow_hour(args, profile)
     _host_settings(args, profile)
     slo = (args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0)
     cache: dict[int, dict] = {}

@@ -382,3 +382,20 @@ def test_host_level_from_a_step_trace_measures_the_level_it_ran_at(tmp_path, cap
     argv[2] = TINY_PROFILE  # no serving calibration
     assert cli_main(argv) == 2
     assert "needs a profile with a serving calibration" in capsys.readouterr().err
+
+
+def test_plan_provisions_for_a_slow_hour_of_the_profiles_host_spread(tmp_path, capsys):
+    """`stepserve plan` with a host spread in the profile prices every host one deviation up
+    (host level exp(S)), unless a host setting is given."""
+    profile = _profile()
+    profile.serving = {**TRUTH, "path_latency_s": 0.001, "path_rate_s": 0.0, "host_spread": 0.2}
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    argv = ["plan", "--profile", str(path), "--workload", "random", "--rate", "4",
+            "--num-requests", "60", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "300"]  # fmt: skip
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "planned for a slow hour" in text and "host level 1.221" in text
+    assert cli_main([*argv, "--host-spread", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "slow hour" not in text and "host level" not in text
