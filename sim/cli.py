@@ -696,9 +696,6 @@ def _write_step_trace(path: str, lines: list[dict]) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """`simulate --compare`: the trace simulated (--sim-seeds times), against its real replays."""
-    from sim.profile import Profile
-
-    _host_settings(args, Profile.load(args.profile))
     report = fidelity_report(args)
     print(f"fidelity: {args.workload} ({len(args.compare)} real runs) vs simulated")
     for i, path in enumerate(args.compare, 1):
@@ -736,6 +733,7 @@ def fidelity_report(args: argparse.Namespace) -> dict:
         raise ValueError("--compare: --loras is not supported (a replay sends the base model)")
     runs = [read_run(p) for p in args.compare]
     profile = Profile.load(args.profile)
+    _host_settings(args, profile)  # every caller's --host-level-from measured, once
     workload = build_workload(args, profile)
     lengths = [spec.num_prompt_tokens for _, spec in workload.requests]
     for run in runs:

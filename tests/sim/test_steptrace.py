@@ -320,7 +320,7 @@ def test_host_spread_scales_each_hosts_steps_by_one_seeded_draw():
     def factors_of(trace) -> dict[str, set]:  # per replica, each step's time over its price
         out: dict[str, set] = {}
         for line in trace:
-            step = read_trace_lines([line])[line["pid"]][0]
+            step = TracedStep(line["pid"], line["t"], line["dur"], line["reqs"])
             price = serving_step(terms, KNOWN, step.shape(), step.streamed())
             out.setdefault(line["pid"], set()).add(round(line["dur"] / price, 6))
         return out
