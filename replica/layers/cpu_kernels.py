@@ -159,9 +159,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     signatures = {
         # ..., scale, bf16, num_threads, sliding window (0: none), soft cap (0: none)
         "stepserve_paged_decode": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32, i32, f32]),
+        # q, its row stride, k/v caches, block table, q starts/lens, ctx starts, out, ...
         "stepserve_paged_prefill": (
             ctypes.c_int,
-            [ptr] * 8 + [i32] * 6 + [f32, i32, i32, i32, f32],
+            [ptr, i64] + [ptr] * 7 + [i32] * 6 + [f32, i32, i32, i32, f32],
         ),
         "stepserve_rms_norm": (None, [ptr, ptr, ptr, ptr, i64, i32, f32, i32, i32]),
         "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32, i32]),
@@ -360,14 +361,17 @@ def paged_prefill_unchecked(
     soft_cap: float | None = None,
 ) -> torch.Tensor:
     """`paged_prefill` for a caller that checked its inputs once per step (the native backend's
-    metadata builder): int32 contiguous tables, contiguous q and caches of one dtype. Writes
-    the spans' rows of `out` (a new tensor when None)."""
-    q = q.contiguous()
+    metadata builder): int32 contiguous tables, caches of one dtype, q [T, heads, d] whose heads
+    are contiguous (its token rows may be strided: the query part of the qkv projection's rows
+    is read in place). Writes the spans' rows of `out` (a new contiguous tensor when None)."""
     num_tokens, num_heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     status = native_library().stepserve_paged_prefill(
         q.data_ptr(),
+        q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_table.data_ptr(),

@@ -84,6 +84,32 @@ def test_any_thread_count_gives_the_same_rows(threads):
     torch.testing.assert_close(got, reference(*case, 0.125), atol=2e-5, rtol=1e-4)
 
 
+def test_query_rows_read_in_place_from_a_wider_row():
+    """q as the engine passes it: the query heads at the start of each token's qkv row (a
+    strided view), read without a copy, give the rows a contiguous q gives."""
+    q, k, v, table, starts, lens, ctx = spans_case(5, SPANS[2], 9, 3, 64, 16, torch.float32)
+    wide = torch.randn(q.shape[0], 9 * 64 + 2 * 3 * 64)
+    wide[:, : 9 * 64] = q.reshape(q.shape[0], -1)
+    view = wide[:, : 9 * 64].view(q.shape)
+    assert not view.is_contiguous()
+    got = paged_prefill(view, k, v, table, starts, lens, ctx, 0.125)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, paged_prefill(q, k, v, table, starts, lens, ctx, 0.125))
+    torch.testing.assert_close(got, reference(q, k, v, table, starts, lens, ctx, 0.125),
+                               atol=2e-5, rtol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_keys_past_the_tile_cache(threads):
+    """A worker keeps a span's first 2 MiB of key and value tiles (2048 keys at head size 128);
+    keys past them go through a slot refilled at each use. Spans on both sides of it, and two
+    spans of one step, each worker moving between them and between KV heads."""
+    spans = [(2030, 70), (0, 100), (2100, 20)]
+    case = spans_case(7, spans, 4, 2, 128, 16, torch.float32)
+    got = paged_prefill(*case, 128**-0.5, num_threads=threads)
+    torch.testing.assert_close(got, reference(*case, 128**-0.5), atol=2e-5, rtol=1e-4)
+
+
 def test_bf16_prefill_matches_within_bf16_rounding():
     case = spans_case(3, SPANS[2], 9, 3, 64, 16, torch.bfloat16)
     got = paged_prefill(*case, 0.125)

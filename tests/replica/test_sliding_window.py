@@ -95,7 +95,7 @@ def test_prefill_kernel_attends_only_the_window_and_soft_caps(
     head_dim, block_size, window, cap, cpu_isa_level
 ):
     """Whole prompts, chunks after cached context (a prefix hit), one-token spans; the blocks
-    wholly before the key tiles a window reaches are NaN."""
+    wholly before a span's first window are NaN."""
     spans = [(0, 70), (45, 33), (100, 2), (7, 50), (0, 1)]
     num_heads, num_kv_heads = 4, 2
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)
@@ -104,11 +104,9 @@ def test_prefill_kernel_attends_only_the_window_and_soft_caps(
         num_kv_heads, head_dim, torch.float32,
     )  # fmt: skip
     k, v, nan_block = with_nan_block(k, v)
-    if window is not None:  # key tiles are at most 32 keys, aligned
+    if window is not None:  # no key before the span's first window is read, whatever the tiles
         for row, (ctx, _) in enumerate(spans):
-            poison_blocks_before(
-                table, row, max(0, ctx - window + 1) // 32 * 32, block_size, nan_block
-            )
+            poison_blocks_before(table, row, max(0, ctx - window + 1), block_size, nan_block)
     lens = torch.tensor([n for _, n in spans], dtype=torch.int32)
     starts = torch.cumsum(lens, 0, dtype=torch.int32) - lens
     ctx = torch.tensor([c for c, _ in spans], dtype=torch.int32)

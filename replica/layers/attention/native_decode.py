@@ -177,7 +177,7 @@ class NativeDecodeImpl(AttentionImpl):
                 None, self.sliding_window, self.soft_cap,
             )  # fmt: skip
             return out.view(num_tokens, self.num_heads * d)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)  # contiguous: q may be a strided view
         if batch is not None:
             qd = q.index_select(0, batch.token_index)
             od = paged_decode_unchecked(
