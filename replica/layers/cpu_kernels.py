@@ -38,7 +38,7 @@ SOURCES = {
     # gguf's numpy reference does (bitwise equal); its fast paths are intrinsics
     "quant_gemm.c": ("-fno-fast-math", "-ffp-contract=off"),
 }
-HEADERS = ("kv_elements.h",)  # included by the sources: part of the build's cache key
+HEADERS = ("kv_elements.h", "vec_exp.h")  # included by the sources: part of the build's cache key
 # -march comes from the instruction-set level (cpu_isa.march_flags): the AVX-512 paths compile
 # at avx512 and above, the rest vectorize for the level's widest registers. -ffast-math lets the compiler vectorize the reductions and expf (libmvec). It is given to the
 # compile step only: linking with it would add crtfastmath, whose constructor sets flush-to-zero
@@ -168,6 +168,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         "stepserve_silu_mul": (None, [ptr, ptr, i64, i32, i32, i32]),
         "stepserve_rotary": (None, [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]),
         "stepserve_set_thread_cpus": (ctypes.c_int, [ptr, i32, i32, i32]),
+        # k, k row stride, v, v row stride, slots, k/v caches, rows, width, num_slots, elem,
+        # num_threads
+        "stepserve_kv_write": (
+            ctypes.c_int,
+            [ptr, i64, ptr, i64, ptr, ptr, ptr] + [i64] * 3 + [i32, i32],
+        ),
         # qtype, w, ldw, n, k, x, ldx, m, y, ldy, bias, int8, num_threads
         "stepserve_quant_matmul": (
             ctypes.c_int,
@@ -475,6 +481,56 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+# below this many rows (decode steps) two index_copy_ calls cost what this call's checks and
+# ctypes arguments cost (~7 us); at 128 / 512 rows they took 28 / 56 us against its 14 / 21
+KV_WRITE_MIN_ROWS = 16
+
+
+def kv_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> bool:
+    """The step's new K and V rows ([T, kv_heads, d] each, rows may be strided: views of the
+    qkv rows) into their cache slots (int64 [T]) of k_cache / v_cache ([num_blocks, block_size,
+    kv_heads, d], contiguous, k's dtype) in one C call: what two `index_copy_` calls do. False,
+    doing nothing, for fewer than KV_WRITE_MIN_ROWS rows or tensors that do not fit that shape
+    (the caller copies instead); raises IndexError naming the slot range when a slot is outside
+    the cache."""
+    if k.shape[0] < KV_WRITE_MIN_ROWS or k.device.type != "cpu" or k.dtype not in KERNEL_DTYPES:
+        return False
+    if native_library() is None:
+        return False
+    width = k.shape[1] * k.shape[2]
+    inner = (k.shape[2], 1)
+    if (
+        v.dtype != k.dtype
+        or k_cache.dtype != k.dtype
+        or v_cache.dtype != k.dtype
+        or k.stride()[1:] != inner
+        or v.stride()[1:] != inner
+        or v.shape != k.shape
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.shape != v_cache.shape
+        or k_cache.shape[-2] * k_cache.shape[-1] != width
+        or slot_mapping.dtype != torch.int64
+        or not slot_mapping.is_contiguous()
+        or slot_mapping.shape != (k.shape[0],)
+    ):
+        return False
+    num_slots = k_cache.numel() // width
+    status = native_library().stepserve_kv_write(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k.shape[0], width, num_slots,
+        k.element_size(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise IndexError(f"a KV slot is outside the cache's 0..{num_slots - 1}")
+    return True
 
 
 def rotary_(

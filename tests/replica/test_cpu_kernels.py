@@ -172,6 +172,55 @@ def test_fused_norms_and_silu_match_torch(rows):
         silu_mul(gate_up.double())
 
 
+@pytest.mark.parametrize("inter", [40, 1536])  # 40: a tail shorter than the 16 lanes
+def test_silu_mul_within_a_few_ulps_at_every_level(inter, cpu_isa_level):
+    """fp32 SiLU * up against a float64 reference, over every range the exponential meets:
+    beyond +-87 (saturated), around 0, and the model-like bulk; AVX-512 computes it with its
+    own exponential and reciprocal (csrc/fused_ops.c), the other levels with expf."""
+    from replica.layers.cpu_kernels import silu_mul
+
+    gen = torch.Generator().manual_seed(inter)
+    gate = torch.cat(
+        [torch.linspace(-120, 120, 241), torch.tensor([0.0, -0.0, 1e-30, -1e-30]),
+         torch.randn(8 * inter, generator=gen) * 4]
+    )  # fmt: skip
+    gate = gate[: (gate.numel() // inter) * inter].view(-1, inter)
+    up = torch.randn(gate.shape, generator=gen)
+    got = silu_mul(torch.cat([gate, up], dim=-1))
+    want = (gate.double() * torch.sigmoid(gate.double()) * up.double()).float()
+    # a few ulps of the result (the products round twice); below -87 the AVX-512 exponential is
+    # 0, so g * sigmoid(g) there (under 1e-35 in magnitude) comes out 0
+    torch.testing.assert_close(got, want, atol=1e-35, rtol=6e-7)
+
+
+def test_kv_write_matches_index_copy():
+    """The step's K/V rows (strided views of the qkv rows) into their cache slots by one C call,
+    as two index_copy_ calls place them; a slot outside the cache is refused before anything is
+    written; tensors it cannot take are left to the caller."""
+    from replica.layers.cpu_kernels import kv_write
+
+    gen = torch.Generator().manual_seed(0)
+    kv_heads, d, rows = 2, 8, 300  # 300: split over threads
+    qkv = torch.randn(rows, (4 + 2 * kv_heads) * d, generator=gen)
+    k = qkv[:, 4 * d : (4 + kv_heads) * d].view(rows, kv_heads, d)
+    v = qkv[:, (4 + kv_heads) * d :].view(rows, kv_heads, d)
+    slots = torch.randperm(64 * 16, generator=gen)[:rows]
+    caches = [torch.zeros(64, 16, kv_heads, d) for _ in range(4)]
+    assert kv_write(k, v, slots, caches[0], caches[1])
+    caches[2].view(-1, kv_heads, d).index_copy_(0, slots, k)
+    caches[3].view(-1, kv_heads, d).index_copy_(0, slots, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    bad = slots.clone()
+    bad[-1] = 64 * 16
+    fresh = [torch.zeros(64, 16, kv_heads, d) for _ in range(2)]
+    with pytest.raises(IndexError, match="0..1023"):
+        kv_write(k, v, bad, *fresh)
+    assert not fresh[0].any() and not fresh[1].any()
+    assert not kv_write(k.double(), v.double(), slots, *fresh)  # not a kernel dtype
+    assert not kv_write(k, v, slots.int(), *fresh)  # int32 slots: index_copy_ takes those
+    assert not kv_write(k[:2], v[:2], slots[:2], *fresh)  # a decode step's few rows
+
+
 @pytest.mark.parametrize("rows", [3, 70])
 def test_fused_rotary_is_bitwise_the_torch_rotation(rows):
     """In place on the query and key heads at the start of strided qkv rows; the value heads

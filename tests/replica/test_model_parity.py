@@ -218,17 +218,17 @@ def test_cpu_weights_are_packed_once_and_the_row_major_copies_released(
 @needs_native
 def test_cpu_runs_use_the_fused_ops_in_fp32_and_bf16(tiny_llama_dir, run_generation, cpu_isa_level):
     """The parity tests above run with the defaults: the fused C ops on in every norm, attention
-    (rotary) and MLP module. In bf16 they round where torch's ops round, so greedy tokens equal
-    the torch ops' run."""
+    (rotary; the K/V cache writes) and MLP module. In bf16 they round where torch's ops round,
+    so greedy tokens equal the torch ops' run."""
     runner = run_generation(tiny_llama_dir, [[5, 6, 7]], greedy_params(4), block_size=4).runner
-    assert runner.num_fused_modules == 4 * runner.num_layers + 1
+    assert runner.num_fused_modules == 5 * runner.num_layers + 1
     prompts = mixed_prompts(2, [5, 17, 40])
     params = [greedy_params(12)] * len(prompts)
     fused = run_generation(tiny_llama_dir, prompts, params, block_size=4, dtype="bfloat16")
     plain = run_generation(
         tiny_llama_dir, prompts, params, block_size=4, dtype="bfloat16", cpu_fused_ops=False
     )
-    assert fused.runner.num_fused_modules == 4 * fused.runner.num_layers + 1
+    assert fused.runner.num_fused_modules == 5 * fused.runner.num_layers + 1
     assert plain.runner.num_fused_modules == 0
     assert fused.outputs == plain.outputs
 

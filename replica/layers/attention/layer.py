@@ -8,6 +8,7 @@ from torch import nn
 
 from replica.layers.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from replica.layers.attention.torch_sdpa import TorchSDPABackend
+from replica.layers.cpu_kernels import kv_write
 
 
 class Attention(nn.Module):
@@ -38,6 +39,8 @@ class Attention(nn.Module):
         self.kv_group = 0  # a hybrid model's KV group (replica/kv_groups.py): its metadata
         self.backend: type[AttentionBackend] = TorchSDPABackend
         self.use_backend(TorchSDPABackend)
+
+    fused_cpu_ops = False  # set by the runner: the K/V cache writes by one C call on CPU
 
     def use_backend(self, backend: type[AttentionBackend]) -> None:
         self.backend = backend
@@ -74,8 +77,9 @@ class Attention(nn.Module):
         # every new K/V first, so a request may read blocks another request writes this step
         # (a prefix-cache hit on a block being filled in the same step); the cache layout is the
         # runner's, the same for every backend
-        k_cache.view(-1, self.num_kv_heads, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, d).index_copy_(0, meta.slot_mapping, v)
+        if not (self.fused_cpu_ops and kv_write(k, v, meta.slot_mapping, k_cache, v_cache)):
+            k_cache.view(-1, self.num_kv_heads, d).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, self.num_kv_heads, d).index_copy_(0, meta.slot_mapping, v)
         return self.impl.forward(q, k, v, kv_cache, meta)
 
 

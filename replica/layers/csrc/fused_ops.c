@@ -8,7 +8,9 @@
  * Built without contraction (-ffp-contract=off): rotary then computes exactly the products and
  * sums torch does (x * cos + swapped * sin, each rounded), so it is bitwise equal to the
  * reference. The norms reduce in a different order than torch's, within an ulp or so.
- * Rows are split over torch's OpenMP pool when there are enough of them.
+ * Rows are split over torch's OpenMP pool when there are enough of them. At AVX-512 the fp32
+ * SiLU takes its exponential from vec_exp.h and a refined reciprocal (an ulp or two from
+ * torch's, not bitwise); bf16 stays bitwise.
  */
 #include <math.h>
 #include <stdint.h>
@@ -16,6 +18,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include "vec_exp.h"
 
 #define LANES 16
 #define PARALLEL_ROWS 64 /* fewer rows than this run on the calling thread */
@@ -94,6 +98,21 @@ void stepserve_rms_norm(const void *x, void *residual, const void *w, void *out,
     }
 }
 
+#if defined(__AVX512F__)
+/* silu(g) = g * sigmoid(g) in 16 lanes: sigmoid from t = e^-|g| (at most 1, so its polynomial
+ * cannot overflow) as 1 / (1 + t) for g >= 0 and t / (1 + t) below, the reciprocal from its
+ * 14-bit estimate and one Newton step (within an ulp or two of expf and a division, at a third
+ * of their time: docs/perf-engine.md, "SiLU") */
+static inline __m512 silu16(__m512 g) {
+    const __m512 t = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), t);
+    __m512 r = _mm512_rcp14_ps(den);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(den, r, _mm512_set1_ps(2.0f)));
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mul_ps(g, _mm512_mask_mul_ps(r, negative, r, t));
+}
+#endif
+
 /* out[r] = silu(gate[r]) * up[r] where gate_up[r] = [gate | up], each `inter` wide */
 void stepserve_silu_mul(const void *gate_up, void *out, int64_t rows, int inter, int bf16,
                         int num_threads) {
@@ -103,7 +122,19 @@ void stepserve_silu_mul(const void *gate_up, void *out, int64_t rows, int inter,
         if (!bf16) {
             const float *gf = (const float *)gate_up + g, *uf = (const float *)gate_up + u;
             float *of = (float *)out + o;
-            for (int i = 0; i < inter; i++) of[i] = gf[i] / (1.0f + expf(-gf[i])) * uf[i];
+#if defined(__AVX512F__)
+            for (int i = 0; i < inter; i += 16) {
+                const __mmask16 k = inter - i >= 16 ? 0xFFFF : (__mmask16)((1u << (inter - i)) - 1);
+                const __m512 x = _mm512_maskz_loadu_ps(k, gf + i);
+                _mm512_mask_storeu_ps(of + i, k,
+                                      _mm512_mul_ps(silu16(x), _mm512_maskz_loadu_ps(k, uf + i)));
+            }
+#else
+            for (int i = 0; i < inter; i++) { /* sigmoid from e^-|g| <= 1: no overflow */
+                const float t = expf(-fabsf(gf[i]));
+                of[i] = gf[i] * (gf[i] >= 0.0f ? 1.0f : t) / (1.0f + t) * uf[i];
+            }
+#endif
             continue;
         }
         for (int i = 0; i < inter; i++) {
@@ -111,6 +142,24 @@ void stepserve_silu_mul(const void *gate_up, void *out, int64_t rows, int inter,
             st(out, o + i, round_bf16(a / (1.0f + expf(-a))) * ld(gate_up, u + i, 1), 1);
         }
     }
+}
+
+/* The step's new K and V rows into the paged cache: row r of k and of v (`width` elements of
+ * `elem` bytes each, rows `k_stride` / `v_stride` elements apart: views of the qkv rows) to
+ * slot slots[r] of k_cache and v_cache ([num_slots, width], contiguous). Returns nonzero,
+ * writing nothing, when a slot is outside 0..num_slots-1. */
+int stepserve_kv_write(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                       const int64_t *slots, void *k_cache, void *v_cache, int64_t rows,
+                       int64_t width, int64_t num_slots, int elem, int num_threads) {
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return 1;
+    const size_t bytes = (size_t)width * (size_t)elem;
+#pragma omp parallel for num_threads(num_threads) if (rows >= 4 * PARALLEL_ROWS) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy((char *)k_cache + slots[r] * bytes, (const char *)k + r * k_stride * elem, bytes);
+        memcpy((char *)v_cache + slots[r] * bytes, (const char *)v + r * v_stride * elem, bytes);
+    }
+    return 0;
 }
 
 /* Rotate-half rotary embedding in place on the first `heads` heads of each row of x (row

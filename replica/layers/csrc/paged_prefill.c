@@ -40,6 +40,7 @@
 #include <string.h>
 
 #include "kv_elements.h"
+#include "vec_exp.h"
 
 #define QT 32 /* query tokens per tile */
 /* Per instruction set: keys per tile (KT), head_dim elements per register chunk of p v (VC),
@@ -163,23 +164,6 @@ static inline int pv_block(float *acc, int d, const float *corr, const float *p,
         c += 16;
     }
     return c;
-}
-
-/* e^x for x <= 0 (exp_nonpositive's range reduction and polynomial), 16 lanes: 2^n by the
- * exponent scaling instruction, and lanes below -87 exactly 0 (a masked score) */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), f);
-    __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(1.3888889e-3f), f, _mm512_set1_ps(8.3333333e-3f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(4.1666668e-2f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.6666667e-1f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.5f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(live, e, n);
 }
 
 ALWAYS_INLINE float softmax_row(float *sc, int nv, int first, int last, float m, float *p,
