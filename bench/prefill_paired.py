@@ -7,10 +7,12 @@ processes run in turn (bench/offline_throughput.py --one-at-a-time) cannot tell 
 
 Reports the median of the per-prompt time ratios (ours / vLLM) overall and per prompt-length
 band, each with a bootstrap 95% interval of that median, and whether the first tokens agree.
-Writes bench/results/<out>.json.
+`--tree NAME=PATH` adds our engine from another checkout (e.g. the code before a change) as a
+third system in the same rotation, reported against vLLM and against the tree. Writes
+bench/results/<out>.json.
 
 Run: .venv/bin/python bench/prefill_paired.py [--num-prompts 64] [--prompt-len 32,512]
-     [--vllm-python /work/vllm-venv/bin/python] [--out prefill_paired]
+     [--tree before=/tmp/before] [--vllm-python /work/vllm-venv/bin/python] [--out NAME]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ BANDS = ((1, 63), (64, 127), (128, 255), (256, 511), (512, 1 << 20))
 
 # -- workers: load, warm up, then time one prompt per line of stdin --------------------------
 def worker_ours(args):
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, args.root or str(ROOT))
     import torch
 
     from replica.engine import LLM
@@ -84,9 +86,13 @@ def serve_worker(args) -> None:
 
 # -- driver ----------------------------------------------------------------------------------
 class Worker:
-    def __init__(self, name: str, python: str, args, log: Path, env: dict) -> None:
-        cmd = [python, str(Path(__file__).resolve()), "--worker", name]
+    def __init__(
+        self, name: str, python: str, args, log: Path, env: dict, root: str | None = None
+    ) -> None:
+        kind = "vllm" if name == "vllm" else "ours"
+        cmd = [python, str(Path(__file__).resolve()), "--worker", kind]
         cmd += ["--model-dir", str(args.model_dir), "--threads", str(args.threads)]
+        cmd += ["--root", root] if root else []
         self.name, self.log = name, log
         self._log = log.open("w")
         self.proc = subprocess.Popen(
@@ -129,14 +135,16 @@ def median_interval(values: list[float], rounds: int = 2000, seed: int = 0) -> l
 
 
 def summarize(lengths: list[int], ours: list[float], vllm: list[float]) -> dict:
+    """Per-prompt time ratios ours / vllm (any two systems), overall and by length band."""
+
     def part(idx: list[int]) -> dict:
         ratios = [ours[i] / vllm[i] for i in idx]
         return {
             "prompts": len(idx),
             "median_ratio": round(statistics.median(ratios), 3),
             "median_ratio_95": median_interval(ratios),
-            "ours_median_ms": round(statistics.median(ours[i] for i in idx), 2),
-            "vllm_median_ms": round(statistics.median(vllm[i] for i in idx), 2),
+            "first_median_ms": round(statistics.median(ours[i] for i in idx), 2),
+            "second_median_ms": round(statistics.median(vllm[i] for i in idx), 2),
         }
 
     out = {"all": part(list(range(len(lengths))))}
@@ -155,9 +163,13 @@ def main() -> None:
     parser.add_argument("--model", default="default", help="default, tiny or a model directory")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument(
+        "--tree", action="append", default=[], help="NAME=PATH: our engine from another checkout"
+    )
     parser.add_argument("--out", default=None, help="bench/results/<out>.json")
     parser.add_argument("--worker", choices=("ours", "vllm"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         serve_worker(args)
@@ -181,17 +193,25 @@ def main() -> None:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
     logs = ROOT / "bench" / "_tmp"  # the workers' logs (git-ignored)
     logs.mkdir(parents=True, exist_ok=True)
+    systems = [("ours", sys.executable, None)]
+    for spec in args.tree:
+        name, _, path = spec.partition("=")
+        if not name or not Path(path, "replica").is_dir():
+            raise SystemExit(f"--tree {spec!r}: expected NAME=PATH of a stepserve checkout")
+        systems.append((f"ours@{name}", sys.executable, str(Path(path).resolve())))
+    systems.append(("vllm", args.vllm_python, None))
     workers = {}
+    times = {name: [] for name, _, _ in systems}
+    tokens = {name: [] for name, _, _ in systems}
     try:
-        for name, python in (("ours", sys.executable), ("vllm", args.vllm_python)):
+        for name, python, root in systems:
             print(f"[{time.strftime('%H:%M:%S')}] loading {name} ...", flush=True)
-            workers[name] = Worker(name, python, args, logs / f"prefill_paired_{name}.log", env)
-        times = {"ours": [], "vllm": []}
-        tokens = {"ours": [], "vllm": []}
+            log = logs / f"prefill_paired_{name.replace('@', '_')}.log"
+            workers[name] = Worker(name, python, args, log, env, root)
         load = [os.getloadavg()[0]]
         for i, prompt in enumerate(prompts):
-            order = ("ours", "vllm") if i % 2 == 0 else ("vllm", "ours")
-            for name in order:
+            shift = i % len(systems)  # each system first in turn
+            for name, _, _ in systems[shift:] + systems[:shift]:
                 time.sleep(args.gap)
                 reply = workers[name].time(prompt)
                 times[name].append(reply["ms"])
@@ -204,7 +224,9 @@ def main() -> None:
         for w in workers.values():
             w.close()
     lengths = [len(p) for p in prompts]
-    summary = summarize(lengths, times["ours"], times["vllm"])
+    pairs = [(name, "vllm") for name, _, _ in systems if name != "vllm"]
+    pairs += [("ours", name) for name, _, _ in systems if name.startswith("ours@")]
+    summaries = {f"{a} / {b}": summarize(lengths, times[a], times[b]) for a, b in pairs}
     report = {
         "benchmark": "prefill_paired",
         "workload": {
@@ -214,24 +236,29 @@ def main() -> None:
             "prompt_len": [lo, hi],
             "output_tokens": 1,
             "gap_s": args.gap,
-            "order": "alternating per prompt (ours first on even prompts)",
+            "order": f"rotating per prompt over {[name for name, _, _ in systems]}",
+            "trees": args.tree,
         },
         "machine": {"cpu": cpu_isa.cpu_model(), "threads": args.threads, "load_avg_1m": load},
-        "time_ratio_ours_over_vllm": summary,
-        "first_tokens_identical": sum(a == b for a, b in zip(tokens["ours"], tokens["vllm"])),
+        "time_ratios": summaries,
+        "first_tokens_identical_to_vllm": {
+            name: sum(a == b for a, b in zip(tokens[name], tokens["vllm"]))
+            for name, _, _ in systems
+            if name != "vllm"
+        },
         "prompt_lengths": lengths,
-        "ours_ms": times["ours"],
-        "vllm_ms": times["vllm"],
+        "ms": times,
     }
-    print(
-        f"\n{'band':>10} {'n':>4} {'ours/vLLM':>10} {'95% of median':>16} {'ours ms':>9} {'vLLM ms':>9}"
-    )
-    for band, s in summary.items():
-        print(
-            f"{band:>10} {s['prompts']:4d} {s['median_ratio']:10.3f} "
-            f"{str(s['median_ratio_95']):>16} {s['ours_median_ms']:9.1f} {s['vllm_median_ms']:9.1f}"
-        )
-    print(f"first tokens identical: {report['first_tokens_identical']}/{len(prompts)}")
+    for pair, summary in summaries.items():
+        print(f"\n{pair}")
+        print(f"{'band':>10} {'n':>4} {'ratio':>7} {'95% of median':>16} {'ms':>8} {'ms':>8}")
+        for band, x in summary.items():
+            print(
+                f"{band:>10} {x['prompts']:4d} {x['median_ratio']:7.3f} "
+                f"{str(x['median_ratio_95']):>16} {x['first_median_ms']:8.1f} "
+                f"{x['second_median_ms']:8.1f}"
+            )
+    print(f"first tokens identical to vLLM's: {report['first_tokens_identical_to_vllm']}")
     if args.out:
         path = RESULTS / f"{args.out}.json"
         path.write_text(json.dumps(report, indent=2) + "\n")
