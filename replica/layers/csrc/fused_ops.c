@@ -101,8 +101,9 @@ void stepserve_rms_norm(const void *x, void *residual, const void *w, void *out,
 #if defined(__AVX512F__)
 /* silu(g) = g * sigmoid(g) in 16 lanes: sigmoid from t = e^-|g| (at most 1, so its polynomial
  * cannot overflow) as 1 / (1 + t) for g >= 0 and t / (1 + t) below, the reciprocal from its
- * 14-bit estimate and one Newton step (within an ulp or two of expf and a division, at a third
- * of their time: docs/perf-engine.md, "SiLU") */
+ * 14-bit estimate and one Newton step: within a few ulps of expf and a division, 1.02-1.18x
+ * their speed (the op is bound by memory traffic; docs/perf-engine.md, "Prefill attention,
+ * session 56") */
 static inline __m512 silu16(__m512 g) {
     const __m512 t = exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
     const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), t);
