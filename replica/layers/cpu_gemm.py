@@ -2,9 +2,10 @@
 cblas_sgemm_compute, exported by torch's own libtorch_cpu where torch links MKL), called
 through ctypes, which releases the GIL for the call.
 
-fp32 weights: MKL's packed sgemm, 0.74-0.96x the time of oneDNN's packed fp32 for a model's
-linear layers at 1-512 rows (docs/perf-engine.md, "Lone-prompt prefill"); oneDNN's where torch
-has no MKL (aarch64, some builds). bf16 weights: oneDNN's packed bf16, which runs on AMX tiles or
+fp32 weights: on Intel CPUs MKL's packed sgemm, 0.74-0.96x the time of oneDNN's packed fp32 for
+a model's linear layers at 1-512 rows; on other vendors' oneDNN's (on an AMD EPYC MKL took
+1.04-2.3x oneDNN's time, 2.2x at 16-32 rows: docs/perf-engine.md, "Lone-prompt prefill"), and
+wherever torch has no MKL (aarch64, some builds). bf16 weights: oneDNN's packed bf16, which runs on AMX tiles or
 AVX512-BF16 where the CPU has them, at the levels where oneDNN packs bf16 at all
 (cpu_isa.onednn_bf16_packing); below those they stay row-major (F.linear). `STEPSERVE_CPU_GEMM`
 (`auto`, `mkl`, `onednn`) overrides the fp32 choice, for A/B runs; read per packing call.
@@ -67,13 +68,24 @@ def gemm_choice(environ: dict[str, str] | None = None) -> str:
 
 def fp32_packing() -> str | None:
     """The packed GEMM fp32 weights use here: "mkl", "onednn" or None (neither available)."""
-    choice = gemm_choice()
-    if choice in ("auto", "mkl") and mkl_library() is not None:
-        return "mkl"
-    if choice == "mkl" and not _warned:
+    from replica.layers import cpu_isa
+
+    return choose_fp32(
+        gemm_choice(), cpu_isa.cpu_vendor(), mkl_library() is not None, _onednn_ops()
+    )
+
+
+def choose_fp32(choice: str, vendor: str, mkl: bool, onednn: bool) -> str | None:
+    """`fp32_packing` from its inputs: the override, the CPU vendor and which libraries exist.
+    auto: MKL on Intel CPUs, oneDNN on the others (MKL's kernels for them are not its fast
+    ones), each falling back to the other where torch lacks it."""
+    want = ("mkl" if vendor == "GenuineIntel" else "onednn") if choice == "auto" else choice
+    if (want == "mkl" and mkl) or (want == "onednn" and onednn):
+        return want
+    if choice != "auto" and not _warned:
         _warned.append(True)  # once per process, not per layer
-        logger.warning("%s=mkl but torch has no MKL packed sgemm: using oneDNN", GEMM_ENV)
-    return "onednn" if _onednn_ops() else None
+        logger.warning("%s=%s: torch has no such GEMM here, using the other", GEMM_ENV, choice)
+    return "mkl" if mkl else "onednn" if onednn else None
 
 
 def packing_for(weight: torch.Tensor) -> str | None:

@@ -79,6 +79,11 @@ def cpu_model() -> str:
     return _cpuinfo_field("model name") or platform.processor()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"; "" unknown)."""
+    return _cpuinfo_field("vendor_id") or ""
+
+
 def detected_level(flags: frozenset[str] | None = None) -> str:
     """The highest level this CPU (or the given flag set) can execute."""
     if not is_x86():

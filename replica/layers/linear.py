@@ -116,9 +116,10 @@ class PackableLinear(nn.Module):
     """A linear layer whose weight can be reordered once, after loading, into a blocked layout
     its CPU GEMM streams without re-packing per call: the skinny matmuls of decode and of a short
     prompt's prefill are bound by how fast the weights stream from memory (docs/perf-engine.md).
-    fp32 weights go to MKL's packed sgemm where torch links MKL (cpu_gemm.py; 0.74-0.96x the time
-    of oneDNN's packed fp32 at 1-512 rows), bf16 ones (and fp32 without MKL) to oneDNN, which
-    uses AMX tiles or AVX512-BF16 where the CPU has them. `packing` records the path taken.
+    fp32 weights go to MKL's packed sgemm on Intel CPUs where torch links MKL (cpu_gemm.py;
+    0.74-0.96x the time of oneDNN's packed fp32 at 1-512 rows there), to oneDNN on other vendors'
+    (MKL is up to 2.3x slower on AMD), bf16 ones to oneDNN, which uses AMX tiles or AVX512-BF16
+    where the CPU has them. `packing` records the path taken.
     Packing is one-way: the row-major weight is released."""
 
     packed_weight: torch.Tensor | None = None

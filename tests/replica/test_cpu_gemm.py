@@ -1,5 +1,5 @@
-"""The CPU linear layers' packed GEMMs (replica/layers/cpu_gemm.py): MKL's packed sgemm for fp32,
-oneDNN for bf16 where the level allows, row-major otherwise; every path gives F.linear's
+"""The CPU linear layers' packed GEMMs (replica/layers/cpu_gemm.py): MKL's packed sgemm for fp32
+on Intel CPUs (oneDNN's on others), oneDNN for bf16 where the level allows, row-major otherwise; every path gives F.linear's
 results, and the path is chosen per dtype and instruction-set level and recorded per layer."""
 
 from __future__ import annotations
@@ -41,9 +41,26 @@ def test_mkl_packed_linear_matches_f_linear(rows):
     assert cpu_gemm.mkl_linear(x3, packed, 96, None).shape == (2, rows, 96)
 
 
+def test_fp32_goes_to_mkl_on_intel_and_to_onednn_elsewhere():
+    """auto: MKL on GenuineIntel, oneDNN on other vendors (MKL is 1.04-2.3x oneDNN's time on an
+    AMD EPYC), each falling back to the other where torch lacks it; an override wins."""
+    choose = cpu_gemm.choose_fp32
+    assert choose("auto", "GenuineIntel", True, True) == "mkl"
+    assert choose("auto", "AuthenticAMD", True, True) == "onednn"
+    assert choose("auto", "", True, True) == "onednn"
+    assert choose("auto", "GenuineIntel", False, True) == "onednn"
+    assert choose("auto", "AuthenticAMD", True, False) == "mkl"
+    assert choose("mkl", "AuthenticAMD", True, True) == "mkl"
+    assert choose("onednn", "GenuineIntel", True, True) == "onednn"
+    assert choose("mkl", "GenuineIntel", False, True) == "onednn"
+    assert choose("auto", "GenuineIntel", False, False) is None
+
+
 def test_the_path_follows_the_dtype_the_level_and_the_override(monkeypatch):
     w32, w16 = torch.randn(8, 8), torch.randn(8, 8).bfloat16()
-    fp32 = "mkl" if cpu_gemm.mkl_library() is not None else "onednn"
+    fp32 = cpu_gemm.choose_fp32(
+        "auto", cpu_isa.cpu_vendor(), cpu_gemm.mkl_library() is not None, cpu_gemm._onednn_ops()
+    )
     for level in cpu_isa.runnable_levels():
         with cpu_isa.use_level(level):
             assert cpu_gemm.packing_for(w32) == fp32
@@ -61,7 +78,7 @@ def test_the_path_follows_the_dtype_the_level_and_the_override(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_layer_records_its_path_and_keeps_f_linear_results(dtype, monkeypatch):
-    for gemm in ("auto", "onednn"):
+    for gemm in ("auto", "onednn", "mkl"):  # each path on any host
         monkeypatch.setenv(cpu_gemm.GEMM_ENV, gemm)
         torch.manual_seed(0)
         layer = ColumnParallelLinear(64, 48, True, TensorParallel())
@@ -152,7 +169,7 @@ def test_a_capped_process_matches_transformers(level, tiny_qwen2_dir):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     fp32, bf16 = result["float32"], result["bfloat16"]
     assert fp32["level"] == bf16["level"] == level
-    assert fp32["packings"] == ["mkl" if cpu_gemm.mkl_library() is not None else "onednn"]
+    assert fp32["packings"] == [cpu_gemm.fp32_packing()]
     assert fp32["tokens"] == expected_outputs(tiny_qwen2_dir, prompts, max_tokens)
     bf16_packed = torch.backends.mkldnn.is_available() and cpu_isa.onednn_bf16_packing(level)
     assert bf16["packings"] == ["onednn" if bf16_packed else "row-major"]
