@@ -4,11 +4,12 @@ through ctypes, which releases the GIL for the call.
 
 fp32 weights: on Intel CPUs MKL's packed sgemm, 0.74-0.96x the time of oneDNN's packed fp32 for
 a model's linear layers at 1-512 rows; on other vendors' oneDNN's (on an AMD EPYC MKL took
-1.04-2.3x oneDNN's time, 2.2x at 16-32 rows: docs/perf-engine.md, "Lone-prompt prefill"), and
-wherever torch has no MKL (aarch64, some builds). bf16 weights: oneDNN's packed bf16, which runs on AMX tiles or
-AVX512-BF16 where the CPU has them, at the levels where oneDNN packs bf16 at all
-(cpu_isa.onednn_bf16_packing); below those they stay row-major (F.linear). `STEPSERVE_CPU_GEMM`
-(`auto`, `mkl`, `onednn`) overrides the fp32 choice, for A/B runs; read per packing call.
+1.2-2.7x oneDNN's time, 2.2-2.7x at 16-32 rows: docs/perf-engine.md, "AMD EPYC (Zen 4)"), and
+wherever torch has no MKL (aarch64, some builds). bf16 weights: oneDNN's packed bf16, which
+runs on AMX tiles or AVX512-BF16 where the CPU has them, at the levels where oneDNN packs bf16
+at all (cpu_isa.onednn_bf16_packing); below those they stay row-major (F.linear).
+`STEPSERVE_CPU_GEMM` (`auto`, `mkl`, `onednn`) overrides the fp32 choice, for A/B runs; read
+per packing call.
 """
 
 from __future__ import annotations

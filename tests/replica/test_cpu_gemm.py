@@ -42,7 +42,7 @@ def test_mkl_packed_linear_matches_f_linear(rows):
 
 
 def test_fp32_goes_to_mkl_on_intel_and_to_onednn_elsewhere():
-    """auto: MKL on GenuineIntel, oneDNN on other vendors (MKL is 1.04-2.3x oneDNN's time on an
+    """auto: MKL on GenuineIntel, oneDNN on other vendors (MKL is 1.2-2.7x oneDNN's time on an
     AMD EPYC), each falling back to the other where torch lacks it; an override wins."""
     choose = cpu_gemm.choose_fp32
     assert choose("auto", "GenuineIntel", True, True) == "mkl"
