@@ -11,11 +11,25 @@ set -e
 OLD=${1:-main}
 FLAGS=${2:--march=x86-64-v4}
 D=$(mktemp -d)
-git show "$OLD:replica/layers/csrc/quant_gemm.c" > "$D/old.c"
+mkdir "$D/old"
+git show "$OLD:replica/layers/csrc/quant_gemm.c" > "$D/old/quant_gemm.c"
 CC="gcc -O3 -std=c11 $FLAGS -mtune=native -fopenmp -fno-fast-math -ffp-contract=off -fPIC"
-$CC -Dstepserve_quant_matmul=old_quant_matmul -Dstepserve_quant_isa=old_quant_isa \
-    -Dstepserve_quant_dequantize=old_quant_dequantize -c "$D/old.c" -o "$D/old.o"
-$CC -c replica/layers/csrc/quant_gemm.c -o "$D/new.o"
-gcc -O2 -std=gnu11 -fopenmp bench/probes/quant_gemm_ab.c "$D/old.o" "$D/new.o" -o "$D/ab" -lm
+# the old build's symbols renamed; its int8 units (quant_gemm_int8_*.c) where the revision has them
+RENAME="-Dstepserve_quant_matmul=old_quant_matmul -Dstepserve_quant_isa=old_quant_isa
+    -Dstepserve_quant_dequantize=old_quant_dequantize
+    -Dstepserve_qg_rows_int8_b32=old_qg_rows_int8_b32 -Dstepserve_qg_rows_int8_k=old_qg_rows_int8_k"
+OLD_SRC="quant_gemm.c"
+for u in quant_gemm_int8_b32.c quant_gemm_int8_k.c; do
+    git show "$OLD:replica/layers/csrc/$u" > "$D/old/$u" 2>/dev/null && OLD_SRC="$OLD_SRC $u"
+done
+OBJS=""
+for f in $OLD_SRC; do
+    $CC $RENAME -c "$D/old/$f" -o "$D/old-$f.o" & OBJS="$OBJS $D/old-$f.o"
+done
+for f in quant_gemm.c quant_gemm_int8_b32.c quant_gemm_int8_k.c; do
+    $CC -c "replica/layers/csrc/$f" -o "$D/new-$f.o" & OBJS="$OBJS $D/new-$f.o"
+done
+wait
+gcc -O2 -std=gnu11 -fopenmp bench/probes/quant_gemm_ab.c $OBJS -o "$D/ab" -lm
 OMP_NUM_THREADS=1 "$D/ab" "${3:-3,8}" "${4:-1,8,16,32,63}" "${5:-7}"
 rm -rf "$D"

@@ -1111,11 +1111,41 @@ AI void rows_typed(int t, int int8, const uint8_t *w, int64_t ldw, int64_t j0, i
     case T_Q5_K: rows_typed(T_Q5_K, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
     case T_Q6_K: rows_typed(T_Q6_K, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
 
+/* The int8 rows are compiled in translation units of their own, the block-32 types' and the
+ * K-quants' (quant_gemm_int8_b32.c and quant_gemm_int8_k.c include this file with QG_INT8_UNIT
+ * set to 1 or 2): built as one function with the rest, the file took 85 s at -march=x86-64-v4 on
+ * a Zen 4; in three units on two cores, ~30 s. */
+#define QG_INT8_ROWS(name)                                                                        \
+    __attribute__((visibility("hidden"))) void name(                                             \
+        int t, const uint8_t *w, int64_t ldw, int64_t j0, int64_t j1, int64_t k, const float *x, \
+        int64_t ldx, int64_t m, const xquant *xq, float *y, int64_t ldy, const float *bias)
+QG_INT8_ROWS(stepserve_qg_rows_int8_b32);
+QG_INT8_ROWS(stepserve_qg_rows_int8_k);
+
+#if defined(QG_INT8_UNIT) && QG_INT8_UNIT == 1
+QG_INT8_ROWS(stepserve_qg_rows_int8_b32) {
+    switch (t) {
+    case T_Q4_0: rows_typed(T_Q4_0, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
+    case T_Q4_1: rows_typed(T_Q4_1, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
+    case T_Q8_0: rows_typed(T_Q8_0, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
+    }
+}
+#elif defined(QG_INT8_UNIT) && QG_INT8_UNIT == 2
+QG_INT8_ROWS(stepserve_qg_rows_int8_k) {
+    switch (t) {
+    case T_Q4_K: rows_typed(T_Q4_K, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
+    case T_Q5_K: rows_typed(T_Q5_K, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
+    case T_Q6_K: rows_typed(T_Q6_K, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
+    }
+}
+#else
 static void rows(int t, int int8, const uint8_t *w, int64_t ldw, int64_t j0, int64_t j1, int64_t k,
                  const float *x, int64_t ldx, int64_t m, const xquant *xq, float *y, int64_t ldy,
                  const float *bias) {
-    if (int8) {
-        switch (t) { QG_TYPE_CASES(1) }
+    if (int8 && is_k(t)) {
+        stepserve_qg_rows_int8_k(t, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias);
+    } else if (int8) {
+        stepserve_qg_rows_int8_b32(t, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias);
     } else {
         switch (t) { QG_TYPE_CASES(0) }
     }
@@ -1233,3 +1263,4 @@ int stepserve_quant_dequantize(int qtype, const uint8_t *w, int64_t ldw, int64_t
     }
     return 0;
 }
+#endif /* the int8 units */
