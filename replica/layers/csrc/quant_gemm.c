@@ -1103,13 +1103,11 @@ AI void rows_typed(int t, int int8, const uint8_t *w, int64_t ldw, int64_t j0, i
 #undef QG_REST
 }
 
+#define QG_ROWS_CASE(T, int8)                                                                    \
+    case T: rows_typed(T, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
 #define QG_TYPE_CASES(int8)                                                                      \
-    case T_Q4_0: rows_typed(T_Q4_0, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
-    case T_Q4_1: rows_typed(T_Q4_1, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
-    case T_Q8_0: rows_typed(T_Q8_0, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
-    case T_Q4_K: rows_typed(T_Q4_K, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
-    case T_Q5_K: rows_typed(T_Q5_K, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break; \
-    case T_Q6_K: rows_typed(T_Q6_K, int8, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
+    QG_ROWS_CASE(T_Q4_0, int8) QG_ROWS_CASE(T_Q4_1, int8) QG_ROWS_CASE(T_Q8_0, int8)            \
+    QG_ROWS_CASE(T_Q4_K, int8) QG_ROWS_CASE(T_Q5_K, int8) QG_ROWS_CASE(T_Q6_K, int8)
 
 /* The int8 rows are compiled in translation units of their own, the block-32 types' and the
  * K-quants' (quant_gemm_int8_b32.c and quant_gemm_int8_k.c include this file with QG_INT8_UNIT
@@ -1124,19 +1122,11 @@ QG_INT8_ROWS(stepserve_qg_rows_int8_k);
 
 #if defined(QG_INT8_UNIT) && QG_INT8_UNIT == 1
 QG_INT8_ROWS(stepserve_qg_rows_int8_b32) {
-    switch (t) {
-    case T_Q4_0: rows_typed(T_Q4_0, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
-    case T_Q4_1: rows_typed(T_Q4_1, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
-    case T_Q8_0: rows_typed(T_Q8_0, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
-    }
+    switch (t) { QG_ROWS_CASE(T_Q4_0, 1) QG_ROWS_CASE(T_Q4_1, 1) QG_ROWS_CASE(T_Q8_0, 1) }
 }
 #elif defined(QG_INT8_UNIT) && QG_INT8_UNIT == 2
 QG_INT8_ROWS(stepserve_qg_rows_int8_k) {
-    switch (t) {
-    case T_Q4_K: rows_typed(T_Q4_K, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
-    case T_Q5_K: rows_typed(T_Q5_K, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
-    case T_Q6_K: rows_typed(T_Q6_K, 1, w, ldw, j0, j1, k, x, ldx, m, xq, y, ldy, bias); break;
-    }
+    switch (t) { QG_ROWS_CASE(T_Q4_K, 1) QG_ROWS_CASE(T_Q5_K, 1) QG_ROWS_CASE(T_Q6_K, 1) }
 }
 #else
 static void rows(int t, int int8, const uint8_t *w, int64_t ldw, int64_t j0, int64_t j1, int64_t k,
