@@ -1,6 +1,7 @@
 """The CPU linear layers' packed GEMMs (replica/layers/cpu_gemm.py): MKL's packed sgemm for fp32
-on Intel CPUs (oneDNN's on others), oneDNN for bf16 where the level allows, row-major otherwise; every path gives F.linear's
-results, and the path is chosen per dtype and instruction-set level and recorded per layer."""
+on Intel CPUs (oneDNN's on others), oneDNN for bf16 where the level allows, row-major otherwise;
+every path gives F.linear's results, and the path is chosen per dtype and instruction-set level
+and recorded per layer."""
 
 from __future__ import annotations
 
@@ -58,9 +59,8 @@ def test_fp32_goes_to_mkl_on_intel_and_to_onednn_elsewhere():
 
 def test_the_path_follows_the_dtype_the_level_and_the_override(monkeypatch):
     w32, w16 = torch.randn(8, 8), torch.randn(8, 8).bfloat16()
-    fp32 = cpu_gemm.choose_fp32(
-        "auto", cpu_isa.cpu_vendor(), cpu_gemm.mkl_library() is not None, cpu_gemm._onednn_ops()
-    )
+    monkeypatch.delenv(cpu_gemm.GEMM_ENV, raising=False)
+    fp32 = cpu_gemm.fp32_packing()  # auto: this CPU's vendor (the choice itself: test above)
     for level in cpu_isa.runnable_levels():
         with cpu_isa.use_level(level):
             assert cpu_gemm.packing_for(w32) == fp32
