@@ -26,8 +26,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/stepserve serve $(ARGS)
 
+# Two pytest workers: the Ray tests run in order on one of them (xdist group "ray", see
+# tests/conftest.py) while the other takes the rest; the Ray tests spend much of their time
+# waiting on start-ups and polls, which the other worker's CPU-bound tests fill.
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -ra --durations=25 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -ra --durations=25 -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -ra -m "not ray" $(PYTEST_ARGS)

@@ -124,9 +124,35 @@ def _uses_shared_serve(item) -> bool:
     return "shared_serve" in getattr(item, "fixturenames", ())
 
 
+RAY_TESTS = "tests/integration/"  # every test marked `ray` lives here (checked at collection)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n N --dist loadgroup` (`make test`): the tests under RAY_TESTS are one unit of
+    work, run in collection order by one worker, so two Ray clusters never start at once; every
+    other test is a unit of its own. (xdist's own `xdist_group` marks name the group in
+    `item._nodeid`, which pytest 9.2's node ids no longer read.)"""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTestsOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if nodeid.startswith(RAY_TESTS) else nodeid
+
+    return RayTestsOnOneWorker(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Within each directory, the modules that use `shared_serve` run after the others, so
     the shared cluster starts once and a module's own cluster never has to wait for it."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None and not item.nodeid.startswith(RAY_TESTS):
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked ray but not under {RAY_TESTS}: the parallel run "
+                "(`make test`) keeps Ray tests on one worker by that directory"
+            )
     modules: dict = {}  # module path -> its items, in collection order
     for item in items:
         modules.setdefault(item.path, []).append(item)
