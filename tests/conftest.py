@@ -5,6 +5,7 @@ runner loop that drives them."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,14 +126,18 @@ def _uses_shared_serve(item) -> bool:
 
 
 RAY_TESTS = "tests/integration/"  # every test marked `ray` lives here (checked at collection)
+RAY_WORKER = "gw0"
+OTHER_WORKERS_NICE = 10
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under `-n N --dist loadgroup` (`make test`): the tests under RAY_TESTS are one unit of
-    work, run in collection order by one worker, so two Ray clusters never start at once; every
-    other test is a unit of its own. (xdist's own `xdist_group` marks name the group in
-    `item._nodeid`, which pytest 9.2's node ids no longer read.)"""
+    work, run in collection order by worker RAY_WORKER, so two Ray clusters never start at
+    once; every other test is a unit of its own, which any worker takes. The other workers run
+    at a lower priority (pytest_configure): they use what CPU the Ray tests leave idle (waiting
+    on start-ups and polls) without slowing them. (xdist's own `xdist_group` marks name the
+    group in `item._nodeid`, which pytest 9.2's node ids no longer read.)"""
     if config.getoption("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -141,7 +146,25 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return "ray" if nodeid.startswith(RAY_TESTS) else nodeid
 
+        def _assign_work_unit(self, node) -> None:
+            if node.gateway.id == RAY_WORKER or "ray" not in self.workqueue:
+                super()._assign_work_unit(node)
+                return
+            ray = self.workqueue.pop("ray")  # kept at the head for RAY_WORKER
+            try:
+                if self.workqueue:
+                    super()._assign_work_unit(node)
+            finally:
+                self.workqueue["ray"] = ray
+                self.workqueue.move_to_end("ray", last=False)
+
     return RayTestsOnOneWorker(config, log)
+
+
+def pytest_configure(config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None and worker != RAY_WORKER:
+        os.nice(OTHER_WORKERS_NICE)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
