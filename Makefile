@@ -26,9 +26,9 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/stepserve serve $(ARGS)
 
-# Two pytest workers: the Ray tests run in order on one of them (xdist group "ray", see
-# tests/conftest.py) while the other takes the rest; the Ray tests spend much of their time
-# waiting on start-ups and polls, which the other worker's CPU-bound tests fill.
+# Two pytest workers: the Ray tests (tests/integration) run in order on gw0 while the other,
+# at nice 10, takes the rest in the CPU they leave idle waiting on start-ups and polls
+# (tests/conftest.py; README, "Development").
 test: $(STAMP)
 	$(VENV)/bin/pytest -q -ra --durations=25 -n 2 --dist loadgroup $(PYTEST_ARGS)
 
