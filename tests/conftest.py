@@ -147,7 +147,10 @@ def pytest_xdist_make_scheduler(config, log):
             return "ray" if nodeid.startswith(RAY_TESTS) else nodeid
 
         def _assign_work_unit(self, node) -> None:
-            if node.gateway.id == RAY_WORKER or "ray" not in self.workqueue:
+            # once RAY_WORKER is gone (a crash: xdist puts its unfinished tests back in the
+            # queue), any worker takes them, else the run would wait for it for ever
+            ray_worker_up = any(n.gateway.id == RAY_WORKER for n in self.nodes)
+            if node.gateway.id == RAY_WORKER or "ray" not in self.workqueue or not ray_worker_up:
                 super()._assign_work_unit(node)
                 return
             ray = self.workqueue.pop("ray")  # kept at the head for RAY_WORKER

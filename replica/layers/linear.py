@@ -118,8 +118,8 @@ class PackableLinear(nn.Module):
     prompt's prefill are bound by how fast the weights stream from memory (docs/perf-engine.md).
     fp32 weights go to MKL's packed sgemm on Intel CPUs where torch links MKL (cpu_gemm.py;
     0.74-0.96x the time of oneDNN's packed fp32 at 1-512 rows there), to oneDNN on other
-    vendors' CPUs (MKL is up to 2.7x slower on AMD), bf16 ones to oneDNN, which uses AMX tiles or AVX512-BF16
-    where the CPU has them. `packing` records the path taken.
+    vendors' CPUs (MKL is up to 2.7x slower on AMD), bf16 ones to oneDNN, which uses AMX tiles
+    or AVX512-BF16 where the CPU has them. `packing` records the path taken.
     Packing is one-way: the row-major weight is released."""
 
     packed_weight: torch.Tensor | None = None
