@@ -173,6 +173,13 @@ class EngineConfig(BaseModel):
         "longer makes them take turns); 'thread' runs the engine in a thread of the actor. "
         "Tensor-parallel replicas keep rank 0 in the actor; offline LLM runs in-process.",
     )
+    step_join: bool = Field(
+        default=True,
+        description="engine_core='process': a prompt that arrives while a step of decodes "
+        "runs joins it at the next layer boundary (it runs the layers passed on its own, "
+        "then the rest with the decodes) instead of waiting for the step to end; its first "
+        "token comes with that step's tokens. One rank, no LoRA, Llama-family decoders.",
+    )
     num_speculative_tokens: int = Field(
         default=4,
         ge=0,

@@ -38,7 +38,7 @@ from replica.layers.linear import TensorParallel, pack_linear_weights
 from replica.layers.sampler import Sampler, seeded_uniform
 from replica.loader import load_hf_config, load_model
 from replica.lora import LoRAModel, LoRATargets, PeftAdapter
-from replica.models.llama import head_dim_of, num_kv_heads_per_rank
+from replica.models.llama import StepJoin, head_dim_of, num_kv_heads_per_rank
 from replica.models.windows import all_layers_window
 from replica.pooling import pool_rows
 from replica.quant.crossover import calibrate as calibrate_crossover
@@ -86,6 +86,56 @@ class StepBatch:
     all_rows: bool = False
     # KV tier moves made before the forward (kv_tier.py; SchedulerOutput.kv_ops)
     kv_ops: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def joined(self, other: StepBatch) -> StepBatch:
+        """This batch with `other`'s requests after its own (a step join: plain requests, no
+        adapter or pooling rows)."""
+        offset = len(self.input_ids)
+        return StepBatch(
+            self.input_ids + other.input_ids,
+            self.starts + other.starts,
+            self.query_lens + other.query_lens,
+            self.block_ids + other.block_ids,
+            self.sample_rows + [row + offset for row in other.sample_rows],
+            [mine + theirs for mine, theirs in zip(self.group_block_ids, other.group_block_ids)],
+        )
+
+
+class StepJoiner:
+    """The model's join callback for one step (`execute(join=...)`): before each layer asks
+    the engine for requests that arrived meanwhile; their inputs are laid out after the
+    step's rows, their attention metadata built for their own catch-up and for the rest of
+    the step. Answers once at most."""
+
+    def __init__(self, runner: ModelRunner, so: SchedulerOutput, batch: StepBatch, join) -> None:
+        self.runner, self.so, self.batch, self.join = runner, so, batch, join
+        self.joined = False
+        self.rows: torch.Tensor | None = None
+        self.keep: torch.Tensor | None = None
+
+    def __call__(self, layer: int) -> StepJoin | None:
+        new_so = self.join(layer)
+        if new_so is None:
+            return None
+        runner = self.runner
+        new = runner.prepare_batch(new_so)
+        runner.apply_kv_ops(new_so.kv_ops)  # blocks evicted for them are saved first
+        self.so, self.batch, self.joined = self.so.joined(new_so), self.batch.joined(new), True
+        batch = self.batch
+        ids, new_positions, new_meta = runner._prepare_inputs(
+            new.input_ids, new.starts, new.query_lens, new.block_ids, new.group_block_ids
+        )
+        _, positions, meta = runner._prepare_inputs(
+            batch.input_ids, batch.starts, batch.query_lens, batch.block_ids,
+            batch.group_block_ids,
+        )  # fmt: skip
+        self.rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=runner.device)
+        if len(batch.sample_rows) < len(batch.input_ids):
+            self.keep = self.rows
+        if runner.kv_prefault is not None:
+            tables = [t for ts in (new.block_ids, *new.group_block_ids) for t in ts if t]
+            runner.kv_prefault.need(1 + max((t[-1] for t in tables), default=0))
+        return StepJoin(ids, new_positions, new_meta, positions, meta, self.keep)
 
 
 @dataclass
@@ -483,11 +533,25 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return ids, positions, meta
 
+    @property
+    def can_join(self) -> bool:
+        """Whether requests may join a step under way (`execute`'s `join`): one rank (the
+        others could not learn of them mid-step), no adapters (their rows are grouped for
+        the whole step), and a model whose forward takes a join point."""
+        return (
+            self.tp.size == 1 and self.lora is None and getattr(self.model, "supports_join", False)
+        )
+
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput, batch: StepBatch | None = None) -> RunnerOutput:
+    def execute(
+        self, so: SchedulerOutput, batch: StepBatch | None = None, join=None
+    ) -> RunnerOutput:
         """Run every scheduled chunk in one forward pass; sample where `sample` is set.
         `batch` is `prepare_batch(so)` when the caller built it already (the TP runner does,
-        to broadcast it before every rank runs the forward)."""
+        to broadcast it before every rank runs the forward). `join` (with `can_join`): asked
+        before each layer, it may return requests (a SchedulerOutput) that join the step
+        there: they run the layers passed on their own, then the rest with the step, and are
+        sampled with it (RunnerOutput.step is then the step as it ran)."""
         if not so.scheduled:
             self.apply_kv_ops(so.kv_ops)
             return RunnerOutput({}, None)
@@ -495,7 +559,10 @@ class ModelRunner:
         if batch is None:
             batch = self.prepare_batch(so)
         layout_time = time.perf_counter() - start
-        logits, pooled = self._forward_step(batch)
+        joiner = None if join is None else StepJoiner(self, so, batch, join)
+        logits, pooled = self._forward_step(batch, joiner)
+        if joiner is not None and joiner.joined:
+            so = joiner.so
         self.step_times.prepare += layout_time
         if self.tp.rank != 0:  # every rank joins the logits gather
             return RunnerOutput({}, None)
@@ -534,7 +601,8 @@ class ModelRunner:
                 sampled[s.request_id] = tokens[0]
         # on CUDA the forward's kernels finish here: the sampled tokens' .tolist() waits for them
         self.step_times.sample = time.perf_counter() - sample_start
-        return RunnerOutput(sampled, logprobs or None, prompt_logprobs, spec_tokens, pooled)
+        step = so if joiner is not None and joiner.joined else None
+        return RunnerOutput(sampled, logprobs or None, prompt_logprobs, spec_tokens, pooled, step)
 
     def _sample(self, logits: torch.Tensor, to_sample: list[ScheduledRequest]):
         """The sampler over the sampled rows: each request's params and seeded draw, its tokens
@@ -717,9 +785,11 @@ class ModelRunner:
             self.kv_tier.put(block_hash, block.to(self.dtype).clone())
 
     @torch.inference_mode()
-    def _forward_step(self, batch: StepBatch) -> tuple[torch.Tensor | None, dict | None]:
+    def _forward_step(
+        self, batch: StepBatch, joiner: StepJoiner | None = None
+    ) -> tuple[torch.Tensor | None, dict | None]:
         """forward_batch's logits, and the pooled rows of the batch's pooling requests (by
-        request id; None when it has none)."""
+        request id; None when it has none); with `joiner`, of the step as it ran."""
         if batch.kv_ops:  # blocks evicted this step are saved before the forward reuses them
             self.kv_tier.apply(batch.kv_ops)
         graphs = self.decode_graphs
@@ -757,7 +827,12 @@ class ModelRunner:
                 keep = rows
             forward_start = time.perf_counter()
             try:
-                hidden = self.model(ids, positions, self.kv_caches, meta, keep)
+                if joiner is None:
+                    hidden = self.model(ids, positions, self.kv_caches, meta, keep)
+                else:
+                    hidden = self.model(ids, positions, self.kv_caches, meta, keep, joiner)
+                    if joiner.joined:
+                        rows, keep = joiner.rows, joiner.keep
             finally:
                 if lora is not None:
                     lora.end_step()

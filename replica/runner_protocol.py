@@ -25,6 +25,9 @@ class RunnerOutput:
     # per pooling request (embeddings) that ran rows this step: their final hidden states'
     # float32 sum (replica/pooling.py pool_rows)
     pooled: dict | None = None
+    # the step as it ran when requests joined it under way (Runner.execute's `join`): the
+    # scheduled step's requests, then the joined ones; None when none joined
+    step: SchedulerOutput | None = None
 
 
 @runtime_checkable
@@ -52,7 +55,9 @@ class Runner(Protocol):
         ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one scheduled step; sample where a request's chunk reaches its end."""
+        """Run one scheduled step; sample where a request's chunk reaches its end. A runner
+        whose `can_join` is true also takes `join`: a callable of the layer index that may
+        return requests (a SchedulerOutput) to join the step at that layer."""
         ...
 
     def check_health(self) -> None:

@@ -69,6 +69,26 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def decodes_only(self) -> bool:
+        """Every request in the step computes its one next token: no prompt chunk, no draft."""
+        return bool(self.scheduled) and all(
+            s.num_tokens == 1 and not s.draft and s.request.num_output_tokens > 0
+            for s in self.scheduled
+        )
+
+    def joined(self, other: SchedulerOutput) -> SchedulerOutput:
+        """This step with `other`'s requests (prompts that joined it under way) after its own,
+        in the runner's row order."""
+        return SchedulerOutput(
+            self.scheduled + other.scheduled,
+            self.total_num_scheduled_tokens + other.total_num_scheduled_tokens,
+            self.preempted_request_ids,
+            self.finished_request_ids,
+            self.pooling,
+            self.kv_ops + other.kv_ops,
+        )
+
 
 @dataclass
 class SchedulerStats:
@@ -151,6 +171,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_pooling = 0  # unfinished pooling requests (embeddings)
+        self.num_joined_total = 0  # prompts that joined a decode step under way
         # speculative decoding by prompt lookup for plain greedy requests (off at 0 tokens)
         self.proposer = (
             NgramProposer(
@@ -381,7 +402,32 @@ class Scheduler:
             out.kv_ops = self.kv.pool.tier.take_ops()
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, threshold: int) -> None:
+    def schedule_join(self, step: SchedulerOutput) -> SchedulerOutput | None:
+        """Prompts that arrived while `step` runs, admitted to join it at a layer boundary
+        (the runner runs their chunks through the layers `step` has passed, then the rest of
+        the layers as one batch): only into a step of decodes alone, within what is left of
+        its token budget, in queue order, without preempting (the running requests' blocks
+        are in use), and only plain requests (no prompt logprobs, pooling or adapter: their
+        rows are laid out for the whole step). None when none joins."""
+        if not self.waiting or step.pooling or not step.decodes_only:
+            return None
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens - step.total_num_scheduled_tokens
+        self._admit_waiting(out, budget, self.config.long_prefill_token_threshold, join=True)
+        if not out.scheduled:
+            return None
+        out.total_num_scheduled_tokens = sum(s.num_tokens for s in out.scheduled)
+        if self.kv.pool.tier is not None:
+            out.kv_ops = self.kv.pool.tier.take_ops()
+        self.num_joined_total += len(out.scheduled)
+        return out
+
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, threshold: int, join: bool = False
+    ) -> None:
+        """Move waiting requests to running, in queue order, while the step's token budget,
+        max_num_seqs and the KV pool allow. `join`: into a step under way (schedule_join):
+        the first request that cannot join, or would need a preemption, ends the admission."""
         kv = self.kv
         chunked = self.config.enable_chunked_prefill
         waiting = self.waiting
@@ -396,6 +442,10 @@ class Scheduler:
         while index < len(waiting) and budget > 0:
             request = waiting[index]
             lora = request.lora
+            if join and (
+                lora is not None or request.pooling is not None or request.needs_every_prompt_row
+            ):
+                break
             if lora is not None and active is not None:
                 if not self.lora_ready(lora) or (
                     lora.name not in active and len(active) >= max_loras
@@ -403,6 +453,8 @@ class Scheduler:
                     index += 1
                     continue
             if len(self.running) >= self.max_num_seqs:
+                if join:
+                    break
                 # priority: a seat is taken from a running request of lower priority
                 restored = self._preempt_lower_priority(request, out)
                 if restored is None:
@@ -437,6 +489,8 @@ class Scheduler:
                     kv.pool.tier.restore(tier_run, ids)
                     self.kv_tier_hit_tokens += num_tier_tokens
             if new_blocks is None:
+                if join:
+                    break
                 # priority: KV blocks are taken from a running request of lower priority
                 restored = self._preempt_lower_priority(request, out)
                 if restored is None:

@@ -4,10 +4,11 @@ or in a process of its own (engine/core_process.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from replica.config import EngineConfig
@@ -26,7 +27,7 @@ from replica.request import (
     StepOutput,
 )
 from replica.runner_protocol import Runner
-from replica.scheduler import Scheduler, SchedulerStats
+from replica.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from replica.structured import StructuredOutputError, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,11 @@ class Engine:
         # wall seconds the latest step spent in schedule(); the runner times its own phases
         # (runner.step_times), the rest of step_time is update_from_output and detokenizing
         self.last_schedule_time = 0.0
+        # set by the core process: reads the commands that came during a step and queues the
+        # requests among them; True when one was queued (a prompt may then join the step)
+        self.poll_arrivals: Callable[[], bool] | None = None
+        self.last_join: int | None = None  # the layer the latest step took prompts at
+        self._can_join = config.step_join and getattr(self.runner, "can_join", False)
 
     def _setup_kv_tier(self) -> dict | None:
         """The runner's KV layout when this engine can tier and move KV blocks (a runner that
@@ -385,6 +391,7 @@ class Engine:
             self._fail_requests(loras.poll())
         scheduler_output = self.scheduler.schedule()
         self.last_schedule_time = time.perf_counter() - t0
+        self.last_join = None
         ended, self._ended_at_add = self._ended_at_add, []
         if scheduler_output.is_empty and scheduler_output.kv_ops:
             self.runner.apply_kv_ops(scheduler_output.kv_ops)  # tier moves alone
@@ -395,7 +402,13 @@ class Engine:
                 return []
             step_outputs = []
         else:
-            runner_output = self.runner.execute(scheduler_output)
+            if self._can_join and self.poll_arrivals is not None and scheduler_output.decodes_only:
+                join = functools.partial(self._join, scheduler_output)
+                runner_output = self.runner.execute(scheduler_output, join=join)
+                if runner_output.step is not None:  # prompts joined it under way
+                    scheduler_output = runner_output.step
+            else:
+                runner_output = self.runner.execute(scheduler_output)
             step_outputs = self.scheduler.update_from_output(
                 scheduler_output,
                 runner_output.sampled,
@@ -410,6 +423,16 @@ class Engine:
             for listener in self.step_listeners:
                 listener(self, scheduler_output, outputs, elapsed)
         return outputs
+
+    def _join(self, step: SchedulerOutput, layer: int) -> SchedulerOutput | None:
+        """The runner's question before each layer of a step of decodes: requests that came
+        since, admitted to join it there (Scheduler.schedule_join), or None."""
+        if not self.poll_arrivals():
+            return None
+        joined = self.scheduler.schedule_join(step)
+        if joined is not None:
+            self.last_join = layer
+        return joined
 
     def _outputs(self, step_outputs: list[StepOutput]) -> list[RequestOutput]:
         """The RequestOutputs of the scheduler's per-request results, text filled in (and

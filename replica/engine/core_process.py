@@ -29,6 +29,7 @@ from replica.config import EngineConfig
 from replica.engine.core import Engine, step_report
 from replica.engine.driver import EngineDriver
 from replica.engine.wire import (
+    Add,
     Call,
     CoreOp,
     Dead,
@@ -124,6 +125,10 @@ class EngineCore:
         self.driver = EngineDriver(engine, self._request_error, thread_initializer=_unpinned)
         self._grammar_engine_tried = False  # imported once the core has idled a heartbeat
         self._busy_at = time.monotonic()  # when the core last had a request
+        # commands read during a step that wait for its end (`_arrivals`), in order
+        self._deferred: list = []
+        if engine.config.step_join:
+            engine.poll_arrivals = self._arrivals
         self._trace = None
         self._pid = os.getpid()  # tells the replicas of one trace file apart
         if trace := os.environ.get(STEP_TRACE_ENV):
@@ -158,6 +163,8 @@ class EngineCore:
         times = getattr(engine.runner, "step_times", None)  # ModelRunner's; not every Runner's
         if times is not None:
             line["forward"] = times.forward
+        if engine.last_join is not None:  # prompts joined before this layer (step_join)
+            line["join"] = engine.last_join
         self._write_trace(line)
 
     def _write_trace(self, line: dict) -> None:
@@ -177,6 +184,8 @@ class EngineCore:
     def run(self) -> None:
         engine, conn, driver, decode = self.engine, self.conn, self.driver, self.codec.decode
         while True:
+            if self._deferred and not self.handle_deferred():
+                return
             busy = engine.has_unfinished()
             wait = 0.0 if busy else (0.002 if driver.compiling else IDLE_HEARTBEAT_S)
             if conn.poll(wait):
@@ -201,6 +210,31 @@ class EngineCore:
                 report = StepReport(time.monotonic(), 0.0, 0, [], [], engine.stats())
             report.kv_batch, self._kv_batch, self._report = self._kv_batch, None, None
             self.send(Step(outputs, report, engine.num_free_blocks, engine.num_request_states))
+
+    def handle_deferred(self) -> bool:
+        """The commands read during the last step that it did not take (`_arrivals`), in
+        order; False on Shutdown."""
+        deferred, self._deferred = self._deferred, []
+        return all(self._handle(message) for message in deferred)
+
+    def _arrivals(self) -> bool:
+        """During a step (the engine's poll_arrivals): queue the plain requests that came
+        (Add, no grammar, no adapter: nothing else touches the scheduler mid-step); the first
+        other command, and all after it, wait for the step's end. True when one was queued."""
+        added = False
+        conn, decode = self.conn, self.codec.decode
+        while not self._deferred and conn.poll(0):
+            message = decode(conn.recv_bytes())
+            if (
+                isinstance(message, Add)
+                and message.request.sampling.structured is None
+                and message.request.lora is None
+            ):
+                self._handle(message)
+                added = True
+            else:
+                self._deferred.append(message)
+        return added
 
     def _handle(self, message) -> bool:
         if self._trace is not None and hasattr(message, "request"):  # an Add

@@ -291,6 +291,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     """Weights map as Llama's do (fused qkv and gate_up); the LM head is usually tied."""
 
     gemma3 = False
+    supports_join = False  # GemmaModel's forward runs its layers without a join point
 
     def __init__(self, hf_config: Any, tp: TensorParallel | None = None) -> None:
         nn.Module.__init__(self)

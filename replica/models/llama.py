@@ -6,6 +6,7 @@ through `build_mlp` and `qk_norm`."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -185,6 +186,21 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+@dataclass
+class StepJoin:
+    """Requests joining a step under way at a layer boundary (the runner's step join): their
+    own input ids, positions and attention metadata for the layers the step has passed, then
+    the whole step's (the step's rows, then theirs) for the rest, and the rows the last
+    layer computes (None: all)."""
+
+    new_input_ids: torch.Tensor
+    new_positions: torch.Tensor
+    new_meta: AttentionMetadata
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    keep: torch.Tensor | None
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -220,17 +236,36 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         keep: torch.Tensor | None = None,
+        join: Callable[[int], StepJoin | None] | None = None,
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if join is not None and (joined := join(i)) is not None:
+                hidden, residual = self._catch_up(joined, i, hidden, residual, kv_caches)
+                positions, meta, keep, join = joined.positions, joined.meta, joined.keep, None
             rows = keep if i == last else None
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, rows)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
+    def _catch_up(self, joined: StepJoin, layer: int, hidden, residual, kv_caches):
+        """The joining rows through layers 0..layer-1 on their own, appended to the step's
+        rows: from `layer` on the two run as one batch."""
+        new, new_residual = self.embed_tokens(joined.new_input_ids), None
+        for own, kv_cache in zip(self.layers[:layer], kv_caches[:layer]):
+            new, new_residual = own(
+                joined.new_positions, new, new_residual, kv_cache, joined.new_meta
+            )
+        hidden = torch.cat([hidden, new])
+        if residual is not None:
+            residual = torch.cat([residual, new_residual])
+        return hidden, residual
+
 
 class LlamaForCausalLM(nn.Module):
     """HF names map onto ours one to one, except the fused projections listed below."""
+
+    supports_join = True  # forward takes `join`: requests may join a step under way
 
     qkv_bias = False
     qk_norm: str | None = None  # "head" (Qwen3) or "projection" (OLMoE): replica/layers/qk_norm.py
@@ -270,11 +305,16 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         keep: torch.Tensor | None = None,
+        join: Callable[[int], StepJoin | None] | None = None,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the flat token stream; with `keep` (row indices),
         those rows' only [len(keep), hidden], in its order: the last layer computes no other
-        row past its attention (a prompt's other rows feed only the KV cache)."""
-        return self.model(input_ids, positions, kv_caches, meta, keep)
+        row past its attention (a prompt's other rows feed only the KV cache). `join(i)`,
+        asked before each layer i until it answers: requests that join the step there
+        (StepJoin; the hidden states returned are then the joined step's)."""
+        if join is None:
+            return self.model(input_ids, positions, kv_caches, meta, keep)
+        return self.model(input_ids, positions, kv_caches, meta, keep, join)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the full vocabulary for the given rows (gathered across ranks)."""
