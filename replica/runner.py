@@ -87,16 +87,20 @@ class StepBatch:
     # KV tier moves made before the forward (kv_tier.py; SchedulerOutput.kv_ops)
     kv_ops: list[tuple[int, int, int]] = field(default_factory=list)
 
-    def joined(self, other: StepBatch) -> StepBatch:
+    def joined(self, other: StepBatch, num_sampled: int) -> StepBatch:
         """This batch with `other`'s requests after its own (a step join: plain requests, no
-        adapter or pooling rows)."""
+        adapter, pooling or prompt-logprob rows). Logits rows as prepare_batch lays them out
+        for the joined step: this batch's `num_sampled` sampled rows, the other's, then this
+        batch's draft rows."""
         offset = len(self.input_ids)
+        theirs = [row + offset for row in other.sample_rows]
+        rows = self.sample_rows[:num_sampled] + theirs + self.sample_rows[num_sampled:]
         return StepBatch(
             self.input_ids + other.input_ids,
             self.starts + other.starts,
             self.query_lens + other.query_lens,
             self.block_ids + other.block_ids,
-            self.sample_rows + [row + offset for row in other.sample_rows],
+            rows,
             [mine + theirs for mine, theirs in zip(self.group_block_ids, other.group_block_ids)],
         )
 
@@ -120,7 +124,9 @@ class StepJoiner:
         runner = self.runner
         new = runner.prepare_batch(new_so)
         runner.apply_kv_ops(new_so.kv_ops)  # blocks evicted for them are saved first
-        self.so, self.batch, self.joined = self.so.joined(new_so), self.batch.joined(new), True
+        num_sampled = sum(1 for s in self.so.scheduled if s.sample and not s.draft)
+        self.batch = self.batch.joined(new, num_sampled)
+        self.so, self.joined = self.so.joined(new_so), True
         batch = self.batch
         ids, new_positions, new_meta = runner._prepare_inputs(
             new.input_ids, new.starts, new.query_lens, new.block_ids, new.group_block_ids

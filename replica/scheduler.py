@@ -71,9 +71,10 @@ class SchedulerOutput:
 
     @property
     def decodes_only(self) -> bool:
-        """Every request in the step computes its one next token: no prompt chunk, no draft."""
+        """Every request in the step computes its next token (and verifies its draft, if it
+        has one): no prompt chunk."""
         return bool(self.scheduled) and all(
-            s.num_tokens == 1 and not s.draft and s.request.num_output_tokens > 0
+            s.num_tokens == 1 + len(s.draft) and s.request.num_output_tokens > 0
             for s in self.scheduled
         )
 

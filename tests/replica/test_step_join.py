@@ -196,3 +196,32 @@ def test_the_core_takes_requests_mid_step_and_holds_other_commands_for_its_end(t
     finally:
         front.close()
         back.close()
+
+
+def test_a_prompt_joins_a_step_that_verifies_drafts(tiny_llama_dir):
+    """With prompt-lookup drafts on, a decode step may verify a draft: the joining prompt's
+    sampled row goes between the step's sampled rows and its draft rows (the runner's logits
+    layout), and every output still matches transformers."""
+    prompt = [5, 6, 7, 8, 9] * 6
+    other = mixed_prompts(8, [11])[0]
+    engine = make_engine(tiny_llama_dir, num_speculative_tokens=4)
+    schedules = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: schedules.append(schedule()) or schedules[-1]
+
+    class WhenDrafted(Arrivals):
+        def __call__(self) -> bool:  # only into a step that runs a draft
+            return any(s.draft for s in schedules[-1].scheduled) and super().__call__()
+
+    outputs: dict[str, list[int]] = {}
+    engine.add(engine_request(prompt, greedy(24), request_id="a"))
+    run(engine, outputs)
+    arrivals = WhenDrafted(engine, 1, [engine_request(other, greedy(6), request_id="b")])
+    while engine.last_join is None and engine.has_unfinished():
+        arrivals.calls = 0
+        got = run(engine, outputs, arrivals)
+    assert engine.last_join == 1 and "b" in got
+    finish(engine, outputs)
+    assert engine.scheduler.proposer.stats.num_accepted_tokens > 0
+    assert outputs["a"] == hf_greedy(tiny_llama_dir, tuple(prompt), 24, False)
+    assert outputs["b"] == hf_greedy(tiny_llama_dir, tuple(other), 6, False)
