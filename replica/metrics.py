@@ -216,6 +216,11 @@ class EngineMetrics:
         self.resumed_requests = counter(
             PREFIX + "resumed_requests", "Requests resumed here from another replica (migration)."
         )
+        self.step_joined_requests = counter(
+            PREFIX + "step_joined_requests",
+            "Prompts that joined a step of decodes under way instead of waiting for its end "
+            "(step_join).",
+        )
         self.request_num_preemptions = histogram(
             PREFIX + "request_num_preemptions",
             "Preemptions each finished request went through.",
@@ -280,6 +285,7 @@ class EngineMetrics:
             (self.spec_decode_num_draft_tokens, "spec_num_draft_tokens"),
             (self.spec_decode_num_accepted_tokens, "spec_num_accepted_tokens"),
             (self.resumed_requests, "num_resumed_total"),
+            (self.step_joined_requests, "num_joined_total"),
             (self.kv_tier_saves, "kv_tier_saves"),
             (self.kv_tier_restores, "kv_tier_restores"),
             (self.kv_tier_hits, "kv_tier_hit_tokens"),

@@ -114,6 +114,7 @@ class SchedulerStats:
     kv_tier_hit_tokens: int = 0  # prefix-cache hit tokens that came from the tiers
     kv_tier_blocks: int = 0
     kv_imported_blocks: int = 0  # blocks staged from other replicas (kv transfer)
+    num_joined_total: int = 0  # prompts that joined a step of decodes under way (step_join)
 
 
 def _sort_key(request: Request) -> tuple[int, float, int]:
@@ -690,6 +691,7 @@ class Scheduler:
             loras=tuple(self.lora_names()),
             num_resumed_total=self.num_resumed_total,
             num_resumed_tokens_total=self.num_resumed_tokens_total,
+            num_joined_total=self.num_joined_total,
             **self._tier_stats(),
         )
 

@@ -225,3 +225,20 @@ def test_a_prompt_joins_a_step_that_verifies_drafts(tiny_llama_dir):
     assert engine.scheduler.proposer.stats.num_accepted_tokens > 0
     assert outputs["a"] == hf_greedy(tiny_llama_dir, tuple(prompt), 24, False)
     assert outputs["b"] == hf_greedy(tiny_llama_dir, tuple(other), 6, False)
+
+
+def test_joined_prompts_are_counted_in_the_metrics(tiny_llama_dir):
+    from replica.metrics import EngineMetrics
+
+    prompts = mixed_prompts(9, [6, 5, 7])
+    engine = make_engine(tiny_llama_dir)
+    metrics = EngineMetrics(engine, "m", "r0")
+    outputs: dict[str, list[int]] = {}
+    engine.add(engine_request(prompts[0], greedy(6), request_id="a"))
+    run(engine, outputs)
+    arriving = [engine_request(p, greedy(3), request_id=rid) for rid, p in zip("bc", prompts[1:])]
+    run(engine, outputs, Arrivals(engine, 1, arriving))
+    finish(engine, outputs)
+    assert engine.stats().num_joined_total == 2
+    text = metrics.exposition().decode()
+    assert 'stepserve:step_joined_requests_total{model_name="m",replica="r0"} 2.0' in text
