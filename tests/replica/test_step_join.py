@@ -61,10 +61,11 @@ def model_dir(request, tiny_llama_dir, tiny_qwen2_dir):
     return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}[request.param]
 
 
-def test_prompts_join_a_decode_step_at_any_layer_and_match_transformers(model_dir):
+def test_prompts_join_a_decode_step_at_any_layer_and_match_transformers(model_dir, cpu_isa_level):
     """Two requests decode; two prompts arrive before layer k of a decode step: they run the
     k layers passed on their own, the rest with the decodes, and their first tokens come with
-    that step's. Every request's output equals transformers' greedy continuation."""
+    that step's. Every request's output equals transformers' greedy continuation, at every
+    instruction-set level this CPU runs."""
     prompts = mixed_prompts(3, [7, 12, 5, 30])
     lengths = [12, 10, 8, 9]
     engine = make_engine(model_dir)
