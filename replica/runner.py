@@ -128,19 +128,12 @@ class StepJoiner:
         self.batch = self.batch.joined(new, num_sampled)
         self.so, self.joined = self.so.joined(new_so), True
         batch = self.batch
-        ids, new_positions, new_meta = runner._prepare_inputs(
-            new.input_ids, new.starts, new.query_lens, new.block_ids, new.group_block_ids
-        )
-        _, positions, meta = runner._prepare_inputs(
-            batch.input_ids, batch.starts, batch.query_lens, batch.block_ids,
-            batch.group_block_ids,
-        )  # fmt: skip
+        ids, new_positions, new_meta = runner._batch_inputs(new)
+        _, positions, meta = runner._batch_inputs(batch)
         self.rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=runner.device)
         if len(batch.sample_rows) < len(batch.input_ids):
             self.keep = self.rows
-        if runner.kv_prefault is not None:
-            tables = [t for ts in (new.block_ids, *new.group_block_ids) for t in ts if t]
-            runner.kv_prefault.need(1 + max((t[-1] for t in tables), default=0))
+        runner._prefault_for(new)
         return StepJoin(ids, new_positions, new_meta, positions, meta, self.keep)
 
 
@@ -539,6 +532,22 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return ids, positions, meta
 
+    def _batch_inputs(
+        self, batch: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """`_prepare_inputs` of a StepBatch."""
+        return self._prepare_inputs(
+            batch.input_ids, batch.starts, batch.query_lens, batch.block_ids,
+            batch.group_block_ids,
+        )  # fmt: skip
+
+    def _prefault_for(self, batch: StepBatch) -> None:
+        """Have the KV prefaulter map pages up to the batch's highest block (new blocks come
+        from above the highest in use)."""
+        if self.kv_prefault is not None:
+            tables = [t for ts in (batch.block_ids, *batch.group_block_ids) for t in ts if t]
+            self.kv_prefault.need(1 + max((t[-1] for t in tables), default=0))
+
     @property
     def can_join(self) -> bool:
         """Whether requests may join a step under way (`execute`'s `join`): one rank (the
@@ -807,16 +816,11 @@ class ModelRunner:
             return logits, None
         with self._isa_scope:  # this runner's instruction-set level (native kernels' build)
             start = time.perf_counter()
-            ids, positions, meta = self._prepare_inputs(
-                batch.input_ids, batch.starts, batch.query_lens, batch.block_ids,
-                batch.group_block_ids,
-            )  # fmt: skip
+            ids, positions, meta = self._batch_inputs(batch)
             rows = None
             if batch.sample_rows:
                 rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-            if self.kv_prefault is not None:  # new blocks come from above the highest in use
-                tables = [t for ts in (batch.block_ids, *batch.group_block_ids) for t in ts if t]
-                self.kv_prefault.need(1 + max((t[-1] for t in tables), default=0))
+            self._prefault_for(batch)
             lora = self.lora
             if lora is not None:  # the step's rows grouped by adapter, once for every layer
                 lora.begin_step(batch.lora_slots, batch.query_lens)

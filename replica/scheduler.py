@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from replica.config import EngineConfig
 from replica.kv_cache import KVCacheManager
@@ -81,13 +81,12 @@ class SchedulerOutput:
     def joined(self, other: SchedulerOutput) -> SchedulerOutput:
         """This step with `other`'s requests (prompts that joined it under way) after its own,
         in the runner's row order."""
-        return SchedulerOutput(
-            self.scheduled + other.scheduled,
-            self.total_num_scheduled_tokens + other.total_num_scheduled_tokens,
-            self.preempted_request_ids,
-            self.finished_request_ids,
-            self.pooling,
-            self.kv_ops + other.kv_ops,
+        return replace(
+            self,
+            scheduled=self.scheduled + other.scheduled,
+            total_num_scheduled_tokens=self.total_num_scheduled_tokens
+            + other.total_num_scheduled_tokens,
+            kv_ops=self.kv_ops + other.kv_ops,
         )
 
 

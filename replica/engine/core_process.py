@@ -127,8 +127,7 @@ class EngineCore:
         self._busy_at = time.monotonic()  # when the core last had a request
         # commands read during a step that wait for its end (`_arrivals`), in order
         self._deferred: list = []
-        if engine.config.step_join:
-            engine.poll_arrivals = self._arrivals
+        engine.poll_arrivals = self._arrivals  # used when the engine joins steps (step_join)
         self._trace = None
         self._pid = os.getpid()  # tells the replicas of one trace file apart
         if trace := os.environ.get(STEP_TRACE_ENV):
