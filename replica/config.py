@@ -180,6 +180,15 @@ class EngineConfig(BaseModel):
         "then the rest with the decodes) instead of waiting for the step to end; its first "
         "token comes with that step's tokens. One rank, no LoRA, Llama-family decoders.",
     )
+    first_text_priority: bool = Field(
+        default=True,
+        description="A request whose sampled tokens have shown its client no text yet (a "
+        "byte-level token that is part of a character) gets its next token in a step of "
+        "decodes: prompts wait that step, and none joins it (step_join). Bounded: a request "
+        "is watched for its first 4 tokens, so a prompt waits at most one decode step per "
+        "such token. Watched once the engine has its tokenizer (an engine core loads it "
+        "after its first idle heartbeat).",
+    )
     num_speculative_tokens: int = Field(
         default=4,
         ge=0,

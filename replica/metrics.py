@@ -221,6 +221,11 @@ class EngineMetrics:
             "Prompts that joined a step of decodes under way instead of waiting for its end "
             "(step_join).",
         )
+        self.first_text_holds = counter(
+            PREFIX + "first_text_holds",
+            "Steps that ran decodes alone because a request's next token would bring its "
+            "client's first text (first_text_priority); prompts waited for the next step.",
+        )
         self.request_num_preemptions = histogram(
             PREFIX + "request_num_preemptions",
             "Preemptions each finished request went through.",
@@ -286,6 +291,7 @@ class EngineMetrics:
             (self.spec_decode_num_accepted_tokens, "spec_num_accepted_tokens"),
             (self.resumed_requests, "num_resumed_total"),
             (self.step_joined_requests, "num_joined_total"),
+            (self.first_text_holds, "num_first_text_holds_total"),
             (self.kv_tier_saves, "kv_tier_saves"),
             (self.kv_tier_restores, "kv_tier_restores"),
             (self.kv_tier_hits, "kv_tier_hit_tokens"),

@@ -206,6 +206,7 @@ class Request:
         "num_resumed_tokens",
         "pooling",
         "pooled",
+        "text_pending",
     )
 
     def __init__(
@@ -233,6 +234,8 @@ class Request:
         # final hidden states as its chunks run (replica/pooling.py)
         self.pooling = engine_request.pooling
         self.pooled = None
+        # sampled tokens but no text for its client yet (replica/first_text.py)
+        self.text_pending = False
         self.block_root = root_block_hash(engine_request.lora)  # its block-hash chain's root
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

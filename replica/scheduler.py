@@ -114,6 +114,8 @@ class SchedulerStats:
     kv_tier_blocks: int = 0
     kv_imported_blocks: int = 0  # blocks staged from other replicas (kv transfer)
     num_joined_total: int = 0  # prompts that joined a step of decodes under way (step_join)
+    # steps that ran decodes alone so a client's first text came sooner (first_text_priority)
+    num_first_text_holds_total: int = 0
 
 
 def _sort_key(request: Request) -> tuple[int, float, int]:
@@ -173,6 +175,7 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.num_pooling = 0  # unfinished pooling requests (embeddings)
         self.num_joined_total = 0  # prompts that joined a decode step under way
+        self.num_first_text_holds_total = 0  # steps that kept prompts out (first_text_priority)
         # speculative decoding by prompt lookup for plain greedy requests (off at 0 tokens)
         self.proposer = (
             NgramProposer(
@@ -334,10 +337,20 @@ class Scheduler:
             # the others' drafts would lengthen the step that brings it, and take KV blocks it
             # may need
             proposer = None
+        # a running request's next token would bring its client's first text: this step runs
+        # decodes only (prompt chunks and admissions wait for the next one)
+        hold = self.config.first_text_priority and any(
+            r.text_pending and r.num_tokens - r.num_computed_tokens == 1 for r in self.running
+        )
+        held = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = request.num_tokens - request.num_computed_tokens
+            if hold and num_new > 1:
+                held = True
+                i += 1
+                continue
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
@@ -392,8 +405,11 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if not out.preempted_request_ids:
+        if hold:
+            held = held or bool(self.waiting)
+        elif not out.preempted_request_ids:
             self._admit_waiting(out, budget, threshold)
+        self.num_first_text_holds_total += held
 
         out.total_num_scheduled_tokens = sum(s.num_tokens for s in scheduled)
         out.finished_request_ids = self._finished_since_step
@@ -412,6 +428,8 @@ class Scheduler:
         rows are laid out for the whole step). None when none joins."""
         if not self.waiting or step.pooling or not step.decodes_only:
             return None
+        if self.config.first_text_priority and any(s.request.text_pending for s in step.scheduled):
+            return None  # it brings a client its first text: a prompt would delay it
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens - step.total_num_scheduled_tokens
         self._admit_waiting(out, budget, self.config.long_prefill_token_threshold, join=True)
@@ -691,6 +709,7 @@ class Scheduler:
             num_resumed_total=self.num_resumed_total,
             num_resumed_tokens_total=self.num_resumed_tokens_total,
             num_joined_total=self.num_joined_total,
+            num_first_text_holds_total=self.num_first_text_holds_total,
             **self._tier_stats(),
         )
 

@@ -15,6 +15,7 @@ from replica.config import EngineConfig
 from replica.engine.output_processor import OutputProcessor
 from replica.engine.wire import StepReport
 from replica.errors import LoRAError
+from replica.first_text import FirstTextWatch
 from replica.limits import EngineLimits
 from replica.request import (
     EngineRequest,
@@ -171,6 +172,8 @@ class Engine:
         self.poll_arrivals: Callable[[], bool] | None = None
         self.last_join: int | None = None  # the layer the latest step took prompts at
         self._can_join = config.step_join and getattr(self.runner, "can_join", False)
+        # requests whose tokens have shown their client no text yet (first_text_priority)
+        self.first_text = FirstTextWatch(tokenizer) if config.first_text_priority else None
 
     def _setup_kv_tier(self) -> dict | None:
         """The runner's KV layout when this engine can tier and move KV blocks (a runner that
@@ -371,6 +374,8 @@ class Engine:
             self.loras.release(request_id, request.lora)
         if self.output_processor is not None:
             self.output_processor.drop(request_id)
+        if self.first_text is not None:
+            self.first_text.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ended_at_add)
@@ -417,12 +422,23 @@ class Engine:
                 runner_output.spec_tokens,
                 runner_output.pooled,
             )
+            if self.first_text is not None:
+                self._watch_first_text(step_outputs)
         outputs = self._outputs(ended + step_outputs)
         if self.step_listeners:
             elapsed = time.perf_counter() - t0
             for listener in self.step_listeners:
                 listener(self, scheduler_output, outputs, elapsed)
         return outputs
+
+    def _watch_first_text(self, step_outputs: list[StepOutput]) -> None:
+        watch = self.first_text
+        if not watch.ready:
+            return
+        for step in step_outputs:
+            request = self._requests.get(step.request_id)
+            if request is not None and step.new_token_ids:
+                watch.observe(request, step.new_token_ids)
 
     def _join(self, step: SchedulerOutput, layer: int) -> SchedulerOutput | None:
         """The runner's question before each layer of a step of decodes: requests that came
