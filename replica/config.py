@@ -184,10 +184,11 @@ class EngineConfig(BaseModel):
         default=True,
         description="A request whose sampled tokens have shown its client no text yet (a "
         "byte-level token that is part of a character) gets its next token in a step of "
-        "decodes: prompts wait that step, and none joins it (step_join). Bounded: a request "
-        "is watched for its first 4 tokens, so a prompt waits at most one decode step per "
-        "such token. Watched once the engine has its tokenizer (an engine core loads it "
-        "after its first idle heartbeat).",
+        "decodes: prompts wait that step, and none joins it (step_join). Only while at most "
+        "one prompt would wait (with more queued the engine is behind its arrivals and a "
+        "held step delays them all) and never two steps in a row; a request is watched for "
+        "its first 4 tokens. Watched once the engine has its tokenizer (an engine core "
+        "loads it after its first idle heartbeat).",
     )
     num_speculative_tokens: int = Field(
         default=4,

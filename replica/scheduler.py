@@ -118,6 +118,11 @@ class SchedulerStats:
     num_first_text_holds_total: int = 0
 
 
+# first_text_priority holds a step for a client's first text only while at most this many
+# prompts (waiting, or running a chunk) would wait for it
+FIRST_TEXT_MAX_WAITING = 1
+
+
 def _sort_key(request: Request) -> tuple[int, float, int]:
     return request.sort_key
 
@@ -176,6 +181,7 @@ class Scheduler:
         self.num_pooling = 0  # unfinished pooling requests (embeddings)
         self.num_joined_total = 0  # prompts that joined a decode step under way
         self.num_first_text_holds_total = 0  # steps that kept prompts out (first_text_priority)
+        self._held_last_step = False
         # speculative decoding by prompt lookup for plain greedy requests (off at 0 tokens)
         self.proposer = (
             NgramProposer(
@@ -337,11 +343,7 @@ class Scheduler:
             # the others' drafts would lengthen the step that brings it, and take KV blocks it
             # may need
             proposer = None
-        # a running request's next token would bring its client's first text: this step runs
-        # decodes only (prompt chunks and admissions wait for the next one)
-        hold = self.config.first_text_priority and any(
-            r.text_pending and r.num_tokens - r.num_computed_tokens == 1 for r in self.running
-        )
+        hold = self._first_text_hold()
         held = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -410,6 +412,7 @@ class Scheduler:
         elif not out.preempted_request_ids:
             self._admit_waiting(out, budget, threshold)
         self.num_first_text_holds_total += held
+        self._held_last_step = held
 
         out.total_num_scheduled_tokens = sum(s.num_tokens for s in scheduled)
         out.finished_request_ids = self._finished_since_step
@@ -418,6 +421,24 @@ class Scheduler:
         if self.kv.pool.tier is not None:
             out.kv_ops = self.kv.pool.tier.take_ops()
         return out
+
+    def _first_text_hold(self) -> bool:
+        """Whether this step runs decodes alone (prompt chunks and admissions wait for the
+        next one) because a running request's next token may bring its client's first text
+        (first_text_priority): not two steps in a row, and only while at most
+        FIRST_TEXT_MAX_WAITING prompts would wait. A held step adds a decode step's time to
+        the engine's work; with more prompts queued the engine is behind its arrivals, where
+        that time delays every one of them (bench/results/first_text_long_amd_s60.json)."""
+        if not self.config.first_text_priority or self._held_last_step:
+            return False
+        due, chunks = False, 0
+        for request in self.running:
+            left = request.num_tokens - request.num_computed_tokens
+            if left == 1:
+                due = due or request.text_pending
+            elif left > 1:
+                chunks += 1
+        return due and len(self.waiting) + chunks <= FIRST_TEXT_MAX_WAITING
 
     def schedule_join(self, step: SchedulerOutput) -> SchedulerOutput | None:
         """Prompts that arrived while `step` runs, admitted to join it at a layer boundary
@@ -428,7 +449,11 @@ class Scheduler:
         rows are laid out for the whole step). None when none joins."""
         if not self.waiting or step.pooling or not step.decodes_only:
             return None
-        if self.config.first_text_priority and any(s.request.text_pending for s in step.scheduled):
+        if (
+            self.config.first_text_priority
+            and len(self.waiting) <= FIRST_TEXT_MAX_WAITING
+            and any(s.request.text_pending for s in step.scheduled)
+        ):
             return None  # it brings a client its first text: a prompt would delay it
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens - step.total_num_scheduled_tokens

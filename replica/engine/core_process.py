@@ -259,12 +259,14 @@ class EngineCore:
         return True
 
     def _load_grammar_engine(self) -> None:
-        """Import xgrammar and build its compiler's view of the vocabulary (with torch loaded,
-        ~0.5-0.6 s that holds the GIL) once the core has idled a heartbeat, not at the first
-        constrained request, whose compile thread would pause every request running beside
-        it. A request that arrives meanwhile waits for it, once."""
+        """Load the tokenizer (engine.first_text watches with it from then on), import xgrammar
+        and build its compiler's view of the vocabulary (with torch loaded, ~0.5-0.6 s that
+        holds the GIL) once the core has idled a heartbeat, not at the first constrained
+        request, whose compile thread would pause every request running beside it. A request
+        that arrives meanwhile waits for it, once."""
         self._grammar_engine_tried = True
         try:
+            self.engine.tokenizer  # noqa: B018 - loads it: the first-text watch reads it too
             self.engine.structured.prepare()
         except Exception as exc:  # a constrained request reports it
             logger.warning("grammar engine not loaded: %s", exc)

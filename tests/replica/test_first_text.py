@@ -132,7 +132,7 @@ def test_prompts_wait_one_step_for_a_first_text(priority):
     assert sched.num_first_text_holds_total == 1
 
 
-def test_a_running_prompt_chunk_waits_too_and_no_hold_without_a_prompt():
+def test_a_running_prompt_chunk_waits_too_but_never_two_steps_in_a_row():
     sched = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=0)
     a = decoding(sched, "a", list(range(10, 14)))
     sched.add_request(scheduler_request("c", list(range(100, 140)), greedy(4)))
@@ -144,15 +144,35 @@ def test_a_running_prompt_chunk_waits_too_and_no_hold_without_a_prompt():
     assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1)]
     assert sched.num_first_text_holds_total == 1
     sched.update_from_output(out, {"a": 9})
-    out = sched.schedule()  # still pending (the watch has not cleared it), nothing to hold
-    sched.update_from_output(out, {"a": 9, "c": 1})
-    a.text_pending = False
-    assert sched.num_first_text_holds_total == 2  # c's chunk waited again
+    out = sched.schedule()  # a still shows no text, but c waited one step: it runs now
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("c", 15)]
+    sched.update_from_output(out, {"a": 9})
+    out = sched.schedule()  # and the step after may hold again
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1)]
+    assert sched.num_first_text_holds_total == 2
     sched2 = make_scheduler()
     lone = decoding(sched2, "a", list(range(10, 14)))
     lone.text_pending = True
     sched2.schedule()
     assert sched2.num_first_text_holds_total == 0  # no prompt waited: nothing held
+
+
+def test_no_hold_or_join_refusal_with_more_than_one_prompt_waiting():
+    sched = make_scheduler()
+    a = decoding(sched, "a", list(range(10, 16)))
+    a.text_pending = True
+    for rid, base in (("b", 40), ("c", 60)):
+        sched.add_request(scheduler_request(rid, list(range(base, base + 8)), greedy(4)))
+    out = sched.schedule()  # the engine is behind its arrivals: a held step costs them all
+    assert [s.request_id for s in out.scheduled] == ["a", "b", "c"]
+    assert sched.num_first_text_holds_total == 0
+    sched.update_from_output(out, {"a": 8, "b": 1, "c": 2})
+    step = sched.schedule()
+    assert step.decodes_only
+    for rid, base in (("d", 80), ("e", 100)):
+        sched.add_request(scheduler_request(rid, list(range(base, base + 8)), greedy(4)))
+    joined = sched.schedule_join(step)
+    assert joined is not None and [s.request_id for s in joined.scheduled] == ["d", "e"]
 
 
 def test_no_prompt_joins_a_step_that_brings_a_first_text():
