@@ -181,14 +181,15 @@ class EngineConfig(BaseModel):
         "token comes with that step's tokens. One rank, no LoRA, Llama-family decoders.",
     )
     first_text_priority: bool = Field(
-        default=True,
+        default=False,
         description="A request whose sampled tokens have shown its client no text yet (a "
         "byte-level token that is part of a character) gets its next token in a step of "
         "decodes: prompts wait that step, and none joins it (step_join). Only while at most "
         "one prompt would wait (with more queued the engine is behind its arrivals and a "
         "held step delays them all) and never two steps in a row; a request is watched for "
         "its first 4 tokens. Watched once the engine has its tokenizer (an engine core "
-        "loads it after its first idle heartbeat).",
+        "loads it after its first idle heartbeat). Off by default: its measured effect on "
+        "TTFT was inside this project's 2-core hosts' noise (docs/perf-first-token.md).",
     )
     num_speculative_tokens: int = Field(
         default=4,

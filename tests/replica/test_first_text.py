@@ -109,7 +109,8 @@ def decoding(sched: Scheduler, rid: str, prompt: list[int]):
 
 
 def make_scheduler(**fields) -> Scheduler:
-    return Scheduler(EngineConfig(block_size=4, num_speculative_tokens=0, **fields), 64, 512)
+    fields = {"block_size": 4, "num_speculative_tokens": 0, "first_text_priority": True, **fields}
+    return Scheduler(EngineConfig(**fields), 64, 512)
 
 
 @pytest.mark.parametrize("priority", [True, False])
@@ -214,6 +215,7 @@ def fragment_first_prompt(engine: Engine) -> list[int]:
 @pytest.mark.parametrize("priority", [True, False])
 def test_engine_runs_a_first_texts_token_before_a_prompt(tiny_llama_dir, priority):
     engine = make_engine(tiny_llama_dir, first_text_priority=priority)
+    assert not EngineConfig().first_text_priority  # opt-in
     first = fragment_first_prompt(engine)
     other = [5, 9, 33, 101, 77, 64, 12]
     outputs: dict[str, list[int]] = {}
@@ -247,7 +249,13 @@ def test_engine_runs_a_first_texts_token_before_a_prompt(tiny_llama_dir, priorit
 
 def test_an_engine_core_watches_once_its_tokenizer_is_loaded(tiny_llama_dir):
     engine = Engine(
-        EngineConfig(model=str(tiny_llama_dir), device="cpu", block_size=4, num_kv_blocks=64),
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            device="cpu",
+            block_size=4,
+            num_kv_blocks=64,
+            first_text_priority=True,
+        ),
         detokenize=False,
     )
     assert not engine.first_text.ready  # loaded at the core's first idle heartbeat
