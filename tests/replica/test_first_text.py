@@ -18,6 +18,7 @@ from replica.scheduler import Scheduler
 from replica.tokenizer import LazyTokenizer, load_tokenizer
 from tests.helpers import engine_request, scheduler_request
 from tests.replica.test_model_parity import hf_greedy
+from tests.replica.test_step_join import make_engine
 
 
 def greedy(n: int) -> SamplingParams:
@@ -190,12 +191,6 @@ def test_no_prompt_joins_a_step_that_brings_a_first_text():
 
 
 # -- the engine, end to end ----------------------------------------------------------------
-
-
-def make_engine(model_dir, **fields) -> Engine:
-    fields = {"device": "cpu", "block_size": 4, "num_kv_blocks": 256,
-              "num_speculative_tokens": 0, **fields}  # fmt: skip
-    return Engine(EngineConfig(model=str(model_dir), **fields))
 
 
 def fragment_first_prompt(engine: Engine) -> list[int]:
