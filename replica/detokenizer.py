@@ -59,6 +59,18 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of self.text already returned to the caller
         self.stop_string: str | None = None
 
+    @classmethod
+    def for_request(cls, tokenizer, prompt_token_ids, params) -> IncrementalDetokenizer:
+        """The detokenizer of a request with these prompt ids and SamplingParams (its stop
+        strings and special-token setting)."""
+        return cls(
+            tokenizer,
+            list(prompt_token_ids),
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 

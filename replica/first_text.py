@@ -54,13 +54,8 @@ class FirstTextWatch:
                 return
             from replica.tokenizer import loaded
 
-            params = request.sampling_params
-            detok = IncrementalDetokenizer(
-                loaded(self._tokenizer),
-                request.prompt_token_ids,
-                params.stop,
-                params.include_stop_str_in_output,
-                params.skip_special_tokens,
+            detok = IncrementalDetokenizer.for_request(
+                loaded(self._tokenizer), request.prompt_token_ids, request.sampling_params
             )
             self._detoks[rid] = detok
         detok.add_tokens(new_token_ids)

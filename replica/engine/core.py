@@ -433,8 +433,6 @@ class Engine:
 
     def _watch_first_text(self, step_outputs: list[StepOutput]) -> None:
         watch = self.first_text
-        if not watch.ready:
-            return
         for step in step_outputs:
             request = self._requests.get(step.request_id)
             if request is not None and step.new_token_ids:

@@ -35,13 +35,7 @@ class OutputProcessor:
         (RequestRejected when `resume.output_text` is not what those tokens decode to)."""
         from replica.tokenizer import loaded
 
-        detok = IncrementalDetokenizer(
-            loaded(self.tokenizer),
-            list(prompt_token_ids),
-            params.stop,
-            params.include_stop_str_in_output,
-            params.skip_special_tokens,
-        )
+        detok = IncrementalDetokenizer.for_request(loaded(self.tokenizer), prompt_token_ids, params)
         if resume is not None:
             past_stop = detok.resume(list(resume.output_token_ids), resume.output_text)
             if past_stop:
